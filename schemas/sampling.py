@@ -1,0 +1,73 @@
+"""Sampling parameters: the one definition shared by the wire contract and the engine."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class SamplingParams(BaseModel):
+    """How to pick tokens. Defaults give greedy-free sampling at temperature 1, like OpenAI."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: int = Field(1, ge=1, le=MAX_N, description="number of choices to generate")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 disables top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    max_tokens: int = Field(16, ge=1, le=1_000_000)
+    min_tokens: int = Field(0, ge=0)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    skip_special_tokens: bool = True
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k must be -1 (disabled) or at least 1")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [value]
+        return [] if value is None else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str]) -> list[str]:
+        if any(not s for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_non_negative(cls, value: list[int]) -> list[int]:
+        if any(t < 0 for t in value):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
