@@ -61,3 +61,16 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+@dataclass(eq=False)
+class ScheduledSeq:
+    """One sequence's share of a step: compute tokens [num_computed_tokens, +num_new_tokens)."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step catches the sequence up to all its tokens, so it yields logits."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
