@@ -1,0 +1,344 @@
+"""The engine: requests in, one scheduled model step at a time, per-request deltas out."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ContextLengthExceededError, DuplicateRequestError, RequestRejectedError
+from engine.model_files import resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestDelta,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import load_tokenizer, read_eos_token_ids
+from schemas.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Choice:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    choices: list[_Choice] = field(default_factory=list)
+    forked: bool = False  # n > 1: children are forked from choice 0 once its prompt is computed
+
+    @property
+    def finished(self) -> bool:
+        return len(self.choices) == self.params.n and all(c.finish_reason for c in self.choices)
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV cache. Not thread-safe: drive it from one loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_path = resolve_model_path(config.model)
+        self.runner = ModelRunner(config, model_path)
+        self.tokenizer = load_tokenizer(model_path)
+        self.eos_token_ids = read_eos_token_ids(model_path, self.tokenizer, self.runner.hf_config)
+        self.max_model_len = self.runner.max_model_len
+        self.block_size = self.runner.block_size
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, self.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.runner.device)
+        self._requests: dict[str, _Request] = {}
+        self._finished_outputs: dict[str, RequestOutput] = {}
+        self._finished_on_arrival: list[_Request] = []
+        self._num_prompt_tokens_computed = 0
+        self._num_generation_tokens = 0
+        self._num_preemptions = 0
+        self._num_steps = 0
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
+            config.model,
+            self.runner.device,
+            self.runner.dtype,
+            self.runner.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestRejectedError("this model has no tokenizer: pass prompt token ids")
+        return self.tokenizer.encode(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestRejectedError("this model has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template already holds the special tokens: don't add a second BOS.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        prior_output_token_ids: list[list[int]] | None = None,
+    ) -> None:
+        """Queue a request. `prior_output_token_ids` resumes choices that already produced tokens
+        elsewhere (a worker taking over a job): they are re-prefilled, not re-generated."""
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request {request_id!r} is already running")
+        prompt_text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(prompt_ids)
+        metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+        request = _Request(request_id, prompt_text, prompt_ids, params, metrics)
+        if prior_output_token_ids and len(prior_output_token_ids) != params.n:
+            raise RequestRejectedError("prior_output_token_ids needs one list per choice")
+        priors = prior_output_token_ids or [[]]
+        request.forked = params.n == 1 or prior_output_token_ids is not None
+        for index, prior in enumerate(priors):
+            seq = Sequence(
+                request_id=request_id,
+                token_ids=prompt_ids + list(prior),
+                num_prompt_tokens=len(prompt_ids),
+                params=params,
+                priority=priority,
+                choice_index=index,
+                arrival_time=metrics.arrival_time,
+            )
+            choice = self._new_choice(seq)
+            if prior:
+                delta = choice.detokenizer.add_tokens(list(prior))
+                choice.text = choice.detokenizer.output_text
+                choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+            request.choices.append(choice)
+            if choice.finish_reason is None:
+                self.scheduler.add(seq)
+        self._requests[request_id] = request
+        if request.finished:  # resumed with every choice already complete
+            self._finished_on_arrival.append(request)
+
+    def _validate(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestRejectedError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(prompt_ids)} tokens but this model's context is "
+                f"{self.max_model_len} tokens, leaving no room to generate"
+            )
+        vocab = self.runner.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
+        blocks_needed = math.ceil((len(prompt_ids) + 1) / self.block_size)
+        if blocks_needed > self.block_manager.num_total_blocks:
+            raise ContextLengthExceededError(
+                f"the prompt needs {blocks_needed} KV blocks but the cache has only "
+                f"{self.block_manager.num_total_blocks}"
+            )
+
+    def _new_choice(self, seq: Sequence) -> _Choice:
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            seq.prompt_token_ids,
+            seq.params,
+            self.eos_token_ids,
+            self.max_model_len,
+        )
+        return _Choice(seq=seq, detokenizer=detokenizer, logprobs=[] if seq.params.logprobs else None)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks now. Returns False if it was unknown or done."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in self.scheduler.abort(request_id):
+            self.sampler.forget(seq.seq_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduled model step; return what each touched choice produced."""
+        deltas = [
+            self._delta(request, choice, [], "", None)
+            for request in self._finished_on_arrival
+            for choice in request.choices
+        ]
+        self._finished_on_arrival.clear()
+        output = self.scheduler.schedule()
+        self._num_preemptions += len(output.preempted)
+        if not output.scheduled:
+            return deltas
+        sampling_seqs = [item.seq for item in output.scheduled if item.samples]
+        logits = self.runner.execute(output.scheduled, output.block_copies)
+        self.scheduler.update_after_step(output)
+        self._num_steps += 1
+        now = time.monotonic()
+        for item in output.scheduled:
+            end = item.seq.num_computed_tokens
+            start = end - item.num_new_tokens
+            self._num_prompt_tokens_computed += max(0, min(end, item.seq.num_prompt_tokens) - start)
+            request = self._requests.get(item.seq.request_id)
+            if request is not None and request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+                request.metrics.num_cached_prompt_tokens = item.seq.num_cached_tokens
+        if not sampling_seqs:
+            return deltas
+        sampled = self.sampler(logits, sampling_seqs)
+        self._num_generation_tokens += len(sampling_seqs)
+        for row, seq in enumerate(sampling_seqs):
+            token_id = sampled.token_ids[row]
+            seq.append_token(token_id)
+            request = self._requests[seq.request_id]
+            if not request.forked:
+                self._fork_choices(request)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            logprob = None
+            if sampled.logprobs[row] is not None:
+                top = sampled.top_logprobs[row] or []
+                logprob = TokenLogprob(token_id, sampled.logprobs[row], top)
+            deltas.append(self._advance_choice(request, request.choices[seq.choice_index], token_id, logprob))
+        return deltas
+
+    def _fork_choices(self, request: _Request) -> None:
+        parent = request.choices[0].seq
+        for index in range(1, request.params.n):
+            child = self.scheduler.fork(parent, index)
+            request.choices.append(self._new_choice(child))
+        request.forked = True
+
+    def _advance_choice(
+        self, request: _Request, choice: _Choice, token_id: int, logprob: TokenLogprob | None
+    ) -> RequestDelta:
+        text_delta = choice.detokenizer.add_tokens([token_id])
+        choice.text += text_delta.text
+        if choice.logprobs is not None and logprob is not None:
+            choice.logprobs.append(logprob)
+        if text_delta.finish_reason is not None:
+            choice.finish_reason = text_delta.finish_reason
+            choice.stop_reason = text_delta.stop_reason
+            choice.text = choice.detokenizer.output_text
+            self.scheduler.finish(choice.seq, text_delta.finish_reason)
+            self.sampler.forget(choice.seq.seq_id)
+        return self._delta(request, choice, [token_id], text_delta.text, [logprob] if logprob else None)
+
+    def _delta(
+        self,
+        request: _Request,
+        choice: _Choice,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+    ) -> RequestDelta:
+        request_finished = request.finished
+        if request_finished and request.request_id in self._requests:
+            request.metrics.finished_time = time.monotonic()
+            self._finished_outputs[request.request_id] = self._output(request)
+            del self._requests[request.request_id]
+        return RequestDelta(
+            request_id=request.request_id,
+            choice_index=choice.seq.choice_index,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+            request_finished=request_finished,
+        )
+
+    def _output(self, request: _Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=c.seq.choice_index,
+                text=c.text,
+                token_ids=c.seq.output_token_ids,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=c.logprobs,
+            )
+            for c in request.choices
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            metrics=request.metrics,
+            finished=True,
+        )
+
+    def pop_output(self, request_id: str) -> RequestOutput | None:
+        """The whole output of a finished request (once; the engine forgets it afterwards)."""
+        return self._finished_outputs.pop(request_id, None)
+
+    # ------------------------------------------------------------------ capacity and stats
+
+    def admissible(self, prompt_len: int, max_tokens: int) -> bool:
+        """Whether a request of this size could start now without waiting for blocks or slots."""
+        return self.num_admissible(prompt_len, max_tokens) > 0
+
+    def num_admissible(self, prompt_len: int, max_tokens: int = 16) -> int:
+        """How many more requests of about this size the free KV blocks and seq slots admit now.
+
+        A request is charged the blocks for its prompt plus one block of reserve for its first
+        output tokens, after subtracting what requests already waiting will take."""
+        if prompt_len + 1 > self.max_model_len:
+            return 0
+        per_request = math.ceil((prompt_len + min(max_tokens, self.block_size)) / self.block_size) + 1
+        free_blocks = self.scheduler.free_blocks_after_waiting()
+        by_blocks = max(0, free_blocks) // per_request
+        return max(0, min(by_blocks, self.scheduler.num_free_seq_slots()))
+
+    def stats(self) -> EngineStats:
+        manager = self.block_manager
+        return EngineStats(
+            num_blocks_total=manager.num_total_blocks,
+            num_blocks_free=manager.num_free_blocks,
+            num_blocks_cached=manager.num_cached_blocks,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            prefix_cache_queries=manager.prefix_cache_queries,
+            prefix_cache_hits=manager.prefix_cache_hits,
+            num_prompt_tokens_computed=self._num_prompt_tokens_computed,
+            num_generation_tokens=self._num_generation_tokens,
+            num_preemptions=self._num_preemptions,
+            num_steps=self._num_steps,
+        )
+

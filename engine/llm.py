@@ -1,0 +1,100 @@
+"""The offline API: `LLM(model).generate(prompts, params)` runs a whole workload to completion."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from dataclasses import fields
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+from schemas.sampling import SamplingParams
+
+Prompt = str | list[int]
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    """Offline batch generation with continuous batching, e.g.
+
+    >>> llm = LLM("SmolLM2-135M-Instruct")
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        unknown = set(engine_args) - _ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: SequenceABC[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        request_ids = []
+        for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
+            request_id = f"offline-{next(self._ids)}"
+            self.engine.add_request(request_id, prompt, params, priority=prio)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict[str, str]] | SequenceABC[list[dict[str, str]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to chat conversations through the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
+        outputs: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        with progress:
+            while pending:
+                for delta in self.engine.step():
+                    if delta.request_finished and delta.request_id in pending:
+                        output = self.engine.pop_output(delta.request_id)
+                        if output is not None:
+                            outputs[delta.request_id] = output
+                            pending.discard(delta.request_id)
+                            progress.update(1)
+        return [outputs[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _broadcast(params: SamplingParams | SequenceABC[SamplingParams], count: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Run the test suite on a fresh or prepared machine: venv, redis-server, default model, pytest.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -m slow`).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+if ! command -v redis-server >/dev/null 2>&1; then
+  # Tests start their own redis-server (they kill and restart it), so the binary must exist.
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+source "$ROOT/scripts/env.sh"
+ruff check --quiet .
+ruff format --check --quiet .
+inferq model pull >/dev/null
+export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+exec pytest -q -p no:cacheprovider "$@"
