@@ -98,7 +98,9 @@ class Engine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestRejectedError("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
         # The template already holds the special tokens: don't add a second BOS.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -173,7 +175,9 @@ class Engine:
             self.eos_token_ids,
             self.max_model_len,
         )
-        return _Choice(seq=seq, detokenizer=detokenizer, logprobs=[] if seq.params.logprobs else None)
+        return _Choice(
+            seq=seq, detokenizer=detokenizer, logprobs=[] if seq.params.logprobs else None
+        )
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks now. Returns False if it was unknown or done."""
@@ -234,7 +238,9 @@ class Engine:
             if sampled.logprobs[row] is not None:
                 top = sampled.top_logprobs[row] or []
                 logprob = TokenLogprob(token_id, sampled.logprobs[row], top)
-            deltas.append(self._advance_choice(request, request.choices[seq.choice_index], token_id, logprob))
+            deltas.append(
+                self._advance_choice(request, request.choices[seq.choice_index], token_id, logprob)
+            )
         return deltas
 
     def _fork_choices(self, request: _Request) -> None:
@@ -257,7 +263,9 @@ class Engine:
             choice.text = choice.detokenizer.output_text
             self.scheduler.finish(choice.seq, text_delta.finish_reason)
             self.sampler.forget(choice.seq.seq_id)
-        return self._delta(request, choice, [token_id], text_delta.text, [logprob] if logprob else None)
+        return self._delta(
+            request, choice, [token_id], text_delta.text, [logprob] if logprob else None
+        )
 
     def _delta(
         self,
@@ -321,7 +329,9 @@ class Engine:
         output tokens, after subtracting what requests already waiting will take."""
         if prompt_len + 1 > self.max_model_len:
             return 0
-        per_request = math.ceil((prompt_len + min(max_tokens, self.block_size)) / self.block_size) + 1
+        per_request = (
+            math.ceil((prompt_len + min(max_tokens, self.block_size)) / self.block_size) + 1
+        )
         free_blocks = self.scheduler.free_blocks_after_waiting()
         by_blocks = max(0, free_blocks) // per_request
         return max(0, min(by_blocks, self.scheduler.num_free_seq_slots()))
@@ -341,4 +351,3 @@ class Engine:
             num_preemptions=self._num_preemptions,
             num_steps=self._num_steps,
         )
-

@@ -91,7 +91,9 @@ def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
     return [p if isinstance(p, str) else list(p) for p in prompts]
 
 
-def _broadcast(params: SamplingParams | SequenceABC[SamplingParams], count: int) -> list[SamplingParams]:
+def _broadcast(
+    params: SamplingParams | SequenceABC[SamplingParams], count: int
+) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

@@ -79,7 +79,9 @@ def prepare_registry_model(name: str, home: Path | None = None) -> Path:
         return target
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"model {name!r} needs the package {entry.package}: {entry.pip_hint}")
+        raise ModelNotFoundError(
+            f"model {name!r} needs the package {entry.package}: {entry.pip_hint}"
+        )
     source = Path(next(iter(spec.submodule_search_locations)))
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -128,7 +130,9 @@ def _download_from_hub(repo_id: str) -> Path:
         raise ModelNotFoundError("huggingface_hub is not installed") from exc
     try:
         return Path(
-            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+            snapshot_download(
+                repo_id, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+            )
         )
     except Exception as exc:
         raise ModelNotFoundError(

@@ -34,6 +34,12 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: str | None = None
+    # Prefix-cache bookkeeping, owned by the BlockManager. Hashes depend on tokens only, so they
+    # survive preemption; registered blocks are the leading table entries already offered to
+    # the cache (reset when the table is freed).
+    cache_salt: str | None = None  # keeps caches of different tenants/adapters apart
+    block_hashes: list[int] = field(default_factory=list)  # chained hash per full block
+    num_registered_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -69,8 +75,10 @@ class ScheduledSeq:
 
     seq: Sequence
     num_new_tokens: int
+    # True when this step catches the sequence up to all its tokens, so it yields logits.
+    # Fixed when the step is scheduled: it must stay valid after update_after_step advanced
+    # num_computed_tokens and after the sampled token was appended.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step catches the sequence up to all its tokens, so it yields logits."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens

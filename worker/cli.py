@@ -26,10 +26,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferq", description=__doc__)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    model = commands.add_parser("model", help="manage model files").add_subparsers(dest="action", required=True)
+    model = commands.add_parser("model", help="manage model files").add_subparsers(
+        dest="action", required=True
+    )
     pull = model.add_parser("pull", help="prepare a model as an HF folder in the cache")
     pull.add_argument("name", nargs="?", default=None, help="registry name, folder or hub id")
     pull.set_defaults(handler=_model_pull)
@@ -81,7 +85,9 @@ def _generate(args: argparse.Namespace, _: list[str]) -> int:
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     script = _REPO_ROOT / "bench" / f"{args.name}.py"
     if not script.exists():
-        print(f"error: no benchmark {script} (benchmarks run from a source checkout)", file=sys.stderr)
+        print(
+            f"error: no benchmark {script} (benchmarks run from a source checkout)", file=sys.stderr
+        )
         return 2
     sys.argv = [str(script), *extra]
     runpy.run_path(str(script), run_name="__main__")

@@ -18,7 +18,9 @@ class AttentionMetadata:
     positions 0..that position, all read through block_tables[i].
     """
 
-    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per new token; -1 skips
+    slot_mapping: (
+        torch.Tensor
+    )  # [T] int64: cache slot (block * block_size + offset) per new token; -1 skips
     query_start_loc: torch.Tensor  # [B+1] int32, cumulative query lengths (cu_seqlens_q)
     seq_lens: torch.Tensor  # [B] int32, context length after this step
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0

@@ -1,0 +1,296 @@
+"""Paged KV-cache block accounting: reference counts, an LRU free queue and the prefix cache.
+
+A sequence's block table maps its token positions to fixed-size blocks of the KV cache
+(position p lives in block_table[p // block_size] at offset p % block_size). Blocks are shared
+between sequences in two ways, both counted by reference counts:
+
+- prefix caching: a FULL, fully computed block is registered under a chained hash of its
+  tokens (parent block hash + token ids + salt); a later sequence with the same prefix takes
+  the block instead of recomputing it. Hits are verified against the stored tokens.
+- forks (n > 1): a child shares all its parent's blocks; a shared block about to be written
+  is copied first (copy-on-write) and the (src, dst) pair goes to the model runner.
+
+Freed blocks keep their cached content until reallocated: the free queue is in LRU order, so
+recently freed prefixes survive longest. Every operation costs O(blocks touched).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+BlockCopy = tuple[int, int]  # (src block, dst block): copy the KV data before the step runs
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+    """Chained hash of one full block; stable within a process (hits are verified anyway)."""
+    return hash((parent_hash, token_ids, salt))
+
+
+class NoFreeBlocksError(RuntimeError):
+    """allocate_slots was called without can_allocate room; the caller must preempt first."""
+
+
+@dataclass(slots=True)
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    # Set while the block is registered in the prefix cache; kept to verify hits.
+    hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # Ref-count-0 blocks; allocation pops the head (least recently freed).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        # Prefix-cache statistics in tokens, counted when a prompt is allocated.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- sizes -------------------------------------------------------------------------
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks nobody references, cached-but-evictable ones included."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / len(self._blocks)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return _cdiv(num_tokens, self.block_size)
+
+    # ---- introspection (tests, metrics) ----------------------------------------------------
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._blocks[block_id].hash is not None
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue from head (evicted next) to tail; O(num free blocks)."""
+        return list(self._free)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        hashes = seq.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else None
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            hashes.append(hash_block_tokens(parent, tokens, seq.cache_salt))
+        return hashes
+
+    def find_prefix_hits(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest verified cached prefix of seq; takes nothing.
+
+        At most num_tokens - 1 tokens are served from the cache: the last token is always
+        computed, so the step that catches the sequence up yields logits.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._ensure_hashes(seq, num_blocks)
+        hits: list[int] = []
+        bs = self.block_size
+        parent: int | None = None
+        for i in range(num_blocks):
+            block_id = self._cached.get(hashes[i])
+            if block_id is None:
+                break
+            block = self._blocks[block_id]
+            # Guards against hash collisions: same parent chain and same tokens.
+            if block.parent_hash != parent or block.token_ids != tuple(
+                seq.token_ids[i * bs : (i + 1) * bs]
+            ):
+                break
+            hits.append(block_id)
+            parent = hashes[i]
+        return hits
+
+    def allocate_prompt(self, seq: Sequence, prefix_hits: list[int] | None = None) -> None:
+        """Start a sequence that holds no blocks: take its cached prefix blocks.
+
+        prefix_hits: the result of find_prefix_hits(seq) if the caller already looked.
+        Sets num_computed_tokens = num_cached_tokens = the cached token count.
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        hits = self.find_prefix_hits(seq) if prefix_hits is None else prefix_hits
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = list(hits)
+        seq.num_registered_blocks = len(hits)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_cached_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that became full and fully computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_tokens, len(seq.block_table) * bs) // bs
+        if num_full <= seq.num_registered_blocks:
+            return
+        hashes = self._ensure_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block = self._blocks[seq.block_table[i]]
+            # A block already registered (a hit), or a hash another block holds (the same
+            # prefix computed twice, or a collision), stays as it is.
+            if block.hash is not None or hashes[i] in self._cached:
+                continue
+            block.hash = hashes[i]
+            block.parent_hash = hashes[i - 1] if i else None
+            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self._cached[block.hash] = block.block_id
+        seq.num_registered_blocks = num_full
+
+    def _uncache(self, block: _Block) -> None:
+        if block.hash is None:
+            return
+        if self._cached.get(block.hash) == block.block_id:
+            del self._cached[block.hash]
+        block.hash = block.parent_hash = block.token_ids = None
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def _take(self, block_id: int) -> None:
+        """Reference a block that holds content we want (a prefix hit)."""
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        """Pop the least recently freed block for new content; its old hash is dropped."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        self._uncache(block)
+        block.ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.hash is None:
+                # Nothing reusable inside: evict it before any cached block.
+                self._free.move_to_end(block_id, last=False)
+
+    def _written_range(self, start: int, num_new_tokens: int, table_len: int) -> range:
+        """Indices of existing table entries that positions [start, start + n) write into."""
+        if num_new_tokens <= 0:
+            return range(0)
+        first = start // self.block_size
+        last = (start + num_new_tokens - 1) // self.block_size
+        return range(first, min(last + 1, table_len))
+
+    def num_blocks_needed(
+        self, seq: Sequence, num_new_tokens: int, prefix_hits: list[int] | None = None
+    ) -> int:
+        """Free blocks that allocate_slots (after allocate_prompt with prefix_hits) would use."""
+        if prefix_hits:
+            table = prefix_hits
+            computed = len(prefix_hits) * self.block_size
+            # Hit blocks sitting in the free queue leave it.
+            extra = sum(1 for b in prefix_hits if self._blocks[b].ref_count == 0)
+        else:
+            table = seq.block_table
+            computed = seq.num_computed_tokens
+            extra = 0
+        new = max(0, _cdiv(computed + num_new_tokens, self.block_size) - len(table))
+        copies = sum(
+            1
+            for i in self._written_range(computed, num_new_tokens, len(table))
+            if self._blocks[table[i]].ref_count > 1
+        )
+        return new + extra + copies
+
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, prefix_hits: list[int] | None = None
+    ) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens, prefix_hits) <= len(self._free)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy]:
+        """Make seq's table cover num_computed_tokens + num_new_tokens tokens.
+
+        Returns the copy-on-write pairs for shared blocks this step writes into. All or
+        nothing: raises NoFreeBlocksError (and changes nothing) when blocks run short.
+        """
+        if self.num_blocks_needed(seq, num_new_tokens) > len(self._free):
+            raise NoFreeBlocksError(f"sequence {seq.seq_id} needs more blocks than are free")
+        table = seq.block_table
+        copies: list[BlockCopy] = []
+        for i in self._written_range(seq.num_computed_tokens, num_new_tokens, len(table)):
+            block = self._blocks[table[i]]
+            if block.ref_count > 1:
+                dst = self._take_free()
+                copies.append((block.block_id, dst))
+                block.ref_count -= 1  # still referenced by the others
+                table[i] = dst
+            else:
+                # Only ours, but about to be rewritten: it must not serve as a cached prefix.
+                self._uncache(block)
+        num_needed = _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        while len(table) < num_needed:
+            table.append(self._take_free())
+        seq.num_registered_blocks = min(seq.num_registered_blocks, seq.num_computed_tokens // self.block_size)
+        return copies
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's blocks, tail first, so its last blocks are evicted first."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Child shares the parent's blocks that cover its tokens (a prefix of the parent's).
+
+        Set child.num_computed_tokens first; the child's table must cover it.
+        """
+        if child.block_table:
+            raise ValueError(f"sequence {child.seq_id} already holds blocks")
+        num_shared = min(len(parent.block_table), self.blocks_for_tokens(child.num_tokens))
+        child.block_table = parent.block_table[:num_shared]
+        for block_id in child.block_table:
+            self._blocks[block_id].ref_count += 1
+        child.block_hashes = parent.block_hashes[: child.num_tokens // self.block_size]
+        child.num_registered_blocks = min(
+            parent.num_registered_blocks, child.num_computed_tokens // self.block_size, num_shared
+        )

@@ -1,0 +1,380 @@
+"""Unified paged attention: one launch for a mixed batch of prefill chunks and decodes.
+
+Each program owns BLOCK_Q query tokens of one sequence times all query heads that share one
+KV head (GQA), stacked into BLOCK_M rows, so every K/V tile is loaded once per group. It walks
+the sequence's block table tile by tile with an fp32 online softmax (exp2 domain). Long
+contexts at small batch can instead be split along the context (flash decoding): each split
+writes a partial output with its running max and sum, and a second small kernel merges them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._launch import check_device, dot_upcast, next_pow2, num_compute_units
+
+_LOG2E = 1.4426950408889634
+# Below this context the single pass already has enough parallelism per program.
+_SPLIT_MIN_SEQ_LEN = 2048
+# Each split should still stream at least this many keys to amortise its partial write.
+_SPLIT_MIN_KEYS = 512
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr):
+    """Largest sequence i with query_start_loc[i] // BLOCK_Q + i <= q_block_id (binary search).
+
+    Sequence i owns q-block ids [query_start_loc[i] // BLOCK_Q + i, ...): the `+ i` leaves room
+    for the partial block every sequence may end with, so ids never collide.
+    """
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_PAD] fp32, only when NUM_SPLITS > 1
+    part_max_ptr,  # [T, Hq, NUM_SPLITS] fp32 (log2 domain)
+    part_sum_ptr,  # [T, Hq, NUM_SPLITS] fp32
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_seqs,
+    num_q_heads,
+    qk_scale,  # softmax scale * log2(e)
+    stride_q_t,
+    stride_q_h,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_o_t,
+    stride_o_h,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = q_block_id - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return  # a spare id: the grid is sized for the worst case without reading lengths
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_before = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // QUERIES_PER_KV
+    head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_valid = (rows // QUERIES_PER_KV < BLOCK_Q) & (q_idx < q_len)
+    q_pos = context_before + q_idx
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    token = (q_start + q_idx).to(tl.int64)
+    q_offsets = token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :]
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+
+    # Keys up to the last query position of this block; later tiles are fully masked.
+    last_q_idx = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_len = context_before + last_q_idx + 1
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    if NUM_SPLITS == 1:
+        tile_lo = 0
+        tile_hi = num_tiles
+    else:
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    block_table = block_tables_ptr + seq * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = tile * TILE_N + tl.arange(0, TILE_N)
+        kv_valid = kv_pos < kv_len
+        physical = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
+        in_block = kv_pos % BLOCK_SIZE
+
+        k_offsets = (
+            physical[None, :] * stride_k_b
+            + in_block[None, :] * stride_k_s
+            + kv_head * stride_k_h
+            + dims[:, None]
+        )
+        k = tl.load(
+            k_cache_ptr + k_offsets, mask=dim_valid[:, None] & kv_valid[None, :], other=0.0
+        )
+        s = _dot(q, k, DOT_UPCAST, DOT_PRECISION) * qk_scale
+        causal = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        s = tl.where(causal, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing visible yet (padding rows) keep m = -inf; avoid -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_offsets = (
+            physical[:, None] * stride_v_b
+            + in_block[:, None] * stride_v_s
+            + kv_head * stride_v_h
+            + dims[None, :]
+        )
+        v = tl.load(
+            v_cache_ptr + v_offsets, mask=kv_valid[:, None] & dim_valid[None, :], other=0.0
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        o_offsets = token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :]
+        tl.store(out_ptr + o_offsets, acc.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # Empty splits still write (m = -inf, l = 0) so the merge never reads garbage.
+        part_row = (token * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+        part_offsets = part_row[:, None] * HEAD_DIM_PAD + dims[None, :]
+        tl.store(part_out_ptr + part_offsets, acc, mask=q_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_q_heads,
+    stride_o_t,
+    stride_o_h,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    part_row = (token * num_q_heads + head) * NUM_SPLITS + splits
+    m = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp2(m - m_max) * sums
+    total = tl.sum(weight, 0)
+    total = tl.where(total == 0.0, 1.0, total)
+
+    part = tl.load(
+        part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    merged = tl.sum(part * weight[:, None], 0) / total
+    tl.store(
+        out_ptr + token * stride_o_t + head * stride_o_h + dims,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
+
+
+@dataclass(frozen=True)
+class _LaunchShape:
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_warps: int
+
+
+def _launch_shape(queries_per_kv: int, max_query_len: int, head_dim_pad: int) -> _LaunchShape:
+    """Tile sizes: a 16-row minimum for tl.dot on decode, taller tiles for prefill chunks."""
+    if max_query_len <= 1:
+        block_m = max(16, next_pow2(queries_per_kv))
+    else:
+        block_m = max(64 if head_dim_pad <= 128 else 32, next_pow2(queries_per_kv))
+    tile_n = 64 if head_dim_pad <= 128 else 32
+    return _LaunchShape(block_m, block_m // queries_per_kv, tile_n, num_warps=4)
+
+
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    device: torch.device,
+) -> int:
+    """How many context splits a decode-only batch wants: enough programs to fill the GPU.
+
+    Splitting only pays off when few (sequence, KV head) pairs meet a long context; otherwise
+    the single pass already occupies every SM and the merge would be pure overhead.
+    """
+    if max_query_len != 1 or max_seq_len < _SPLIT_MIN_SEQ_LEN:
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * num_compute_units(device)
+    if programs >= target:
+        return 1
+    splits = min(math.ceil(target / programs), max_seq_len // _SPLIT_MIN_KEYS, _MAX_SPLITS)
+    return max(splits, 1)
+
+
+def unified_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of every query token over its sequence's paged context, in one launch.
+
+    q [T, Hq, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D]; out [T, Hq, D] (written);
+    query_start_loc [B+1] int32; seq_lens [B] int32 (context after this step); block_tables
+    [B, max_blocks] int32. Query token j of sequence i sits at position
+    seq_lens[i] - qlen_i + j and sees positions <= its own. Rows of `out` for tokens outside
+    every sequence (padding after query_start_loc[-1]) hold unspecified values.
+
+    num_splits: None picks flash decoding by a heuristic (decode-only batches with long
+    contexts and few sequences); 1 forces the single pass; > 1 forces that many splits. The
+    heuristic reads the host ints max_query_len / max_seq_len, so a CUDA-graph capture should
+    pass an explicit value; the kernels themselves read lengths from device memory only.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q heads {num_q_heads}x{head_dim} do not fit cache heads {num_kv_heads}x{cache_head_dim}"
+        )
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("unified_attention needs the head dimension contiguous")
+    check_device(_unified_attention_kernel, q, k_cache, v_cache, out, block_tables)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    queries_per_kv = num_q_heads // num_kv_heads
+    head_dim_pad = next_pow2(head_dim)
+    shape = _launch_shape(queries_per_kv, max_query_len, head_dim_pad)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, max_query_len, max_seq_len, q.device
+        )
+    num_splits = max(int(num_splits), 1)
+
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_q_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
+        )
+        part_max = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out  # never touched on this path
+
+    upcast = dot_upcast(_unified_attention_kernel, k_cache.dtype)
+    grid = (num_tokens // shape.block_q + num_seqs, num_kv_heads, num_splits)
+    _unified_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        num_seqs,
+        num_q_heads,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        QUERIES_PER_KV=queries_per_kv,
+        BLOCK_Q=shape.block_q,
+        BLOCK_M=shape.block_m,
+        TILE_N=shape.tile_n,
+        NUM_SPLITS=num_splits,
+        DOT_UPCAST=upcast,
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=shape.num_warps,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            num_q_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out
