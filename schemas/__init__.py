@@ -1,5 +1,98 @@
 """The wire contract of inferq: jobs, sampling parameters, chunks, results, errors, Redis names."""
 
+from schemas.chunks import (
+    LOGPROB_FLOOR,
+    FinishReason,
+    Logprob,
+    TokenChunk,
+    TokenLogprob,
+    chunk_index_from_stream_id,
+    chunk_stream_id,
+    replay_start_after,
+)
+from schemas.errors import ErrorBody, ErrorCode, error_from_validation
+from schemas.events import ControlMessage, StatusEvent, parse_channel_message
+from schemas.jobs import (
+    MAX_PRIORITY,
+    PRIORITY_BULK,
+    PRIORITY_INTERACTIVE,
+    TERMINAL_STATUSES,
+    ChatMessage,
+    Job,
+    JobField,
+    JobRequest,
+    JobStatus,
+    format_time,
+    hash_fields,
+    is_valid_job_id,
+    new_job_id,
+    utc_now,
+)
+from schemas.keys import (
+    DEFAULT_PREFIX,
+    IDEMPOTENCY_TTL_S,
+    OUT_STREAM_MAXLEN,
+    OUT_STREAM_TTL_S,
+    RESULT_TTL_S,
+    WORKER_GROUP,
+    RedisKeys,
+)
+from schemas.results import ChoiceResult, JobResult, Timings, Usage
 from schemas.sampling import SamplingParams
+from schemas.transitions import (
+    ALLOWED_FROM,
+    TRANSITION_SCRIPT,
+    can_transition,
+    transition_applied,
+    transition_call,
+)
+from schemas.workers import WorkerInfo
 
-__all__ = ["SamplingParams"]
+__all__ = [
+    "ALLOWED_FROM",
+    "DEFAULT_PREFIX",
+    "IDEMPOTENCY_TTL_S",
+    "LOGPROB_FLOOR",
+    "MAX_PRIORITY",
+    "OUT_STREAM_MAXLEN",
+    "OUT_STREAM_TTL_S",
+    "PRIORITY_BULK",
+    "PRIORITY_INTERACTIVE",
+    "RESULT_TTL_S",
+    "TERMINAL_STATUSES",
+    "TRANSITION_SCRIPT",
+    "WORKER_GROUP",
+    "ChatMessage",
+    "ChoiceResult",
+    "ControlMessage",
+    "ErrorBody",
+    "ErrorCode",
+    "FinishReason",
+    "Job",
+    "JobField",
+    "JobRequest",
+    "JobResult",
+    "JobStatus",
+    "Logprob",
+    "RedisKeys",
+    "SamplingParams",
+    "StatusEvent",
+    "Timings",
+    "TokenChunk",
+    "TokenLogprob",
+    "Usage",
+    "WorkerInfo",
+    "can_transition",
+    "chunk_index_from_stream_id",
+    "chunk_stream_id",
+    "error_from_validation",
+    "format_time",
+    "hash_fields",
+    "is_valid_job_id",
+    "new_job_id",
+    "parse_channel_message",
+    "replay_start_after",
+    "transition_applied",
+    "transition_call",
+    "utc_now",
+]

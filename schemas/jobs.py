@@ -1,0 +1,296 @@
+"""Jobs: what a client asks for (`JobRequest`), where a job stands (`JobStatus`), and the record
+stored in Redis (`Job`, one hash per job; field layout in `JobField` and `schemas.keys`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+
+from schemas.chunks import TokenId
+from schemas.errors import ErrorBody
+from schemas.results import JobResult, as_utc
+from schemas.sampling import SamplingParams
+
+MAX_PROMPT_CHARS = 1_000_000
+MAX_PROMPT_TOKENS = 1_000_000
+MAX_MESSAGES = 1024
+MAX_MODEL_NAME_CHARS = 256
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+PRIORITY_INTERACTIVE = 0
+"""The default: a person is waiting. Lower numbers run first (engine `Sequence.priority`)."""
+PRIORITY_BULK = 5
+"""Offline / batch work that may wait behind interactive jobs."""
+MAX_PRIORITY = 9
+
+JOB_ID_PREFIX = "job_"
+_JOB_ID_RE = re.compile(r"^job_[A-Za-z0-9_-]{16,64}$")
+# No whitespace or control characters: names travel in keys, logs and headers.
+_NAME_RE = r"^[^\s\x00-\x1f\x7f]+$"
+
+
+def new_job_id() -> str:
+    """An unguessable job id: `job_` + 128 random bits, URL-safe (also safe inside Redis keys)."""
+    return JOB_ID_PREFIX + secrets.token_urlsafe(16)
+
+
+def is_valid_job_id(value: str) -> bool:
+    """Whether `value` has the shape of a job id (lets the API answer 404 without a Redis call)."""
+    return bool(_JOB_ID_RE.match(value))
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def format_time(value: datetime) -> str:
+    """The one string form of an instant in Redis hashes: ISO 8601 in UTC with microseconds."""
+    if value.tzinfo is None:
+        raise ValueError("timestamps must be timezone-aware")
+    return value.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+class JobStatus(StrEnum):
+    """queued -> running -> succeeded | failed | cancelled | expired (see schemas.transitions)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED}
+)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    name: str | None = Field(None, min_length=1, max_length=64, pattern=_NAME_RE)
+
+
+class JobRequest(BaseModel):
+    """A generation request. Give exactly one of `prompt`, `messages`, `prompt_token_ids`.
+
+    `timeout_s` is an input convenience: validation turns it into the absolute `deadline`
+    (now + timeout_s, UTC) and clears it, so a stored request always carries `deadline` only and
+    re-validating it never moves the deadline."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str = Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS, pattern=_NAME_RE)
+    prompt: str | None = Field(None, min_length=1, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    prompt_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stream: StrictBool = False
+    priority: int = Field(PRIORITY_INTERACTIVE, ge=0, le=MAX_PRIORITY, strict=True)
+    deadline: AwareDatetime | None = None
+    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+    idempotency_key: str | None = Field(
+        None, min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS, pattern=_NAME_RE
+    )
+    metadata: dict[
+        Annotated[str, Field(min_length=1, max_length=MAX_METADATA_KEY_CHARS)],
+        Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+    ] = Field(default_factory=dict, max_length=MAX_METADATA_PAIRS)
+
+    @field_validator("deadline")
+    @classmethod
+    def _deadline_utc(cls, value: datetime | None) -> datetime | None:
+        return as_utc(value)
+
+    @model_validator(mode="after")
+    def _one_input_and_deadline(self) -> JobRequest:
+        given = [
+            name
+            for name in ("prompt", "messages", "prompt_token_ids")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            got = ", ".join(given) or "none"
+            raise ValueError(
+                f"exactly one of prompt, messages, prompt_token_ids must be given (got {got})"
+            )
+        if self.timeout_s is not None:
+            if self.deadline is not None:
+                raise ValueError("give deadline or timeout_s, not both")
+            self.deadline = utc_now() + timedelta(seconds=self.timeout_s)
+            self.timeout_s = None
+        return self
+
+    @property
+    def input_kind(self) -> Literal["prompt", "messages", "prompt_token_ids"]:
+        if self.prompt is not None:
+            return "prompt"
+        return "messages" if self.messages is not None else "prompt_token_ids"
+
+    def is_past_deadline(self, now: datetime | None = None) -> bool:
+        return self.deadline is not None and (now or utc_now()) >= self.deadline
+
+    def to_json(self) -> str:
+        """Compact JSON as stored in the job hash: unset optional inputs are left out."""
+        return self.model_dump_json(exclude_none=True)
+
+
+class JobField(StrEnum):
+    """Field names of the job hash `{p}:job:{id}`. Every value is a string:
+
+    id, status, model, owner, worker, entry_id: plain strings;
+    priority, attempts: decimal integers;
+    created_at, started_at, finished_at: ISO 8601 UTC (`format_time`);
+    request, result, error: compact JSON of JobRequest, JobResult, ErrorBody.
+    A field whose value is None is absent from the hash. `model` and `priority` repeat the
+    request's values so workers and operators can read them without parsing JSON."""
+
+    ID = "id"
+    STATUS = "status"
+    MODEL = "model"
+    PRIORITY = "priority"
+    OWNER = "owner"  # who enqueued (API key owner); None for anonymous
+    REQUEST = "request"
+    CREATED_AT = "created_at"
+    STARTED_AT = "started_at"
+    FINISHED_AT = "finished_at"
+    ATTEMPTS = "attempts"  # how many times a worker started it (HINCRBY on each start)
+    WORKER = "worker"  # name of the worker that runs / ran it
+    ENTRY_ID = "entry_id"  # its entry id in the model's jobs stream
+    ERROR = "error"
+    RESULT = "result"
+
+
+_DERIVED_FIELDS = frozenset({JobField.MODEL, JobField.PRIORITY})
+_JSON_FIELDS = frozenset({JobField.REQUEST, JobField.RESULT, JobField.ERROR})
+
+
+def encode_hash_value(value: object) -> str:
+    """How one job-hash value is written: the single place that decides the string forms."""
+    if isinstance(value, BaseModel):
+        return value.model_dump_json(exclude_none=True)
+    if isinstance(value, datetime):
+        return format_time(value)
+    if isinstance(value, StrEnum):
+        return value.value
+    if isinstance(value, bool):
+        raise TypeError("job hash holds no booleans")
+    if isinstance(value, int | str):
+        return str(value)
+    raise TypeError(f"cannot store {type(value).__name__} in a job hash")
+
+
+class Job(BaseModel):
+    """A job as stored in Redis."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=_JOB_ID_RE.pattern)
+    request: JobRequest
+    status: JobStatus = JobStatus.QUEUED
+    owner: str | None = Field(None, min_length=1, max_length=256)
+    created_at: AwareDatetime
+    started_at: AwareDatetime | None = None
+    finished_at: AwareDatetime | None = None
+    attempts: int = Field(0, ge=0)
+    worker: str | None = None
+    entry_id: str | None = None
+    error: ErrorBody | None = None
+    result: JobResult | None = None
+
+    @field_validator("created_at", "started_at", "finished_at")
+    @classmethod
+    def _in_utc(cls, value: datetime | None) -> datetime | None:
+        return as_utc(value)
+
+    @classmethod
+    def new(cls, request: JobRequest, *, owner: str | None = None) -> Job:
+        """A fresh queued job with a new unguessable id."""
+        return cls(id=new_job_id(), request=request, owner=owner, created_at=utc_now())
+
+    @property
+    def model(self) -> str:
+        return self.request.model
+
+    def to_redis_hash(self) -> dict[str, str]:
+        """The flat hash stored at `{p}:job:{id}` (None fields left out)."""
+        fields: dict[str, Any] = {
+            JobField.ID: self.id,
+            JobField.STATUS: self.status,
+            JobField.MODEL: self.request.model,
+            JobField.PRIORITY: self.request.priority,
+            JobField.OWNER: self.owner,
+            JobField.REQUEST: self.request,
+            JobField.CREATED_AT: self.created_at,
+            JobField.STARTED_AT: self.started_at,
+            JobField.FINISHED_AT: self.finished_at,
+            JobField.ATTEMPTS: self.attempts,
+            JobField.WORKER: self.worker,
+            JobField.ENTRY_ID: self.entry_id,
+            JobField.ERROR: self.error,
+            JobField.RESULT: self.result,
+        }
+        return hash_fields(**{str(k): v for k, v in fields.items()})
+
+    @classmethod
+    def from_redis_hash(cls, data: Mapping[str | bytes, str | bytes]) -> Job:
+        """Parse a hash read with HGETALL (bytes or str); raises pydantic.ValidationError when a
+        field is missing or malformed (a worker treats that as an unparseable job)."""
+        decoded = {_text(k): _text(v) for k, v in data.items()}
+        values: dict[str, Any] = {}
+        for name, raw in decoded.items():
+            if name in _DERIVED_FIELDS:
+                continue
+            values[name] = _loads_or_raw(raw) if name in _JSON_FIELDS else raw
+        return cls.model_validate(values)
+
+
+def hash_fields(**changes: object) -> dict[str, str]:
+    """Encode a partial update of a job hash, e.g. for the worker:
+    `hash_fields(status=JobStatus.RUNNING, started_at=utc_now(), worker="w1")`.
+    None values are dropped (to clear a field, HDEL it). Unknown names raise ValueError."""
+    encoded = {}
+    for name, value in changes.items():
+        if name not in JobField.__members__.values():
+            raise ValueError(f"{name!r} is not a job hash field")
+        if value is not None:
+            encoded[name] = encode_hash_value(value)
+    return encoded
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _loads_or_raw(raw: str) -> object:
+    # Bad JSON is handed on as the raw string so pydantic reports it under the field's name.
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw

@@ -1,0 +1,151 @@
+"""Every Redis name inferq uses, built in one place from a configurable prefix.
+
+Layout (prefix `p`, default "inferq"; one Redis instance, not Redis Cluster)
+============================================================================
+
+    key / channel                     type              written by          read by
+    {p}:jobs:{model}                  stream, group     enqueue (XADD)      workers (XREADGROUP)
+                                      "workers"
+    {p}:job:{id}                      hash              enqueue, workers,   everyone
+                                                        cancel
+    {p}:out:{id}                      stream (replay)   the running worker  stream readers
+    {p}:chan:{id}                     pub/sub channel   worker, cancel,     live listeners
+                                                        whoever ends a job
+    {p}:dead:{model}                  stream            workers             operators, API
+    {p}:worker:{name}                 hash, TTL         that worker         API (health)
+    {p}:control                       pub/sub channel   cancel              workers
+    {p}:idem:{owner}:{key}            string, TTL       enqueue             enqueue
+
+Variable parts (model, worker name, owner, idempotency key) are percent-encoded (RFC 3986:
+only A-Z a-z 0-9 - . _ ~ stay as they are), so a model named "org/My Model:v2" gives
+`inferq:jobs:org%2FMy%20Model%3Av2`: no ":" or glob character can leak into a key, and
+`decode_segment` gives the name back. Job ids are URL-safe already, so they appear unchanged.
+
+Jobs stream `{p}:jobs:{model}`: one entry per job, fields `{"job": <job id>}` only; the job's
+request and status live in the hash, which is the single source of truth. The consumer group is
+`WORKER_GROUP` ("workers"), created by workers with `XGROUP CREATE {stream} workers 0 MKSTREAM`
+(id 0, so jobs enqueued before the first worker started are served; ignore BUSYGROUP). A worker
+that is done with an entry (result stored, or job found cancelled/expired/dead-lettered) sends
+`XACK` then `XDEL` for it, so `XLEN` is the backlog (queued + in flight) that the enqueue
+queue-limit compares with. `tests/producer_api/fake_worker.py` is a minimal worker following
+this contract.
+
+Job hash `{p}:job:{id}`: fields in `schemas.jobs.JobField`, string forms in
+`schemas.jobs.encode_hash_value`; no TTL while queued or running, `RESULT_TTL_S` once terminal.
+
+Replay stream `{p}:out:{id}` and channel `{p}:chan:{id}`: see `schemas.chunks` and
+`schemas.events`. Replay stream capped with `MAXLEN ~ OUT_STREAM_MAXLEN`, TTL `OUT_STREAM_TTL_S`.
+
+Dead letters `{p}:dead:{model}`: `XADD ... MAXLEN ~ DEAD_LETTER_MAXLEN *` with fields
+`job` (job id, "" if unknown), `reason` (an ErrorCode value), `message` (human text), `entry`
+(the original jobs-stream entry as JSON object), `worker` (name), `at` (ISO 8601 UTC),
+`attempts` (decimal). The job, when it exists, is also moved to `failed` with that error.
+
+Worker heartbeat `{p}:worker:{name}`: see `schemas.workers.WorkerInfo`; refreshed every
+HEARTBEAT_INTERVAL_S with TTL HEARTBEAT_TTL_S, so a dead worker's hash disappears.
+
+Control channel `{p}:control`: `schemas.events.ControlMessage` JSON (cancel broadcasts).
+
+Idempotency `{p}:idem:{owner}:{key}` -> job id, set together with the job (atomically, see
+`producer_api.queue.enqueue`) with TTL IDEMPOTENCY_TTL_S; the owner part is "" for anonymous.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import quote, unquote
+
+DEFAULT_PREFIX = "inferq"
+WORKER_GROUP = "workers"
+
+OUT_STREAM_MAXLEN = 100_000  # chunks kept per job for replay (approximate trim)
+OUT_STREAM_TTL_S = 24 * 3600
+RESULT_TTL_S = 24 * 3600  # job hash lifetime after it reached a terminal status
+IDEMPOTENCY_TTL_S = 24 * 3600
+DEAD_LETTER_MAXLEN = 100_000
+HEARTBEAT_INTERVAL_S = 2.0
+HEARTBEAT_TTL_S = 10
+JOB_ENTRY_FIELD = "job"  # the one field of a jobs-stream entry
+# Worker policy defaults (a worker's config may override them):
+DEFAULT_MAX_ATTEMPTS = 3  # starts of one job before it is dead-lettered (max_attempts_exceeded)
+DEFAULT_CLAIM_MIN_IDLE_MS = 30_000  # XAUTOCLAIM min-idle: a job's lease if not renewed
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._~-]+(:[A-Za-z0-9._~-]+)*$")
+
+
+def encode_segment(name: str) -> str:
+    """Percent-encode a variable key part (everything but RFC 3986 unreserved characters)."""
+    return quote(name, safe="")
+
+
+def decode_segment(segment: str) -> str:
+    return unquote(segment)
+
+
+class RedisKeys:
+    """Key and channel names under one prefix. Cheap to build; build one per app and pass it."""
+
+    group = WORKER_GROUP
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        if not _PREFIX_RE.match(prefix):
+            raise ValueError(
+                f"prefix {prefix!r} must be non-empty words of A-Z a-z 0-9 - . _ ~ joined by ':'"
+            )
+        self.prefix = prefix
+
+    def __repr__(self) -> str:
+        return f"RedisKeys({self.prefix!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RedisKeys) and other.prefix == self.prefix
+
+    def __hash__(self) -> int:
+        return hash(self.prefix)
+
+    # queue
+    def jobs_stream(self, model: str) -> str:
+        return f"{self.prefix}:jobs:{encode_segment(model)}"
+
+    def jobs_stream_pattern(self) -> str:
+        """SCAN pattern matching every model's jobs stream."""
+        return f"{self.prefix}:jobs:*"
+
+    def model_of_jobs_stream(self, key: str | bytes) -> str:
+        """The model name of a key returned by `jobs_stream` (inverse)."""
+        text = key.decode() if isinstance(key, bytes) else key
+        head = f"{self.prefix}:jobs:"
+        if not text.startswith(head):
+            raise ValueError(f"{text!r} is not a jobs stream of prefix {self.prefix!r}")
+        return decode_segment(text[len(head) :])
+
+    def dead_letters(self, model: str) -> str:
+        return f"{self.prefix}:dead:{encode_segment(model)}"
+
+    # one job
+    def job(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{encode_segment(job_id)}"
+
+    def job_key_prefix(self) -> str:
+        """`job(id) == job_key_prefix() + id` for every valid job id (used inside Lua)."""
+        return f"{self.prefix}:job:"
+
+    def out_stream(self, job_id: str) -> str:
+        return f"{self.prefix}:out:{encode_segment(job_id)}"
+
+    def channel(self, job_id: str) -> str:
+        return f"{self.prefix}:chan:{encode_segment(job_id)}"
+
+    def idempotency(self, key: str, owner: str | None = None) -> str:
+        return f"{self.prefix}:idem:{encode_segment(owner or '')}:{encode_segment(key)}"
+
+    # workers
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}:worker:{encode_segment(name)}"
+
+    def workers_pattern(self) -> str:
+        """SCAN pattern matching every live worker's heartbeat hash."""
+        return f"{self.prefix}:worker:*"
+
+    def control_channel(self) -> str:
+        return f"{self.prefix}:control"
