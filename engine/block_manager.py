@@ -6,23 +6,22 @@ between sequences in two ways, both counted by reference counts:
 
 - prefix caching: a FULL, fully computed block is registered under a chained hash of its
   tokens (parent block hash + token ids + salt); a later sequence with the same prefix takes
-  the block instead of recomputing it. Hits are verified against the stored tokens.
+  the block instead of recomputing it. Hits are verified against the stored tokens and
+  parent hash, so a hash collision costs a miss, never wrong K/V.
 - forks (n > 1): a child shares all its parent's blocks; a shared block about to be written
   is copied first (copy-on-write) and the (src, dst) pair goes to the model runner.
 
 Freed blocks keep their cached content until reallocated: the free queue is in LRU order, so
-recently freed prefixes survive longest. Every operation costs O(blocks touched).
+recently freed prefixes survive longest (freed blocks holding no cached prefix go to its
+head: nothing is lost by reusing them first). Every operation costs O(blocks touched).
 """
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
-
-logger = logging.getLogger(__name__)
 
 BlockCopy = tuple[int, int]  # (src block, dst block): copy the KV data before the step runs
 
@@ -71,6 +70,11 @@ class BlockManager:
         return len(self._blocks)
 
     @property
+    def token_capacity(self) -> int:
+        """Tokens the whole cache holds: the longest sequence that can ever run."""
+        return len(self._blocks) * self.block_size
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks nobody references, cached-but-evictable ones included."""
         return len(self._free)
@@ -85,7 +89,9 @@ class BlockManager:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
@@ -97,6 +103,10 @@ class BlockManager:
 
     def is_cached(self, block_id: int) -> bool:
         return self._blocks[block_id].hash is not None
+
+    def cached_tokens(self, block_id: int) -> tuple[int, ...] | None:
+        """The token ids a registered block was cached under, None if it is not registered."""
+        return self._blocks[block_id].token_ids
 
     def free_block_ids(self) -> list[int]:
         """The free queue from head (evicted next) to tail; O(num free blocks)."""
@@ -212,34 +222,27 @@ class BlockManager:
                 # Nothing reusable inside: evict it before any cached block.
                 self._free.move_to_end(block_id, last=False)
 
-    def _written_range(self, start: int, num_new_tokens: int, table_len: int) -> range:
-        """Indices of existing table entries that positions [start, start + n) write into."""
-        if num_new_tokens <= 0:
-            return range(0)
-        first = start // self.block_size
-        last = (start + num_new_tokens - 1) // self.block_size
-        return range(first, min(last + 1, table_len))
-
     def num_blocks_needed(
         self, seq: Sequence, num_new_tokens: int, prefix_hits: list[int] | None = None
     ) -> int:
         """Free blocks that allocate_slots (after allocate_prompt with prefix_hits) would use."""
-        if prefix_hits:
-            table = prefix_hits
-            computed = len(prefix_hits) * self.block_size
-            # Hit blocks sitting in the free queue leave it.
-            extra = sum(1 for b in prefix_hits if self._blocks[b].ref_count == 0)
-        else:
-            table = seq.block_table
-            computed = seq.num_computed_tokens
-            extra = 0
-        new = max(0, _cdiv(computed + num_new_tokens, self.block_size) - len(table))
-        copies = sum(
-            1
-            for i in self._written_range(computed, num_new_tokens, len(table))
-            if self._blocks[table[i]].ref_count > 1
-        )
-        return new + extra + copies
+        if not prefix_hits:
+            return self._num_blocks_needed(seq.block_table, seq.num_computed_tokens, num_new_tokens)
+        computed = len(prefix_hits) * self.block_size
+        # Hit blocks sitting in the free queue leave it.
+        idle_hits = sum(1 for b in prefix_hits if self._blocks[b].ref_count == 0)
+        return idle_hits + self._num_blocks_needed(prefix_hits, computed, num_new_tokens)
+
+    def _num_blocks_needed(self, table: list[int], start: int, num_new_tokens: int) -> int:
+        """New blocks to extend table over [start, start + n), plus copies of shared blocks
+        among the existing ones written (table[start // block_size : end block])."""
+        end_block = _cdiv(start + num_new_tokens, self.block_size)
+        needed = max(0, end_block - len(table))
+        blocks = self._blocks
+        for i in range(start // self.block_size, min(end_block, len(table))):
+            if blocks[table[i]].ref_count > 1:
+                needed += 1
+        return needed
 
     def can_allocate(
         self, seq: Sequence, num_new_tokens: int, prefix_hits: list[int] | None = None
@@ -252,24 +255,43 @@ class BlockManager:
         Returns the copy-on-write pairs for shared blocks this step writes into. All or
         nothing: raises NoFreeBlocksError (and changes nothing) when blocks run short.
         """
-        if self.num_blocks_needed(seq, num_new_tokens) > len(self._free):
+        copies = self.try_allocate_slots(seq, num_new_tokens)
+        if copies is None:
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs more blocks than are free")
+        return copies
+
+    def try_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy] | None:
+        """allocate_slots in one pass (the scheduler's hot path); None when blocks run short."""
         table = seq.block_table
+        start = seq.num_computed_tokens
+        first_written = start // self.block_size
+        # Fast path (most decodes): only the private, uncached last block is written.
+        if (
+            first_written == len(table) - 1
+            and start + num_new_tokens <= len(table) * self.block_size
+        ):
+            last = self._blocks[table[-1]]
+            if last.ref_count == 1 and last.hash is None:
+                return []
+        if self._num_blocks_needed(table, start, num_new_tokens) > len(self._free):
+            return None
+        end_block = _cdiv(start + num_new_tokens, self.block_size)
         copies: list[BlockCopy] = []
-        for i in self._written_range(seq.num_computed_tokens, num_new_tokens, len(table)):
+        for i in range(first_written, min(end_block, len(table))):
             block = self._blocks[table[i]]
             if block.ref_count > 1:
                 dst = self._take_free()
                 copies.append((block.block_id, dst))
                 block.ref_count -= 1  # still referenced by the others
                 table[i] = dst
-            else:
+            elif block.hash is not None:
                 # Only ours, but about to be rewritten: it must not serve as a cached prefix.
                 self._uncache(block)
-        num_needed = _cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        while len(table) < num_needed:
+        while len(table) < end_block:
             table.append(self._take_free())
-        seq.num_registered_blocks = min(seq.num_registered_blocks, seq.num_computed_tokens // self.block_size)
+        # Blocks written from here on are offered to the cache again once full.
+        if seq.num_registered_blocks > first_written:
+            seq.num_registered_blocks = first_written
         return copies
 
     def free(self, seq: Sequence) -> None:

@@ -1,0 +1,364 @@
+"""The step scheduler (vLLM v1 style): a token budget shared by decodes and prefill chunks.
+
+Each step first lets the RUNNING sequences catch up (a decode needs one token, a partially
+prefilled prompt continues with its next chunk), preempting the least urgent running
+sequence by recomputation when KV blocks run out. Then, unless this step preempted, it
+admits WAITING sequences in (priority, arrival) order while the token budget, the sequence
+slots and the blocks allow. A waiting sequence that does not fit blocks admission: no
+skipping ahead of the head of the line.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from collections.abc import Iterator
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockCopy, BlockManager
+from engine.config import EngineConfig
+from engine.sequence import ScheduledSeq, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # running first, then admitted
+    block_copies: list[BlockCopy] = field(default_factory=list)  # run before the forward pass
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _after_siblings(seqs: Sequence_[Sequence], index: int) -> int:
+    """The index just past seqs[index] and the same request's sequences right after it."""
+    request_id = seqs[index].request_id
+    index += 1
+    while index < len(seqs) and seqs[index].request_id == request_id:
+        index += 1
+    return index
+
+
+class WaitingQueue:
+    """Waiting sequences by priority level (lower first); arrival order within a level.
+
+    Preempted sequences go back to the front of their level. Levels are kept non-empty.
+    """
+
+    def __init__(self) -> None:
+        self._levels: dict[int, deque[Sequence]] = {}
+        self._priorities: list[int] = []  # sorted keys of _levels
+
+    def __len__(self) -> int:
+        return sum(len(level) for level in self._levels.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._priorities)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for priority in self._priorities:
+            yield from self._levels[priority]
+
+    def _level(self, priority: int) -> deque[Sequence]:
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._levels[priority] = deque()
+            bisect.insort(self._priorities, priority)
+        return level
+
+    def _drop_if_empty(self, priority: int) -> None:
+        if not self._levels[priority]:
+            del self._levels[priority]
+            self._priorities.remove(priority)
+
+    def push(self, seq: Sequence) -> None:
+        """Insert by arrival time within the level (an append in the usual case)."""
+        level = self._level(seq.priority)
+        index = len(level)
+        while index and level[index - 1].arrival_time > seq.arrival_time:
+            index -= 1
+        level.insert(index, seq)
+
+    def push_front(self, seq: Sequence) -> None:
+        self._level(seq.priority).appendleft(seq)
+
+    def insert_after(self, anchor: Sequence, seq: Sequence) -> None:
+        """Insert after anchor and the siblings (same request) already following it."""
+        level = self._levels[anchor.priority]
+        level.insert(_after_siblings(level, level.index(anchor)), seq)
+
+    def peek(self) -> Sequence | None:
+        return self._levels[self._priorities[0]][0] if self._priorities else None
+
+    def pop(self) -> Sequence:
+        priority = self._priorities[0]
+        seq = self._levels[priority].popleft()
+        self._drop_if_empty(priority)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        self._levels[seq.priority].remove(seq)
+        self._drop_if_empty(seq.priority)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self._running: list[Sequence] = []
+        self._waiting = WaitingQueue()
+        # Per waiting sequence: (blocks its prompt will take + 1 reserve, seq slots it takes),
+        # summed below so the worker's pull decision costs O(1).
+        self._waiting_demand: dict[Sequence, tuple[int, int]] = {}
+        self._waiting_blocks = 0
+        self._waiting_slots = 0
+        self._by_request: dict[str, list[Sequence]] = {}  # live sequences per request
+
+    # ---- queues ------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> list[Sequence]:
+        """Running sequences in scheduling order (read only)."""
+        return self._running
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Waiting sequences in admission order (a copy)."""
+        return list(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_demand)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running) or bool(self._waiting_demand)
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        return list(self._by_request.get(request_id, ()))
+
+    def _slots_needed(self, seq: Sequence) -> int:
+        # A parent that has not sampled yet will fork n - 1 children into the running batch.
+        if seq.choice_index == 0 and seq.num_output_tokens == 0:
+            return min(seq.params.n, self.max_num_seqs)
+        return 1
+
+    def _admission_blocks(self, num_tokens: int, max_new_tokens: int) -> int:
+        """Blocks a sequence takes when admitted: its tokens plus one reserve block for output
+        (none when all its remaining output fits the last block)."""
+        bm = self.block_manager
+        with_output = bm.blocks_for_tokens(num_tokens + max(max_new_tokens, 0))
+        return min(with_output, bm.blocks_for_tokens(num_tokens) + 1)
+
+    def _track_waiting(self, seq: Sequence) -> None:
+        remaining_output = seq.params.max_tokens - seq.num_output_tokens
+        blocks = self._admission_blocks(seq.num_tokens, remaining_output)
+        demand = (blocks, self._slots_needed(seq))
+        self._waiting_demand[seq] = demand
+        self._waiting_blocks += demand[0]
+        self._waiting_slots += demand[1]
+
+    def _untrack_waiting(self, seq: Sequence) -> None:
+        blocks, slots = self._waiting_demand.pop(seq)
+        self._waiting_blocks -= blocks
+        self._waiting_slots -= slots
+
+    def free_blocks_after_waiting(self) -> int:
+        """Free blocks left once every waiting sequence got its prompt plus a reserve block."""
+        return max(0, self.block_manager.num_free_blocks - self._waiting_blocks)
+
+    def num_free_seq_slots(self) -> int:
+        """Sequence slots not taken by running sequences nor promised to waiting ones."""
+        return max(0, self.max_num_seqs - len(self._running) - self._waiting_slots)
+
+    def admissible(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> bool:
+        """Whether one more request fits now: prompt plus reserve blocks, and n sequence slots.
+
+        Whether a request could EVER fit (prompt + max_tokens <= block_manager.token_capacity)
+        is the caller's check: such a request must be refused, not left queued.
+        """
+        blocks = self._admission_blocks(num_prompt_tokens, max_tokens)
+        slots = min(n, self.max_num_seqs)
+        return blocks <= self.free_blocks_after_waiting() and slots <= self.num_free_seq_slots()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} must be new")
+        seq.status = SequenceStatus.WAITING
+        self._waiting.push(seq)
+        self._track_waiting(seq)
+        self._by_request.setdefault(seq.request_id, []).append(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        """Take seq off whichever queue holds it and free its blocks."""
+        if seq in self._waiting_demand:
+            self._waiting.remove(seq)
+            self._untrack_waiting(seq)
+        elif seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        self.block_manager.free(seq)
+        siblings = self._by_request.get(seq.request_id)
+        if siblings is not None:
+            siblings.remove(seq)
+            if not siblings:
+                del self._by_request[seq.request_id]
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        self._forget(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        seqs = self.sequences(request_id)
+        for seq in seqs:
+            self.finish(seq, "abort")
+        return seqs
+
+    def fork(self, parent: Sequence, choice_index: int) -> Sequence:
+        """A new choice of parent's request, starting from its prompt.
+
+        The child shares the parent's prompt blocks and recomputes the last prompt token, so
+        its next step samples its own first token. Fork before finishing the parent: a parent
+        without blocks leaves the child waiting to recompute its prompt.
+        """
+        child = Sequence(
+            request_id=parent.request_id,
+            token_ids=parent.prompt_token_ids,
+            num_prompt_tokens=parent.num_prompt_tokens,
+            params=parent.params,
+            priority=parent.priority,
+            choice_index=choice_index,
+            arrival_time=parent.arrival_time,
+            cache_salt=parent.cache_salt,
+        )
+        self._by_request.setdefault(child.request_id, []).append(child)
+        if parent.status is SequenceStatus.RUNNING and parent.block_table:
+            child.num_computed_tokens = min(
+                parent.num_prompt_tokens - 1, parent.num_computed_tokens
+            )
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self._running.insert(_after_siblings(self._running, self._running.index(parent)), child)
+        else:
+            child.status = SequenceStatus.WAITING
+            if parent in self._waiting_demand:
+                self._waiting.insert_after(parent, child)
+            else:
+                self._waiting.push(child)
+            self._track_waiting(child)
+        return child
+
+    # ---- stepping ------------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV blocks and queue the sequence at its level's front."""
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self._waiting.push_front(seq)
+        self._track_waiting(seq)
+        logger.debug(
+            "preempted seq %d of %s (%d tokens, preemption #%d)",
+            seq.seq_id,
+            seq.request_id,
+            seq.num_tokens,
+            seq.num_preemptions,
+        )
+
+    def _pick_victim(self) -> Sequence:
+        """The least urgent running sequence: highest priority number, then newest."""
+        return max(self._running, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, ScheduledSeq] = {}
+        copies: dict[Sequence, list[BlockCopy]] = {}
+        preempted: list[Sequence] = []
+
+        index = 0
+        while index < len(self._running) and budget > 0:
+            seq = self._running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while (block_copies := bm.try_allocate_slots(seq, num_new)) is None:
+                victim = self._pick_victim()
+                victim_index = self._running.index(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+                if victim_index < index:  # it was scheduled earlier this step: undo that
+                    index -= 1
+                    budget += scheduled.pop(victim).num_new_tokens
+                    copies.pop(victim, None)
+            if seq.status is not SequenceStatus.RUNNING:
+                # It was the least urgent itself; the more urgent ones after it (now shifted
+                # to this index) still run this step, on the blocks it gave back.
+                continue
+            if block_copies:
+                copies[seq] = block_copies
+            scheduled[seq] = ScheduledSeq(seq, num_new)
+            budget -= num_new
+            index += 1
+
+        if not preempted:
+            self._admit(scheduled, budget)
+
+        return SchedulerOutput(
+            scheduled=list(scheduled.values()),
+            block_copies=[c for seq in scheduled for c in copies.get(seq, ())],
+            preempted=preempted,
+            num_batched_tokens=sum(s.num_new_tokens for s in scheduled.values()),
+        )
+
+    def _admit(self, scheduled: dict[Sequence, ScheduledSeq], budget: int) -> None:
+        bm = self.block_manager
+        while budget > 0 and self._waiting:
+            seq = self._waiting.peek()
+            assert seq is not None
+            if len(self._running) + self._slots_needed(seq) > self.max_num_seqs:
+                break
+            hits = bm.find_prefix_hits(seq)
+            num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+            if not bm.can_allocate(seq, num_new, hits):
+                break
+            self._waiting.pop()
+            self._untrack_waiting(seq)
+            bm.allocate_prompt(seq, hits)
+            # Writes start after the hit blocks, so a fresh table never needs copies.
+            bm.allocate_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            scheduled[seq] = ScheduledSeq(seq, num_new)
+            budget -= num_new
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Account the computed tokens of a finished step and offer new full blocks to the cache."""
+        bm = self.block_manager
+        for sched in output.scheduled:
+            seq = sched.seq
+            if seq.status is not SequenceStatus.RUNNING:  # finished or aborted meanwhile
+                continue
+            seq.num_computed_tokens += sched.num_new_tokens
+            bm.cache_full_blocks(seq)
