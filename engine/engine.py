@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -61,14 +60,16 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_path = resolve_model_path(config.model)
+        self.model_path = model_path
         self.runner = ModelRunner(config, model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.eos_token_ids = read_eos_token_ids(model_path, self.tokenizer, self.runner.hf_config)
-        self.max_model_len = self.runner.max_model_len
         self.block_size = self.runner.block_size
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, self.block_size, config.enable_prefix_caching
         )
+        # A sequence longer than the whole cache would preempt itself forever.
+        self.max_model_len = min(self.runner.max_model_len, self.block_manager.token_capacity)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.runner.device)
         self._requests: dict[str, _Request] = {}
@@ -160,12 +161,6 @@ class Engine:
         vocab = self.runner.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
-        blocks_needed = math.ceil((len(prompt_ids) + 1) / self.block_size)
-        if blocks_needed > self.block_manager.num_total_blocks:
-            raise ContextLengthExceededError(
-                f"the prompt needs {blocks_needed} KV blocks but the cache has only "
-                f"{self.block_manager.num_total_blocks}"
-            )
 
     def _new_choice(self, seq: Sequence) -> _Choice:
         detokenizer = IncrementalDetokenizer(
@@ -318,23 +313,20 @@ class Engine:
 
     # ------------------------------------------------------------------ capacity and stats
 
-    def admissible(self, prompt_len: int, max_tokens: int) -> bool:
+    def admissible(self, prompt_len: int, max_tokens: int, n: int = 1) -> bool:
         """Whether a request of this size could start now without waiting for blocks or slots."""
-        return self.num_admissible(prompt_len, max_tokens) > 0
+        if prompt_len >= self.max_model_len:
+            return False
+        return self.scheduler.admissible(prompt_len, max_tokens, n)
 
     def num_admissible(self, prompt_len: int, max_tokens: int = 16) -> int:
-        """How many more requests of about this size the free KV blocks and seq slots admit now.
-
-        A request is charged the blocks for its prompt plus one block of reserve for its first
-        output tokens, after subtracting what requests already waiting will take."""
-        if prompt_len + 1 > self.max_model_len:
+        """How many more requests of about this size the free KV blocks and seq slots admit now,
+        after what requests already waiting will take."""
+        if prompt_len >= self.max_model_len:
             return 0
-        per_request = (
-            math.ceil((prompt_len + min(max_tokens, self.block_size)) / self.block_size) + 1
-        )
-        free_blocks = self.scheduler.free_blocks_after_waiting()
-        by_blocks = max(0, free_blocks) // per_request
-        return max(0, min(by_blocks, self.scheduler.num_free_seq_slots()))
+        per_request = self.scheduler.admission_blocks(prompt_len, max_tokens)
+        by_blocks = self.scheduler.free_blocks_after_waiting() // max(1, per_request)
+        return min(by_blocks, self.scheduler.num_free_seq_slots())
 
     def stats(self) -> EngineStats:
         manager = self.block_manager

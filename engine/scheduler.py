@@ -154,7 +154,7 @@ class Scheduler:
             return min(seq.params.n, self.max_num_seqs)
         return 1
 
-    def _admission_blocks(self, num_tokens: int, max_new_tokens: int) -> int:
+    def admission_blocks(self, num_tokens: int, max_new_tokens: int) -> int:
         """Blocks a sequence takes when admitted: its tokens plus one reserve block for output
         (none when all its remaining output fits the last block)."""
         bm = self.block_manager
@@ -163,7 +163,7 @@ class Scheduler:
 
     def _track_waiting(self, seq: Sequence) -> None:
         remaining_output = seq.params.max_tokens - seq.num_output_tokens
-        blocks = self._admission_blocks(seq.num_tokens, remaining_output)
+        blocks = self.admission_blocks(seq.num_tokens, remaining_output)
         demand = (blocks, self._slots_needed(seq))
         self._waiting_demand[seq] = demand
         self._waiting_blocks += demand[0]
@@ -188,7 +188,7 @@ class Scheduler:
         Whether a request could EVER fit (prompt + max_tokens <= block_manager.token_capacity)
         is the caller's check: such a request must be refused, not left queued.
         """
-        blocks = self._admission_blocks(num_prompt_tokens, max_tokens)
+        blocks = self.admission_blocks(num_prompt_tokens, max_tokens)
         slots = min(n, self.max_num_seqs)
         return blocks <= self.free_blocks_after_waiting() and slots <= self.num_free_seq_slots()
 

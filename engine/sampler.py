@@ -1,0 +1,137 @@
+"""The sampler: each sequence's next token from the model's logits, batched (vLLM semantics).
+
+Order of operations per row: repetition / frequency / presence penalties, then the min_tokens
+mask on EOS and stop token ids; greedy rows (temperature 0) take the argmax of that; other rows
+divide by their temperature, apply top-k, top-p and min-p, and draw from the softmax by an
+exponential race. Reported logprobs come from the log-softmax of the raw logits.
+
+Work a batch does not need is skipped: a batch of greedy rows with no penalties, no min_tokens
+and no logprobs costs one argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling.filters import apply_min_p, apply_top_k_top_p
+from engine.sampling.noise import RaceNoise
+from engine.sampling.penalties import Penalizer, min_tokens_mask_indices, uses_penalties
+from engine.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # logprob of the chosen token under the raw logits; None where params.logprobs is False
+    logprobs: list[float | None]
+    # the top_logprobs most likely (token id, logprob) pairs; None where not requested
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def _rows_tensor(rows: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+class Sampler:
+    """Picks tokens for a batch; keeps per-sequence state (seeded generators, prompt ids)."""
+
+    def __init__(
+        self, vocab_size: int, eos_token_ids: Iterable[int], device: torch.device | str = "cpu"
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.device = torch.device(device)
+        self._penalizer = Penalizer()
+        self._noise = RaceNoise()
+
+    def forget(self, seq_id: int) -> None:
+        """Drop the state of a finished (or aborted) sequence."""
+        self._penalizer.forget(seq_id)
+        self._noise.forget(seq_id)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample one token per row of `logits` [len(seqs), >= vocab_size]; input is not modified."""
+        if logits.shape[0] != len(seqs):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
+        if not seqs:
+            return SamplerOutput([], [], [])
+        # Columns past vocab_size are padding of the LM head, never valid tokens.
+        raw = logits[:, : self.vocab_size].float()
+        chosen = self._choose(self.process_logits(raw, seqs), seqs)
+        token_ids = chosen.tolist()  # the one host-device sync of a step
+        logprobs, top_logprobs = self._logprobs(raw, chosen, seqs)
+        return SamplerOutput(token_ids, logprobs, top_logprobs)
+
+    def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits after penalties and the min_tokens mask; `logits` itself when nothing applies."""
+        vocab_size, device = logits.shape[1], logits.device
+        penalised = [row for row, seq in enumerate(seqs) if uses_penalties(seq)]
+        if len(penalised) == len(seqs):
+            logits = self._penalizer(logits, seqs)
+        elif penalised:
+            index = _rows_tensor(penalised, device)
+            rows = self._penalizer(logits[index], [seqs[row] for row in penalised])
+            logits = logits.index_copy(0, index, rows)
+        rows, tokens = min_tokens_mask_indices(seqs, self.eos_token_ids, vocab_size)
+        if rows:
+            if not penalised:
+                logits = logits.clone()
+            logits.index_put_(
+                (_rows_tensor(rows, device), _rows_tensor(tokens, device)),
+                torch.tensor(-math.inf, device=device),
+            )
+        return logits
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """[B] long device tensor of picked token ids."""
+        sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+        if len(sampled) < len(seqs):
+            picked = logits.argmax(dim=-1)
+            if not sampled:
+                return picked
+        if len(sampled) == len(seqs):
+            return self._sample(logits, seqs)
+        index = _rows_tensor(sampled, logits.device)
+        drawn = self._sample(logits[index], [seqs[row] for row in sampled])
+        return picked.index_copy_(0, index, drawn)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Random draw for rows with temperature > 0; `logits` is not modified."""
+        params = [seq.params for seq in seqs]
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        scaled = logits / temperature.to(logits.device, non_blocking=True)[:, None]
+        scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+        scaled = apply_min_p(scaled, [p.min_p for p in params])
+        probs = scaled.softmax(dim=-1)
+        noise = self._noise.sample(seqs, logits.shape[1], logits.device)
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _logprobs(
+        self, raw: torch.Tensor, chosen: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        batch = len(seqs)
+        logprobs: list[float | None] = [None] * batch
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * batch
+        wanted = [row for row, seq in enumerate(seqs) if seq.params.logprobs]
+        if not wanted:
+            return logprobs, top_logprobs
+        if len(wanted) < batch:
+            index = _rows_tensor(wanted, raw.device)
+            raw, chosen = raw[index], chosen[index]
+        log_probs = raw.log_softmax(dim=-1)
+        chosen_values = log_probs.gather(1, chosen[:, None]).squeeze(1).tolist()
+        max_top = max(seqs[row].params.top_logprobs for row in wanted)
+        if max_top:
+            top = log_probs.topk(max_top, dim=-1)
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        for i, row in enumerate(wanted):
+            logprobs[row] = chosen_values[i]
+            k = seqs[row].params.top_logprobs
+            if k:
+                top_logprobs[row] = list(zip(top_ids[i][:k], top_values[i][:k], strict=True))
+        return logprobs, top_logprobs
