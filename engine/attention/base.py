@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -29,6 +29,9 @@ class AttentionMetadata:
     # Host copies so CPU backends never sync to read them.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Per-step state a backend derives once from the fields above and reuses in every layer
+    # (the torch backend's gather plan); None until the first layer builds it.
+    backend_plan: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,24 @@
+"""Pick the attention backend for a device: plain torch everywhere, Triton on CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """name: "torch", "triton", or "auto" (Triton on CUDA, torch elsewhere)."""
+    device_type = torch.device(device).type
+    if name == "auto":
+        name = "triton" if device_type == "cuda" else "torch"
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        # Imported only here: CPU installs without Triton never load it.
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (expected auto, torch or triton)")

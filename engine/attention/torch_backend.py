@@ -1,0 +1,240 @@
+"""Paged attention in plain torch: the CPU production path and the reference on any device.
+
+Every layer first stores the step's K/V into the paged cache (index_copy_ on the flat slot
+dimension), then reads each sequence's whole context back through its block table. Sequences
+with one query token (decodes) are attended together in one padded, masked SDPA call; prefill
+chunks (more than one query token) get one SDPA call each with a causal mask shifted by their
+cached context. Everything that depends only on the batch shape (gather indices, masks) is built
+once per step into a plan cached on the metadata, and gathered K/V land in a workspace reused by
+every layer, so the per-layer work is a few large tensor ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionMetadata
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence with several query tokens: rows start:end of the flat batch."""
+
+    start: int
+    end: int
+    seq_len: int
+    blocks: torch.Tensor  # [ceil(seq_len / block_size)] block ids of its context
+    mask: (
+        torch.Tensor | None
+    )  # [query_len, seq_len] additive; None: plain causal (no cached context)
+
+
+@dataclass
+class TorchAttentionPlan:
+    write_slots: torch.Tensor  # [W] int64 cache slots to store
+    write_rows: torch.Tensor | None  # [W] the token rows they come from; None: all rows, in order
+    decode_rows: torch.Tensor | None  # rows of single-token sequences; None: every row is one
+    decode_blocks: torch.Tensor | None  # [num_decodes * decode_blocks_per_seq] block ids
+    num_decodes: int
+    decode_blocks_per_seq: int
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, ctx] additive; None: nothing padded
+    prefills: list[PrefillChunk]
+    max_gather_blocks: int  # workspace size in blocks
+
+
+def build_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> TorchAttentionPlan:
+    """Derive the per-step gather indices and masks from the batch description (once per step)."""
+    device = meta.slot_mapping.device
+    slot_mapping = meta.slot_mapping.to(torch.int64)
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        write_slots, write_rows = slot_mapping, None
+    else:
+        write_rows = valid.nonzero().squeeze(1)
+        write_slots = slot_mapping.index_select(0, write_rows)
+
+    query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+    starts = [0] * len(query_lens)
+    for i in range(1, len(query_lens)):
+        starts[i] = starts[i - 1] + query_lens[i - 1]
+
+    decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
+    decode_rows = decode_blocks = decode_mask = None
+    decode_blocks_per_seq = 0
+    if decode_seqs:
+        decode_lens = [seq_lens[i] for i in decode_seqs]
+        decode_blocks_per_seq = -(-max(decode_lens) // block_size)
+        if len(decode_seqs) == len(query_lens):
+            table = meta.block_tables[:, :decode_blocks_per_seq]
+        else:
+            decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
+            seq_index = torch.tensor(decode_seqs, device=device)
+            table = meta.block_tables.index_select(0, seq_index)[:, :decode_blocks_per_seq]
+        decode_blocks = table.reshape(-1).to(torch.int64)
+        ctx = decode_blocks_per_seq * block_size
+        if any(n != ctx for n in decode_lens):
+            lens = torch.tensor(decode_lens, device=device)
+            padded = torch.arange(ctx, device=device)[None, :] >= lens[:, None]
+            decode_mask = _additive(padded, dtype).view(len(decode_seqs), 1, 1, ctx)
+
+    prefills = []
+    max_gather_blocks = len(decode_seqs) * decode_blocks_per_seq
+    for i, n in enumerate(query_lens):
+        if n == 1:
+            continue
+        seq_len = seq_lens[i]
+        num_blocks = -(-seq_len // block_size)
+        max_gather_blocks = max(max_gather_blocks, num_blocks)
+        mask = None
+        if seq_len != n:  # cached context: query j sits at position seq_len - n + j
+            key_pos = torch.arange(seq_len, device=device)[None, :]
+            query_pos = torch.arange(seq_len - n, seq_len, device=device)[:, None]
+            mask = _additive(key_pos > query_pos, dtype)
+        blocks = meta.block_tables[i, :num_blocks].to(torch.int64)
+        prefills.append(PrefillChunk(starts[i], starts[i] + n, seq_len, blocks, mask))
+
+    return TorchAttentionPlan(
+        write_slots=write_slots,
+        write_rows=write_rows,
+        decode_rows=decode_rows,
+        decode_blocks=decode_blocks,
+        num_decodes=len(decode_seqs),
+        decode_blocks_per_seq=decode_blocks_per_seq,
+        decode_mask=decode_mask,
+        prefills=prefills,
+        max_gather_blocks=max_gather_blocks,
+    )
+
+
+def _additive(masked_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(masked_out.shape, dtype=dtype, device=masked_out.device).masked_fill_(
+        masked_out, float("-inf")
+    )
+
+
+class TorchAttentionBackend:
+    """AttentionBackend in plain torch (see the module docstring)."""
+
+    def __init__(self) -> None:
+        # Gathered K/V of the current layer; reused by every layer and step (grown on demand)
+        # because fresh multi-MB buffers per layer cost page faults on the CPU.
+        self._workspace: torch.Tensor | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+        plan = meta.backend_plan
+        if plan is None:
+            plan = meta.backend_plan = build_plan(meta, block_size, q.dtype)
+
+        store_kv(k, v, k_cache, v_cache, plan)
+        k_buf, v_buf = self._gather_buffers(plan.max_gather_blocks, k_cache)
+        num_heads = q.shape[1]
+        gqa = num_heads != num_kv_heads
+
+        decode_out = None
+        if plan.num_decodes:
+            q_dec = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
+            num_blocks = plan.decode_blocks.numel()
+            keys = torch.index_select(k_cache, 0, plan.decode_blocks, out=k_buf[:num_blocks])
+            values = torch.index_select(v_cache, 0, plan.decode_blocks, out=v_buf[:num_blocks])
+            shape = (
+                plan.num_decodes,
+                plan.decode_blocks_per_seq * block_size,
+                num_kv_heads,
+                head_dim,
+            )
+            decode_out = F.scaled_dot_product_attention(
+                q_dec.reshape(plan.num_decodes, num_heads, 1, head_dim),
+                keys.view(shape).transpose(1, 2),
+                values.view(shape).transpose(1, 2),
+                attn_mask=plan.decode_mask,
+                scale=scale,
+                enable_gqa=gqa,
+            ).view(plan.num_decodes, num_heads, head_dim)
+            if plan.decode_rows is None:
+                return decode_out
+
+        if len(plan.prefills) == 1 and decode_out is None:
+            return self._prefill(q, k_cache, v_cache, k_buf, v_buf, plan.prefills[0], scale, gqa)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if decode_out is not None:
+            out.index_copy_(0, plan.decode_rows, decode_out)
+        for chunk in plan.prefills:
+            out[chunk.start : chunk.end] = self._prefill(
+                q, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
+            )
+        return out
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+        gqa: bool,
+    ) -> torch.Tensor:
+        num_blocks = chunk.blocks.numel()
+        keys = torch.index_select(k_cache, 0, chunk.blocks, out=k_buf[:num_blocks])
+        values = torch.index_select(v_cache, 0, chunk.blocks, out=v_buf[:num_blocks])
+        kv_shape = (-1, *k_cache.shape[2:])
+        out = F.scaled_dot_product_attention(
+            q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0),
+            keys.view(kv_shape)[: chunk.seq_len].transpose(0, 1).unsqueeze(0),
+            values.view(kv_shape)[: chunk.seq_len].transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        return out.squeeze(0).transpose(0, 1)
+
+    def _gather_buffers(
+        self, num_blocks: int, k_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        block_shape = k_cache.shape[1:]
+        block_numel = k_cache[0].numel()
+        needed = 2 * num_blocks * block_numel
+        ws = self._workspace
+        if (
+            ws is None
+            or ws.numel() < needed
+            or ws.dtype != k_cache.dtype
+            or ws.device != k_cache.device
+        ):
+            capacity = max(needed, 0 if ws is None else ws.numel())
+            ws = self._workspace = torch.empty(capacity, dtype=k_cache.dtype, device=k_cache.device)
+        half = num_blocks * block_numel
+        return ws[:half].view(num_blocks, *block_shape), ws[half:needed].view(
+            num_blocks, *block_shape
+        )
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: TorchAttentionPlan,
+) -> None:
+    """Write the step's K/V [T, Hkv, D] into their cache slots (tokens with slot -1 skipped)."""
+    if plan.write_rows is not None:
+        k = k.index_select(0, plan.write_rows)
+        v = v.index_select(0, plan.write_rows)
+    flat_shape = (-1, *k_cache.shape[2:])
+    k_cache.view(flat_shape).index_copy_(0, plan.write_slots, k.to(k_cache.dtype))
+    v_cache.view(flat_shape).index_copy_(0, plan.write_slots, v.to(v_cache.dtype))

@@ -1,0 +1,69 @@
+"""The paged KV cache: one tensor for all layers, sized by a block count or a memory budget.
+
+Layout [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], so each layer's
+k_cache / v_cache is a contiguous [num_blocks, block_size, num_kv_heads, head_dim] view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        )
+
+
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
+    """How many whole blocks fit in budget_bytes."""
+    return max(0, budget_bytes // spec.bytes_per_block)
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the KV cache needs at least one block (got {num_blocks})")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN garbage
+        # would still poison the output.
+        self.tensor = _zeros(shape, spec.dtype, torch.device(device))
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.tensor[i, 0], self.tensor[i, 1]) for i in range(spec.num_layers)
+        ]
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of forked sequences)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.tensor.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.tensor.device)
+        # The source blocks are gathered before any write, so chains (a->b, b->c) read old data.
+        self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # calloc'd memory is zero pages mapped on first touch: a multi-GB cache costs nothing until
+    # its blocks are used, where torch.zeros would write every page up front (seconds).
+    numel = int(np.prod(shape))
+    raw = np.zeros(numel * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)

@@ -1,0 +1,33 @@
+"""RMSNorm with an optional fused residual add (Triton kernel on CUDA, plain torch elsewhere)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalize x; with a residual, normalize x + residual and also return that sum."""
+        if x.is_cuda:
+            from kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            residual = x + residual
+            return rms_norm_reference(residual, self.weight, self.eps), residual
+        return rms_norm_reference(x, self.weight, self.eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as HF's LlamaRMSNorm: normalize in fp32, cast, then scale.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)

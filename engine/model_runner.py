@@ -1,0 +1,265 @@
+"""ModelRunner: owns the model and the paged KV cache, and runs one scheduled step at a time.
+
+A step is a flat batch of sequences, each computing its next chunk of tokens (a prefill chunk
+or a single decode token) against the context already in its cache blocks. The runner turns the
+batch into flat input ids, positions, cache slots and block tables (vectorized, once per step),
+runs the model, and returns logits only for the sequences that are caught up and so sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.selector import get_attention_backend
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from engine.models import sliding_window_limit
+from engine.models.llama import head_dim_of
+from engine.models.loader import build_model
+from engine.sequence import ScheduledSeq, Sequence
+from schemas.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_meta: AttentionMetadata
+    sample_rows: torch.Tensor | None  # rows of the hidden states to turn into logits; None: all
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, model_path: Path | None, hf_config: Any | None = None
+    ) -> None:
+        """Load the HF config (or take hf_config) and the model, then allocate the KV cache."""
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if hf_config is None:
+            if model_path is None:
+                raise ValueError("ModelRunner needs a model folder or an hf_config")
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(str(model_path))
+        self.hf_config = hf_config
+        self.vocab_size: int = hf_config.vocab_size
+        self.block_size = config.block_size
+        self.max_model_len = self._resolve_max_model_len()
+        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        self.model = build_model(
+            hf_config,
+            self.attn_backend,
+            self.device,
+            self.dtype,
+            model_path=model_path,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
+        self.kv_spec = KVCacheSpec(
+            num_layers=hf_config.num_hidden_layers,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None)
+            or hf_config.num_attention_heads,
+            head_dim=head_dim_of(hf_config),
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+        self.num_kv_blocks = self._decide_num_kv_blocks()
+        self.kv_cache = KVCache(self.kv_spec, self.num_kv_blocks, self.device)
+        logger.info(
+            "model runner: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), backend %s",
+            type(self.model).__name__,
+            self.device,
+            self.dtype,
+            self.num_kv_blocks,
+            self.block_size,
+            self.num_kv_blocks * self.kv_spec.bytes_per_block / 2**20,
+            type(self.attn_backend).__name__,
+        )
+
+    # ------------------------------------------------------------------ setup
+
+    def _resolve_max_model_len(self) -> int:
+        limit = int(self.hf_config.max_position_embeddings)
+        window = sliding_window_limit(self.hf_config)
+        if window is not None and window < limit:
+            logger.warning(
+                "model uses sliding-window attention (%d); full attention is exact only up to "
+                "that length, so max_model_len is capped there",
+                window,
+            )
+            limit = window
+        requested = self.config.max_model_len
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise ValueError(f"max_model_len {requested} exceeds what the model supports ({limit})")
+        return requested
+
+    def _decide_num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            return num_blocks_for_budget(self.kv_spec, self.config.kv_cache_memory)
+        budget = self._cuda_kv_budget()
+        num_blocks = num_blocks_for_budget(self.kv_spec, budget)
+        if num_blocks <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
+            )
+        return num_blocks
+
+    def _cuda_kv_budget(self) -> int:
+        """Bytes left for the KV cache after weights and a worst-case step's activations."""
+        peak = self._profile_peak_memory()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory in use that torch did not allocate: the CUDA context, other processes.
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - outside_torch
+        logger.info(
+            "GPU memory: total %.2f GiB, torch peak %.2f GiB, outside torch %.2f GiB -> KV %.2f GiB",
+            total / 2**30,
+            peak / 2**30,
+            outside_torch / 2**30,
+            budget / 2**30,
+        )
+        return budget
+
+    def _profile_peak_memory(self) -> int:
+        """Run the largest step the scheduler may send (one prefill of the token budget)."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        seq = Sequence(
+            request_id="profile",
+            token_ids=[0] * num_tokens,
+            num_prompt_tokens=num_tokens,
+            params=SamplingParams(),
+            block_table=list(range(num_blocks)),
+        )
+        self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        logits = self.execute([ScheduledSeq(seq, num_tokens)])
+        # The sampler works on up to max_num_seqs rows of logits and a softmax of them.
+        with torch.inference_mode():
+            rows = logits.expand(self.config.max_num_seqs, -1).contiguous()
+            rows.softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del self.kv_cache, logits, rows
+        return peak
+
+    # ------------------------------------------------------------------ steps
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """Run one step; first perform the copy-on-write block copies (src->dst, all layers).
+
+        Returns float32 logits [num_sampling_seqs, vocab] for the entries of `batch` whose
+        `samples` is True, in batch order.
+        """
+        self.kv_cache.copy_blocks(block_copies)
+        if not batch:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        inputs = self.prepare_inputs(batch)
+        if inputs.sample_rows is not None and inputs.sample_rows.numel() == 0:
+            # Only partial prefill chunks: their K/V matter, no logits are needed.
+            self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta)
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta
+        )
+        if inputs.sample_rows is not None:
+            hidden = hidden.index_select(0, inputs.sample_rows)
+        return self.model.compute_logits(hidden)
+
+    def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
+        """Flatten a step's sequences into model inputs and attention metadata (no mutation)."""
+        block_size = self.block_size
+        query_lens = [s.num_new_tokens for s in batch]
+        starts = [s.seq.num_computed_tokens for s in batch]
+        seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)]
+        token_ids: list[int] = []
+        for s, start, end in zip(batch, starts, seq_lens, strict=True):
+            token_ids.extend(s.seq.token_ids[start:end])
+        if len(token_ids) != sum(query_lens):
+            raise ValueError("a scheduled sequence asks for tokens it does not have")
+
+        num_seqs = len(batch)
+        query_lens_np = np.asarray(query_lens, dtype=np.int64)
+        cu_query = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens_np, out=cu_query[1:])
+        seq_index = np.repeat(np.arange(num_seqs), query_lens_np)
+        positions = np.arange(cu_query[-1]) - cu_query[seq_index] + np.asarray(starts)[seq_index]
+
+        blocks_needed = [-(-n // block_size) for n in seq_lens]
+        block_tables = np.zeros((num_seqs, max(blocks_needed)), dtype=np.int32)
+        for i, (s, needed) in enumerate(zip(batch, blocks_needed, strict=True)):
+            table = s.seq.block_table
+            if len(table) < needed:
+                raise ValueError(
+                    f"sequence {s.seq.seq_id} needs {needed} KV blocks for {seq_lens[i]} tokens "
+                    f"but its block table has {len(table)}"
+                )
+            block_tables[i, :needed] = table[:needed]
+        slots = (
+            block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size
+        )
+
+        samples = [s.samples for s in batch]
+        sample_rows = None
+        if not all(samples) or len(token_ids) != num_seqs:
+            rows = [cu_query[i + 1] - 1 for i, sampled in enumerate(samples) if sampled]
+            sample_rows = self._to_device(np.asarray(rows, dtype=np.int64))
+
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots),
+            query_start_loc=self._to_device(cu_query.astype(np.int32)),
+            seq_lens=self._to_device(np.asarray(seq_lens, dtype=np.int32)),
+            block_tables=self._to_device(block_tables),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=self._to_device(np.asarray(token_ids, dtype=np.int64)),
+            positions=self._to_device(positions),
+            attn_meta=meta,
+            sample_rows=sample_rows,
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)

@@ -1,0 +1,192 @@
+"""The Llama family (Llama 2/3/3.1, SmolLM2, Mistral without sliding window) and Qwen2.
+
+One module serves all of them: they differ only in projection biases (Qwen2 has q/k/v biases),
+rope scaling and head sizes, all read from the HF config. Projections are fused: qkv_proj holds
+[q; k; v] rows and gate_up_proj holds [gate; up] rows (see packed_modules, used by the loader).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.layers.activation import silu_and_mul
+from engine.layers.linear import MergedLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, rope_parameters
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+
+
+def head_dim_of(hf_config: Any) -> int:
+    return (
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        rotary_emb: RotaryEmbedding,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        o_bias: bool,
+    ) -> None:
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(hf_config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = MergedLinear(
+            hf_config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k, cos_sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hf_config: Any,
+        rotary_emb: RotaryEmbedding,
+        backend: AttentionBackend,
+        qkv_bias: bool,
+        o_bias: bool,
+        mlp_bias: bool,
+    ) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.self_attn = LlamaAttention(hf_config, rotary_emb, backend, qkv_bias, o_bias)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, mlp_bias)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, backend: AttentionBackend, biases: dict[str, bool]) -> None:
+        super().__init__()
+        theta, scaling = rope_parameters(hf_config)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling
+        )
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, self.rotary_emb, backend, **biases)
+            for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # On the CPU the cos/sin rows of this step's positions are gathered once for all layers.
+        cos_sin = None if hidden.is_cuda else self.rotary_emb.lookup(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, cos_sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # Fused parameter -> the checkpoint projections stacked into it, in row order.
+    packed_modules = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def __init__(
+        self,
+        hf_config: Any,
+        backend: AttentionBackend,
+        qkv_bias: bool | None = None,
+    ) -> None:
+        super().__init__()
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        biases = {
+            "qkv_bias": attention_bias if qkv_bias is None else qkv_bias,
+            "o_bias": attention_bias,
+            "mlp_bias": bool(getattr(hf_config, "mlp_bias", False)),
+        }
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, backend, biases)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, attn_meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] -> float32 logits [S, vocab]."""
+        return F.linear(hidden, self.lm_head.weight).float()
