@@ -1,0 +1,62 @@
+"""Triton kernels for the engine's hot ops, and their plain-torch reference twins.
+
+Names resolve lazily: `from kernels import rms_norm` imports Triton only then, so CPU users
+without Triton can still `import kernels` and use the `*_ref` twins. Run the Triton kernels on
+CPU tensors by setting TRITON_INTERPRET=1 before the first kernel is imported.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kernels.activation import silu_and_mul
+    from kernels.kv_cache import reshape_and_cache
+    from kernels.paged_attention import choose_num_splits, unified_attention
+    from kernels.reference import (
+        reshape_and_cache_ref,
+        rms_norm_ref,
+        rotary_embedding_ref,
+        silu_and_mul_ref,
+        unified_attention_ref,
+    )
+    from kernels.rms_norm import rms_norm
+    from kernels.rotary import rotary_embedding
+
+_HOME = {
+    "unified_attention": "kernels.paged_attention",
+    "choose_num_splits": "kernels.paged_attention",
+    "reshape_and_cache": "kernels.kv_cache",
+    "rms_norm": "kernels.rms_norm",
+    "rotary_embedding": "kernels.rotary",
+    "silu_and_mul": "kernels.activation",
+    "unified_attention_ref": "kernels.reference",
+    "reshape_and_cache_ref": "kernels.reference",
+    "rms_norm_ref": "kernels.reference",
+    "rotary_embedding_ref": "kernels.reference",
+    "silu_and_mul_ref": "kernels.reference",
+}
+
+__all__ = [
+    "choose_num_splits",
+    "reshape_and_cache",
+    "reshape_and_cache_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "unified_attention",
+    "unified_attention_ref",
+]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    value = getattr(import_module(home), name)
+    globals()[name] = value
+    return value

@@ -19,37 +19,11 @@ import triton.language as tl
 from kernels._launch import check_device, dot_upcast, next_pow2, num_compute_units
 
 _LOG2E = 1.4426950408889634
-# Below this context the single pass already has enough parallelism per program.
-_SPLIT_MIN_SEQ_LEN = 2048
+# Shorter contexts finish so fast in one pass that the extra merge launch would cost more.
+_SPLIT_MIN_SEQ_LEN = 1024
 # Each split should still stream at least this many keys to amortise its partial write.
-_SPLIT_MIN_KEYS = 512
+_SPLIT_MIN_KEYS = 256
 _MAX_SPLITS = 64
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _find_seq(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q: tl.constexpr):
-    """Largest sequence i with query_start_loc[i] // BLOCK_Q + i <= q_block_id (binary search).
-
-    Sequence i owns q-block ids [query_start_loc[i] // BLOCK_Q + i, ...): the `+ i` leaves room
-    for the partial block every sequence may end with, so ids never collide.
-    """
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first_block <= q_block_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
 
 
 @triton.jit
@@ -86,6 +60,7 @@ def _unified_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -93,12 +68,27 @@ def _unified_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq(query_start_loc_ptr, num_seqs, q_block_id, BLOCK_Q)
+    if DECODE_ONLY:
+        seq = q_block_id  # one query token per sequence: program i is sequence i
+    else:
+        # Sequence i owns q-block ids from query_start_loc[i] // BLOCK_Q + i on: the `+ i`
+        # leaves room for the partial block each sequence may end with, so ids never collide.
+        # Binary search for the last sequence starting at or before this id (inline: nested
+        # jit calls are slow in the interpreter).
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block_id:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = q_block_id - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
-        return  # a spare id: the grid is sized for the worst case without reading lengths
+        return  # a spare id (the grid covers the worst case), or a sequence with no query
     seq_len = tl.load(seq_lens_ptr + seq)
     context_before = seq_len - q_len
 
@@ -114,16 +104,19 @@ def _unified_attention_kernel(
     q_offsets = token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :]
     q_mask = row_valid[:, None] & dim_valid[None, :]
     q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(k_cache_ptr.dtype.element_ty)
+    if DOT_UPCAST:
+        # The interpreter's tl.dot multiplies bf16 bit patterns as integers: feed it fp32.
+        q = q.to(tl.float32)
 
     # Keys up to the last query position of this block; later tiles are fully masked.
     last_q_idx = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_len = context_before + last_q_idx + 1
-    num_tiles = tl.cdiv(kv_len, TILE_N)
+    num_tiles = (kv_len + TILE_N - 1) // TILE_N
     if NUM_SPLITS == 1:
         tile_lo = 0
         tile_hi = num_tiles
     else:
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
         tile_lo = split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -143,10 +136,8 @@ def _unified_attention_kernel(
             + kv_head * stride_k_h
             + dims[:, None]
         )
-        k = tl.load(
-            k_cache_ptr + k_offsets, mask=dim_valid[:, None] & kv_valid[None, :], other=0.0
-        )
-        s = _dot(q, k, DOT_UPCAST, DOT_PRECISION) * qk_scale
+        k = tl.load(k_cache_ptr + k_offsets, mask=dim_valid[:, None] & kv_valid[None, :], other=0.0)
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         causal = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         s = tl.where(causal, s, float("-inf"))
 
@@ -163,10 +154,9 @@ def _unified_attention_kernel(
             + kv_head * stride_v_h
             + dims[None, :]
         )
-        v = tl.load(
-            v_cache_ptr + v_offsets, mask=kv_valid[:, None] & dim_valid[None, :], other=0.0
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_UPCAST, DOT_PRECISION)
+        v = tl.load(v_cache_ptr + v_offsets, mask=kv_valid[:, None] & dim_valid[None, :], other=0.0)
+        p = p.to(v.dtype).to(q.dtype)  # P rounds to the cache dtype, as the GPU's PV dot sees it
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -234,14 +224,24 @@ class _LaunchShape:
     num_warps: int
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The power of two the kernel tiles the head dim to; tl.dot needs at least 16."""
+    return max(16, next_pow2(head_dim))
+
+
 def _launch_shape(queries_per_kv: int, max_query_len: int, head_dim_pad: int) -> _LaunchShape:
-    """Tile sizes: a 16-row minimum for tl.dot on decode, taller tiles for prefill chunks."""
+    """Tile sizes: 16 query rows (tl.dot's minimum) for decodes, 64 for prefill chunks.
+
+    Picked so that sm_90 compiles spill no registers (checked with ptxas -v): the gathered K/V
+    addresses are register-hungry, so wide heads get narrower key tiles.
+    """
+    wide = head_dim_pad > 128
     if max_query_len <= 1:
-        block_m = max(16, next_pow2(queries_per_kv))
+        block_m, tile_n, num_warps = 16, 16 if wide else 32, 4
     else:
-        block_m = max(64 if head_dim_pad <= 128 else 32, next_pow2(queries_per_kv))
-    tile_n = 64 if head_dim_pad <= 128 else 32
-    return _LaunchShape(block_m, block_m // queries_per_kv, tile_n, num_warps=4)
+        block_m, tile_n, num_warps = (32, 16, 8) if wide else (64, 64, 8)
+    block_m = max(block_m, next_pow2(queries_per_kv))
+    return _LaunchShape(block_m, block_m // queries_per_kv, tile_n, num_warps)
 
 
 def choose_num_splits(
@@ -293,12 +293,18 @@ def unified_attention(
     pass an explicit value; the kernels themselves read lengths from device memory only.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(
-            f"q heads {num_q_heads}x{head_dim} do not fit cache heads {num_kv_heads}x{cache_head_dim}"
+            f"q heads {num_q_heads}x{head_dim} do not fit "
+            f"cache heads {num_kv_heads}x{cache_head_dim}"
         )
-    if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+    if (
+        q.stride(-1) != 1
+        or out.stride(-1) != 1
+        or k_cache.stride(-1) != 1
+        or v_cache.stride(-1) != 1
+    ):
         raise ValueError("unified_attention needs the head dimension contiguous")
     check_device(_unified_attention_kernel, q, k_cache, v_cache, out, block_tables)
     num_seqs = seq_lens.shape[0]
@@ -306,25 +312,30 @@ def unified_attention(
         return out
 
     queries_per_kv = num_q_heads // num_kv_heads
-    head_dim_pad = next_pow2(head_dim)
+    head_dim_pad = padded_head_dim(head_dim)
     shape = _launch_shape(queries_per_kv, max_query_len, head_dim_pad)
     if num_splits is None:
-        num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_query_len, max_seq_len, q.device
-        )
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, q.device)
     num_splits = max(int(num_splits), 1)
 
     if num_splits > 1:
         part_out = torch.empty(
-            (num_tokens, num_q_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
+            (num_tokens, num_q_heads, num_splits, head_dim_pad),
+            dtype=torch.float32,
+            device=q.device,
         )
-        part_max = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_max = torch.empty(
+            (num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device
+        )
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # never touched on this path
 
     upcast = dot_upcast(_unified_attention_kernel, k_cache.dtype)
-    grid = (num_tokens // shape.block_q + num_seqs, num_kv_heads, num_splits)
+    decode_only = max_query_len == 1
+    # Without reading lengths, T // BLOCK_Q + B q-blocks always cover every sequence.
+    num_q_blocks = num_seqs if decode_only else num_tokens // shape.block_q + num_seqs
+    grid = (num_q_blocks, num_kv_heads, num_splits)
     _unified_attention_kernel[grid](
         q,
         k_cache,
@@ -358,8 +369,10 @@ def unified_attention(
         BLOCK_M=shape.block_m,
         TILE_N=shape.tile_n,
         NUM_SPLITS=num_splits,
+        DECODE_ONLY=decode_only,
         DOT_UPCAST=upcast,
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        # fp32 caches get exact fp32 products (no TF32); half types use the default MMA.
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else None,
         num_warps=shape.num_warps,
     )
     if num_splits > 1:

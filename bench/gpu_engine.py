@@ -1,0 +1,219 @@
+"""Parts (b) and (c) of bench/gpu.py: the engine (LLM API) on a dummy-weight Llama-3-8B.
+
+(b) batch-1 decode ms/token against the weight-bandwidth floor; (c) offline throughput
+against transformers' generate and the compute roofline. Needs the engine's dependencies
+(pydantic among them); imported only when those parts run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from gpu_report import (
+    bandwidth_floor_ms,
+    compute_roofline_tokens_per_s,
+    llama_param_counts,
+    markdown_table,
+)
+
+logger = logging.getLogger("bench.gpu")
+_FIRST_ORDINARY_TOKEN = 256  # skip low ids, where vocabularies keep special tokens
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    model_config: dict
+    model_dir: Path  # where config.json goes (nothing else: dummy weights)
+    decode_prompt_len: int = 128
+    decode_tokens: int = 128
+    num_prompts: int = 1000
+    input_len: int = 1024
+    output_len: int = 128
+    hf_prompts: int = 64
+    hf_batch_size: int = 64
+    peak_flops: float = 989e12
+    gpu_memory_utilization: float = 0.90
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enforce_eager: bool = False
+    seed: int = 0
+
+
+def write_model_dir(cfg: EngineBenchConfig) -> Path:
+    cfg.model_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.model_dir / "config.json").write_text(json.dumps(cfg.model_config, indent=2))
+    return cfg.model_dir
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(_FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(length)]
+        for _ in range(count)
+    ]
+
+
+def measure_copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (each copied byte is read once, written once)."""
+    import triton.testing
+
+    def copy_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
+        return triton.testing.do_bench(
+            lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median"
+        )
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    ms = copy_ms(src, torch.empty_like(src))
+    del src
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / (ms * 1e-3)
+
+
+def make_llm(cfg: EngineBenchConfig):
+    from engine import LLM
+
+    return LLM(
+        model=str(write_model_dir(cfg)),
+        load_format="dummy",
+        dtype="bfloat16",
+        device="cuda",
+        seed=cfg.seed,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enforce_eager=cfg.enforce_eager,
+    )
+
+
+def _greedy(max_tokens: int):
+    from engine import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, _greedy(max_tokens), use_tqdm=False)
+    torch.cuda.synchronize()
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return time.perf_counter() - started, produced
+
+
+def bench_decode(cfg: EngineBenchConfig, llm) -> str:
+    """Batch-1 ms/token = (time for N tokens - time for 1 token) / (N - 1): prefill cancels out."""
+    counts = llama_param_counts(cfg.model_config)
+    weight_bytes = counts.streamed_bytes_per_token(bytes_per_param=2)
+    bandwidth = measure_copy_bandwidth()
+    floor_ms = bandwidth_floor_ms(weight_bytes, bandwidth)
+
+    vocab = cfg.model_config["vocab_size"]
+    n = cfg.decode_tokens
+    fresh = iter(random_prompts(16, cfg.decode_prompt_len, vocab, cfg.seed + 1))  # no prefix hits
+    _timed_generate(llm, [next(fresh)], 8)  # warm-up
+    one = statistics.median(_timed_generate(llm, [next(fresh)], 1)[0] for _ in range(3))
+    full = statistics.median(_timed_generate(llm, [next(fresh)], n)[0] for _ in range(3))
+    ms_per_token = (full - one) / (n - 1) * 1e3
+    achieved = weight_bytes / (ms_per_token * 1e-3)
+    rows = [[
+        f"{counts.total / 1e9:.2f} B", f"{weight_bytes / 1e9:.2f}", f"{bandwidth / 1e12:.2f}",
+        floor_ms, ms_per_token, floor_ms / ms_per_token, achieved / 1e12,
+    ]]  # fmt: skip
+    headers = [
+        "params", "weight GB read/token", "copy TB/s (measured)", "floor ms/token",
+        "decode ms/token", "floor ÷ measured", "effective TB/s",
+    ]  # fmt: skip
+    return (
+        f"Batch-1 decode, bf16 dummy weights, prompt {cfg.decode_prompt_len}, {n} new tokens "
+        "(ms/token excludes prefill). Floor = weight bytes ÷ measured device copy bandwidth.\n\n"
+        + markdown_table(headers, rows)
+    )
+
+
+def bench_throughput(cfg: EngineBenchConfig, llm, hf_rates: dict | None) -> str:
+    vocab = cfg.model_config["vocab_size"]
+    prompts = random_prompts(cfg.num_prompts, cfg.input_len, vocab, cfg.seed + 2)
+    _timed_generate(llm, random_prompts(8, 64, vocab, cfg.seed + 3), 8)  # warm-up
+    seconds, produced = _timed_generate(llm, prompts, cfg.output_len)
+    expected = cfg.num_prompts * cfg.output_len
+    if produced != expected:
+        logger.warning("engine produced %d tokens, expected %d", produced, expected)
+    ours = {
+        "output_tok_s": produced / seconds,
+        "total_tok_s": (cfg.num_prompts * cfg.input_len + produced) / seconds,
+        "seconds": seconds,
+    }
+    counts = llama_param_counts(cfg.model_config)
+    roofline = compute_roofline_tokens_per_s(counts.matmul, cfg.peak_flops)
+    rows = [[
+        f"inferq LLM.generate ({cfg.num_prompts} prompts)", ours["seconds"], ours["output_tok_s"],
+        ours["total_tok_s"], ours["total_tok_s"] / roofline, "-",
+    ]]  # fmt: skip
+    if hf_rates is not None:
+        rows.append([
+            f"transformers generate ({cfg.hf_prompts} prompts, batch {cfg.hf_batch_size})",
+            hf_rates["seconds"], hf_rates["output_tok_s"], hf_rates["total_tok_s"],
+            hf_rates["total_tok_s"] / roofline, ours["output_tok_s"] / hf_rates["output_tok_s"],
+        ])  # fmt: skip
+    headers = [
+        "system", "seconds", "output tok/s", "total tok/s", "total ÷ compute roofline",
+        "inferq ÷ this (output tok/s)",
+    ]  # fmt: skip
+    return (
+        f"Offline throughput: {cfg.input_len} random token ids in / {cfg.output_len} out, "
+        f"ignore_eos, greedy, bf16 dummy weights. Compute roofline = peak {cfg.peak_flops:.3g} "
+        f"FLOP/s ÷ (2 x {counts.matmul / 1e9:.2f} B matmul params) = {roofline:.0f} tok/s "
+        "(attention FLOPs not counted).\n\n" + markdown_table(headers, rows)
+    )
+
+
+def bench_transformers(cfg: EngineBenchConfig) -> dict:
+    """transformers generate on the same config (random weights), static batches, then freed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(write_model_dir(cfg))
+    with torch.device("cuda"):
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+        except TypeError:  # transformers < 4.56 spells it torch_dtype
+            model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.bfloat16)
+    model.eval()
+    vocab = cfg.model_config["vocab_size"]
+    prompts = random_prompts(cfg.hf_prompts, cfg.input_len, vocab, cfg.seed + 4)
+
+    def generate(model: torch.nn.Module, batch: list[list[int]], new_tokens: int) -> None:
+        ids = torch.tensor(batch, device="cuda")
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    generate(model, prompts[:2], 4)  # warm-up
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for start in range(0, len(prompts), cfg.hf_batch_size):
+        generate(model, prompts[start : start + cfg.hf_batch_size], cfg.output_len)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    produced = len(prompts) * cfg.output_len
+    return {
+        "seconds": seconds,
+        "output_tok_s": produced / seconds,
+        "total_tok_s": (len(prompts) * cfg.input_len + produced) / seconds,
+    }

@@ -1,0 +1,106 @@
+"""Plain-torch twins of the Triton kernels: same signatures, `_ref` suffix.
+
+They define the semantics the kernels must match, so they favour obviousness over speed
+(per-sequence Python loops, fp32 math) and run on any device without Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def unified_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention, one sequence at a time, in fp32; writes and returns `out`.
+
+    Query token j of sequence i sits at position seq_lens[i] - qlen_i + j and attends to the
+    context positions 0..that position, gathered through block_tables[i]. max_query_len,
+    max_seq_len and num_splits only tune the kernel and are ignored here.
+    """
+    del max_query_len, max_seq_len, num_splits
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out
+
+
+def reshape_and_cache_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """k_cache.view(num_blocks * block_size, Hkv, D)[slot] = k[t] for every slot >= 0."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF LlamaRMSNorm, with the residual add first when `residual` is given."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    out = (normed.to(x.dtype) * weight).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> None:
+    """Neox rotary in place: per head, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in fp32."""
+    rotary_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # [T, R/2] each
+    for x in (q, k):
+        heads = x.view(x.shape[0], -1, head_dim)
+        x1 = heads[..., : rotary_dim // 2].float()
+        x2 = heads[..., rotary_dim // 2 : rotary_dim].float()
+        c, s = cos[:, None, :], sin[:, None, :]
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        heads[..., :rotary_dim] = rotated.to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2*I] = [gate; up] -> silu(gate) * up, in x.dtype like the unfused MLP."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

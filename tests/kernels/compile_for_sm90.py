@@ -1,0 +1,118 @@
+"""Compiles every kernel variant the launchers can pick for sm_90 (H100), without a GPU.
+
+The interpreter accepts code the GPU compiler rejects (tl.dot shapes under 16, mismatched
+loop-carried types, ...), so this runs the real Triton pipeline down to a cubin with the
+ptxas bundled in the triton wheel. Run in a process without TRITON_INTERPRET:
+    python tests/kernels/compile_for_sm90.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+STRIDES_ATTENTION = [
+    "stride_q_t", "stride_q_h", "stride_k_b", "stride_k_s", "stride_k_h",
+    "stride_v_b", "stride_v_s", "stride_v_h", "stride_o_t", "stride_o_h", "stride_bt",
+]  # fmt: skip
+STRIDES_CACHE = [
+    "stride_k_t", "stride_k_h", "stride_v_t", "stride_v_h", "stride_kc_b",
+    "stride_kc_s", "stride_kc_h", "stride_vc_b", "stride_vc_s", "stride_vc_h",
+]  # fmt: skip
+
+
+def _compile(fn, signature: dict, constants: dict, num_warps: int) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(fn, signature, constants)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+    )
+    assert "cubin" in compiled.asm, f"{fn.__name__}: no cubin"
+
+
+def _attention(dtype: str, head_dim: int, queries_per_kv: int, prefill: bool, splits: int) -> None:
+    from kernels.paged_attention import _launch_shape, _unified_attention_kernel, padded_head_dim
+
+    head_dim_pad = padded_head_dim(head_dim)
+    shape = _launch_shape(queries_per_kv, 64 if prefill else 1, head_dim_pad)
+    signature = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], f"*{dtype}")
+    signature |= dict.fromkeys(["part_out_ptr", "part_max_ptr", "part_sum_ptr"], "*fp32")
+    signature |= dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"], "*i32")
+    signature |= {"num_seqs": "i32", "num_q_heads": "i32", "qk_scale": "fp32"}
+    signature |= dict.fromkeys(STRIDES_ATTENTION, "i32")
+    constants = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16,
+        QUERIES_PER_KV=queries_per_kv, BLOCK_Q=shape.block_q, BLOCK_M=shape.block_m,
+        TILE_N=shape.tile_n, NUM_SPLITS=splits, DECODE_ONLY=not prefill, DOT_UPCAST=False,
+        DOT_PRECISION="ieee" if dtype == "fp32" else None,
+    )  # fmt: skip
+    _compile(_unified_attention_kernel, signature, constants, shape.num_warps)
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile")
+    from kernels.activation import _silu_and_mul_kernel
+    from kernels.kv_cache import _reshape_and_cache_kernel
+    from kernels.paged_attention import _merge_splits_kernel
+    from kernels.rms_norm import _rms_norm_kernel
+    from kernels.rotary import _rotary_kernel
+
+    for dtype in ("bf16", "fp16", "fp32"):
+        for prefill in (False, True):
+            _attention(dtype, 128, 4, prefill, 1)
+    _attention("bf16", 128, 4, False, 8)  # flash decoding
+    _attention("bf16", 64, 3, True, 1)  # SmolLM2 shapes
+    _attention("bf16", 256, 8, True, 1)
+    _attention("bf16", 80, 1, False, 1)  # padded head dim
+    _attention("fp32", 8, 4, True, 2)  # tiny test models
+    _attention("bf16", 8, 4, False, 1)  # tl.dot's MMA needs K >= 16: padded
+    _compile(
+        _merge_splits_kernel,
+        {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+         "part_sum_ptr": "*fp32", "num_q_heads": "i32", "stride_o_t": "i32", "stride_o_h": "i32"},
+        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8),
+        num_warps=4,
+    )  # fmt: skip
+    _compile(
+        _reshape_and_cache_kernel,
+        {**dict.fromkeys(["k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16"),
+         "slot_mapping_ptr": "*i64", "num_tokens": "i32", **dict.fromkeys(STRIDES_CACHE, "i32")},
+        dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=4, WIDTH_PAD=1024),
+        num_warps=4,
+    )  # fmt: skip
+    for has_residual in (False, True):
+        _compile(
+            _rms_norm_kernel,
+            {**dict.fromkeys(["x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "residual_out_ptr"], "*bf16"),
+             "hidden_size": "i32", "eps": "fp32",
+             **dict.fromkeys(["stride_x", "stride_r", "stride_o", "stride_ro"], "i32")},
+            dict(HAS_RESIDUAL=has_residual, BLOCK=4096),
+            num_warps=8,
+        )  # fmt: skip
+    _compile(
+        _rotary_kernel,
+        {"positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "cos_sin_ptr": "*fp32",
+         **dict.fromkeys(["num_q_heads", "num_kv_heads", "stride_q", "stride_k", "stride_cache"], "i32")},
+        dict(HEAD_DIM=128, HALF=64, HALF_PAD=64, Q_HEADS_PAD=32, K_HEADS_PAD=8),
+        num_warps=4,
+    )  # fmt: skip
+    _compile(
+        _silu_and_mul_kernel,
+        {"x_ptr": "*bf16", "out_ptr": "*bf16", "intermediate_size": "i32", "stride_x": "i32",
+         "stride_o": "i32"},
+        dict(BLOCK=1024),
+        num_warps=4,
+    )  # fmt: skip
+    print("all kernels compiled for sm_90")
+
+
+if __name__ == "__main__":
+    main()
