@@ -37,6 +37,8 @@ class TextDelta:
 
 def _decode_function(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """tokenizer.decode, calling the Rust tokenizer directly when that gives the same text."""
+    if tokenizer is None:  # weight-only models (benchmarks): token ids out, no text
+        return lambda ids: ""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         # HF fast tokenizers decode exactly like this, minus ~15 us of Python per call.

@@ -13,7 +13,6 @@ source "$ROOT/scripts/env.sh"
 ruff check --quiet .
 ruff format --check --quiet .
 inferq model pull >/dev/null
-export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 # Tests run the engine in several processes at once (pytest, worker subprocesses) on few cores:
 # spinning OpenMP threads then starve each other, passive waiting keeps every step fast.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"

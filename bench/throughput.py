@@ -1,0 +1,196 @@
+"""Offline throughput: inferq's LLM.generate vs transformers' generate, same workload, one run.
+
+    python bench/throughput.py --num-prompts 96 --input-len 160 --output-len 72 --range-ratio 0.8
+
+Baseline: transformers with static left-padded batches (best of batch sizes 8 / 32 / all),
+counting only the tokens each request asked for. Also single-stream decode ms/token
+(128-token prompt, 256 new tokens) for both. Greedy, ignore_eos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from workload import Request, add_workload_args, describe_runtime, random_workload, tune_cpu_runtime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_args(parser)
+    parser.add_argument("--baseline-batch-sizes", default="8,32,all")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    args = parser.parse_args()
+    tune_cpu_runtime(args.threads)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from engine import LLM, SamplingParams
+
+    engine_args = {"dtype": args.dtype, "seed": args.seed, "enforce_eager": args.enforce_eager}
+    if args.max_num_batched_tokens:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_num_seqs:
+        engine_args["max_num_seqs"] = args.max_num_seqs
+    llm = LLM(args.model, num_threads=args.threads, **engine_args)
+    vocab = llm.engine.runner.vocab_size
+    requests = random_workload(
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.seed
+    )
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    output_tokens = sum(r.output_len for r in requests)
+    print(
+        f"# workload: {len(requests)} prompts, {prompt_tokens} prompt + {output_tokens} output tokens"
+    )
+    print(
+        f"# runtime: torch {torch.__version__}, threads={torch.get_num_threads()}, {describe_runtime()}"
+    )
+
+    def params(output_len: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+    warm = random_workload(4, 32, 8, 0.0, vocab, args.seed + 1)
+    llm.generate([r.prompt_token_ids for r in warm], params(8), use_tqdm=False)
+    started = time.perf_counter()
+    outputs = llm.generate(
+        [r.prompt_token_ids for r in requests],
+        [params(r.output_len) for r in requests],
+        use_tqdm=False,
+    )
+    ours_s = time.perf_counter() - started
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == output_tokens, (produced, output_tokens)
+    results = {"ours": _rates(ours_s, prompt_tokens, output_tokens)}
+    _print_row("inferq LLM.generate", results["ours"])
+
+    hf_model = None
+    if not args.skip_baseline or not args.skip_decode:
+        hf_model = _load_hf(llm.engine.model_path, llm.engine.runner.dtype)
+    if not args.skip_baseline:
+        best = None
+        for label in args.baseline_batch_sizes.split(","):
+            size = len(requests) if label == "all" else int(label)
+            seconds = _hf_static_batches(hf_model, requests, size)
+            rates = _rates(seconds, prompt_tokens, output_tokens) | {"batch_size": size}
+            _print_row(f"transformers generate, batch {label}", rates)
+            if best is None or rates["output_tok_s"] > best["output_tok_s"]:
+                best = rates
+        results["transformers_best"] = best
+        results["throughput_ratio"] = results["ours"]["output_tok_s"] / best["output_tok_s"]
+        print(f"throughput ratio (inferq / best transformers): {results['throughput_ratio']:.2f}x")
+
+    if not args.skip_decode:
+        prompt = random_workload(1, 128, 1, 0.0, vocab, args.seed + 2)[0].prompt_token_ids
+        ours_ms = _ours_decode_ms(llm, prompt, args.decode_tokens, params)
+        hf_ms = _hf_decode_ms(hf_model, prompt, args.decode_tokens)
+        results["decode_ms_per_token"] = {
+            "ours": ours_ms,
+            "transformers": hf_ms,
+            "ratio": ours_ms / hf_ms,
+        }
+        print(
+            f"single-stream decode: inferq {ours_ms:.2f} ms/token, transformers {hf_ms:.2f} ms/token, "
+            f"ratio {ours_ms / hf_ms:.2f}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def _rates(seconds: float, prompt_tokens: int, output_tokens: int) -> dict:
+    return {
+        "seconds": seconds,
+        "output_tok_s": output_tokens / seconds,
+        "total_tok_s": (prompt_tokens + output_tokens) / seconds,
+    }
+
+
+def _print_row(label: str, rates: dict) -> None:
+    print(
+        f"{label:40s} {rates['seconds']:8.2f} s  output {rates['output_tok_s']:8.1f} tok/s  "
+        f"total {rates['total_tok_s']:8.1f} tok/s"
+    )
+
+
+def _load_hf(model_path: Path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+
+
+def _hf_static_batches(model, requests: list[Request], batch_size: int) -> float:
+    import torch
+
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    started = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start : start + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, request in enumerate(batch):
+            n = len(request.prompt_token_ids)
+            ids[row, width - n :] = torch.tensor(request.prompt_token_ids)
+            mask[row, width - n :] = 1
+        new_tokens = max(r.output_len for r in batch)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+    return time.perf_counter() - started
+
+
+def _hf_decode_ms(model, prompt: list[int], new_tokens: int) -> float:
+    import torch
+
+    ids = torch.tensor([prompt])
+
+    def run(n: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - started
+
+    run(4)
+    one = statistics.median(run(1) for _ in range(3))
+    full = statistics.median(run(new_tokens) for _ in range(2))
+    return (full - one) / (new_tokens - 1) * 1000
+
+
+def _ours_decode_ms(llm, prompt: list[int], new_tokens: int, params) -> float:
+    samples = []
+    for attempt in range(2):
+        engine = llm.engine
+        engine.add_request(f"decode-{attempt}", prompt, params(new_tokens))
+        stamps = []
+        while engine.has_unfinished():
+            if engine.step():
+                stamps.append(time.perf_counter())
+        engine.pop_output(f"decode-{attempt}")
+        samples.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1000)
+    return statistics.median(samples)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Shared pieces of the benchmarks: vLLM-style random workloads and a tuned CPU launcher."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_ALLOCATORS = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+)
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--num-prompts", type=int, default=96)
+    parser.add_argument("--input-len", type=int, default=160)
+    parser.add_argument("--output-len", type=int, default=72)
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±r)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
+    parser.add_argument("--dtype", default="auto")
+
+
+def random_workload(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    vocab_size: int,
+    seed: int,
+) -> list[Request]:
+    """Random token prompts and output lengths, uniform in [len*(1-r), len*(1+r)] like vLLM's."""
+    rng = random.Random(seed)
+    special = 256  # skip low ids, where byte-level vocabularies keep control/special tokens
+
+    def length(mean: int) -> int:
+        low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return rng.randint(low, high)
+
+    return [
+        Request(
+            [rng.randrange(special, vocab_size) for _ in range(length(input_len))],
+            length(output_len),
+        )
+        for _ in range(num_prompts)
+    ]
+
+
+def tune_cpu_runtime(threads: int | None) -> None:
+    """Re-exec once with a faster allocator preloaded and OpenMP threads pinned to cores.
+
+    glibc malloc returns freed activation buffers to the OS and refaults them every step;
+    tcmalloc/jemalloc keep them. Pinned threads stop OpenMP workers from migrating."""
+    if os.environ.get("INFERQ_BENCH_TUNED") or os.environ.get("INFERQ_BENCH_NO_TUNE"):
+        return
+    env = dict(os.environ, INFERQ_BENCH_TUNED="1")
+    allocator = next((path for path in _ALLOCATORS if Path(path).exists()), None)
+    if allocator:
+        env["LD_PRELOAD"] = f"{allocator} {env.get('LD_PRELOAD', '')}".strip()
+    cores = threads or os.cpu_count() or 1
+    env.setdefault("OMP_NUM_THREADS", str(cores))
+    env.setdefault("OMP_PROC_BIND", "close")
+    env.setdefault("OMP_PLACES", "cores")
+    env.setdefault("KMP_AFFINITY", "granularity=fine,compact,1,0")
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def describe_runtime() -> str:
+    preload = os.environ.get("LD_PRELOAD", "")
+    allocator = Path(preload.split()[0]).name if preload else "glibc malloc"
+    return f"allocator={allocator} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}"
