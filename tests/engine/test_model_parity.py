@@ -33,14 +33,14 @@ def _reference_logits(model_path: Path, sequences: list[list[int]]) -> list[torc
         return [model(torch.tensor([ids])).logits[0] for ids in sequences]
 
 
-def _make_runner(model_path: Path, num_blocks: int = 96) -> ModelRunner:
+def _make_runner(model_path: Path, num_blocks: int = 96, backend: str = "torch") -> ModelRunner:
     config = EngineConfig(
         model=str(model_path),
         device="cpu",
         dtype="float32",
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_blocks,
-        attention_backend="torch",
+        attention_backend=backend,
     )
     return ModelRunner(config, model_path)
 
@@ -92,8 +92,8 @@ SCHEDULE = [
 ]
 
 
-def _check_parity(model_path: Path) -> None:
-    runner = _make_runner(model_path)
+def _check_parity(model_path: Path, backend: str = "torch") -> None:
+    runner = _make_runner(model_path, backend=backend)
     rng = random.Random(1)
     prompts = [[rng.randrange(runner.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
     logits_at = _run_schedule(runner, prompts, SCHEDULE)
@@ -117,6 +117,14 @@ CONFIGS = {
 @pytest.mark.parametrize(("kind", "overrides"), CONFIGS.values(), ids=CONFIGS.keys())
 def test_tiny_model_matches_transformers(tiny_model_factory, kind: str, overrides: dict) -> None:
     _check_parity(tiny_model_factory(kind, **overrides))
+
+
+@pytest.mark.parametrize("kind", ["llama3-rope-gqa4", "qwen2-qkv-bias"])
+def test_triton_backend_matches_transformers(tiny_model_factory, kind: str) -> None:
+    """The Triton kernels (interpreted on the CPU) run the same batches to the same logits."""
+    pytest.importorskip("triton")  # on CPU-only machines tests/conftest.py selects the interpreter
+    model_kind, overrides = CONFIGS[kind]
+    _check_parity(tiny_model_factory(model_kind, **overrides), backend="triton")
 
 
 @pytest.mark.slow
