@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from figures import print_row, rates
 from workload import Request, add_workload_args, describe_runtime, random_workload, tune_cpu_runtime
 
 
@@ -42,7 +43,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     engine_args = {"dtype": args.dtype, "seed": args.seed, "enforce_eager": args.enforce_eager}
     if args.max_num_batched_tokens:
@@ -54,51 +55,30 @@ def main() -> None:
     requests = random_workload(
         args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.seed
     )
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    output_tokens = sum(r.output_len for r in requests)
     print(
-        f"# workload: {len(requests)} prompts, {prompt_tokens} prompt + {output_tokens} output tokens"
+        f"# workload: {len(requests)} prompts, {sum(len(r.prompt_token_ids) for r in requests)} "
+        f"prompt + {sum(r.output_len for r in requests)} output tokens"
     )
     print(
         f"# runtime: torch {torch.__version__}, threads={torch.get_num_threads()}, {describe_runtime()}"
     )
 
-    def params(output_len: int) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-
-    warm = random_workload(4, 32, 8, 0.0, vocab, args.seed + 1)
-    llm.generate([r.prompt_token_ids for r in warm], params(8), use_tqdm=False)
-    started = time.perf_counter()
-    outputs = llm.generate(
-        [r.prompt_token_ids for r in requests],
-        [params(r.output_len) for r in requests],
-        use_tqdm=False,
-    )
-    ours_s = time.perf_counter() - started
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert produced == output_tokens, (produced, output_tokens)
-    results = {"ours": _rates(ours_s, prompt_tokens, output_tokens)}
-    _print_row("inferq LLM.generate", results["ours"])
+    warm_up(llm, args.seed)
+    results = {"ours": measure_inferq(llm, requests)}
+    print_row("inferq LLM.generate", results["ours"])
 
     hf_model = None
     if not args.skip_baseline or not args.skip_decode:
-        hf_model = _load_hf(llm.engine.model_path, llm.engine.runner.dtype)
+        hf_model = load_hf(llm.engine.model_path, llm.engine.runner.dtype)
     if not args.skip_baseline:
-        best = None
-        for label in args.baseline_batch_sizes.split(","):
-            size = len(requests) if label == "all" else int(label)
-            seconds = _hf_static_batches(hf_model, requests, size)
-            rates = _rates(seconds, prompt_tokens, output_tokens) | {"batch_size": size}
-            _print_row(f"transformers generate, batch {label}", rates)
-            if best is None or rates["output_tok_s"] > best["output_tok_s"]:
-                best = rates
+        best = measure_transformers(hf_model, requests, args.baseline_batch_sizes.split(","))
         results["transformers_best"] = best
         results["throughput_ratio"] = results["ours"]["output_tok_s"] / best["output_tok_s"]
         print(f"throughput ratio (inferq / best transformers): {results['throughput_ratio']:.2f}x")
 
     if not args.skip_decode:
         prompt = random_workload(1, 128, 1, 0.0, vocab, args.seed + 2)[0].prompt_token_ids
-        ours_ms = _ours_decode_ms(llm, prompt, args.decode_tokens, params)
+        ours_ms = _ours_decode_ms(llm, prompt, args.decode_tokens, greedy)
         hf_ms = _hf_decode_ms(hf_model, prompt, args.decode_tokens)
         results["decode_ms_per_token"] = {
             "ours": ours_ms,
@@ -113,22 +93,51 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=2))
 
 
-def _rates(seconds: float, prompt_tokens: int, output_tokens: int) -> dict:
-    return {
-        "seconds": seconds,
-        "output_tok_s": output_tokens / seconds,
-        "total_tok_s": (prompt_tokens + output_tokens) / seconds,
-    }
+def greedy(output_len: int):
+    """The benchmarks' sampling: greedy, exactly `output_len` tokens (ignore_eos)."""
+    from engine import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
 
-def _print_row(label: str, rates: dict) -> None:
-    print(
-        f"{label:40s} {rates['seconds']:8.2f} s  output {rates['output_tok_s']:8.1f} tok/s  "
-        f"total {rates['total_tok_s']:8.1f} tok/s"
+def warm_up(llm, seed: int) -> None:
+    """A few small requests first, so one-time costs (allocations, lazy init) stay untimed."""
+    warm = random_workload(4, 32, 8, 0.0, llm.engine.runner.vocab_size, seed + 1)
+    llm.generate([r.prompt_token_ids for r in warm], greedy(8), use_tqdm=False)
+
+
+def measure_inferq(llm, requests: list[Request]) -> dict:
+    """Time `LLM.generate` over the whole workload; rates() of that run."""
+    started = time.perf_counter()
+    outputs = llm.generate(
+        [r.prompt_token_ids for r in requests],
+        [greedy(r.output_len) for r in requests],
+        use_tqdm=False,
     )
+    seconds = time.perf_counter() - started
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    output_tokens = sum(r.output_len for r in requests)
+    assert produced == output_tokens, (produced, output_tokens)
+    return rates(seconds, sum(len(r.prompt_token_ids) for r in requests), output_tokens)
 
 
-def _load_hf(model_path: Path, dtype):
+def measure_transformers(hf_model, requests: list[Request], batch_labels: list[str]) -> dict:
+    """transformers' generate in static batches of each size ("all": one batch); the best one,
+    with its `batch_size`, is the baseline (the fairest showing of the baseline)."""
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    output_tokens = sum(r.output_len for r in requests)
+    best = None
+    for label in batch_labels:
+        size = len(requests) if label == "all" else int(label)
+        seconds = _hf_static_batches(hf_model, requests, size)
+        run = rates(seconds, prompt_tokens, output_tokens) | {"batch_size": size}
+        print_row(f"transformers generate, batch {label}", run)
+        if best is None or run["output_tok_s"] > best["output_tok_s"]:
+            best = run
+    return best
+
+
+def load_hf(model_path: Path, dtype):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()

@@ -87,3 +87,24 @@ def describe_runtime() -> str:
     preload = os.environ.get("LD_PRELOAD", "")
     allocator = Path(preload.split()[0]).name if preload else "glibc malloc"
     return f"allocator={allocator} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}"
+
+
+def shared_prefix_workload(
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+) -> list[Request]:
+    """One random 'system prompt' of prefix_len tokens shared by every request, each followed
+    by its own random suffix_len tokens: the workload a prefix cache exists for."""
+    rng = random.Random(seed)
+    special = 256  # as in random_workload
+    prefix = [rng.randrange(special, vocab_size) for _ in range(prefix_len)]
+    return [
+        Request(
+            prefix + [rng.randrange(special, vocab_size) for _ in range(suffix_len)], output_len
+        )
+        for _ in range(num_prompts)
+    ]

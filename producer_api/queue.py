@@ -128,7 +128,8 @@ async def enqueue(
             ErrorBody.of(ErrorCode.INVALID_REQUEST, "deadline: is already in the past", "deadline")
         )
     job = Job.new(request, owner=owner)
-    script_keys = [keys.job(job.id), keys.jobs_stream(request.model)]
+    # Bulk work waits on its own stream, so its backlog neither delays nor 429s interactive jobs.
+    script_keys = [keys.job(job.id), keys.queue_stream(request.model, request.priority)]
     if request.idempotency_key is not None:
         script_keys.append(keys.idempotency(request.idempotency_key, owner))
     args: list[str | int] = [job.id, max_queue_len or 0, IDEMPOTENCY_TTL_S, keys.job_key_prefix()]
@@ -158,9 +159,10 @@ async def get_job(redis: Redis, keys: RedisKeys, job_id: str) -> Job:
         ) from exc
 
 
-async def queue_length(redis: Redis, keys: RedisKeys, model: str) -> int:
-    """Jobs of `model` queued or running (what max_queue_len is compared with)."""
-    return await redis.xlen(keys.jobs_stream(model))
+async def queue_length(redis: Redis, keys: RedisKeys, model: str, *, bulk: bool = False) -> int:
+    """Jobs of `model` queued or running on its interactive stream (what max_queue_len is
+    compared with), or on its bulk stream."""
+    return await redis.xlen(keys.bulk_stream(model) if bulk else keys.jobs_stream(model))
 
 
 async def cancel_job(
@@ -186,7 +188,7 @@ async def cancel_job(
             if previous is JobStatus.QUEUED and job.entry_id:
                 # Shrinks the backlog at once; a worker that already read the entry finds the
                 # job cancelled when it tries to start it.
-                pipe.xdel(keys.jobs_stream(job.model), job.entry_id)
+                pipe.xdel(keys.queue_stream(job.model, job.request.priority), job.entry_id)
             await pipe.execute()
     return await get_job(redis, keys, job_id)
 

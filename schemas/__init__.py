@@ -1,5 +1,13 @@
 """The wire contract of inferq: jobs, sampling parameters, chunks, results, errors, Redis names."""
 
+from schemas.batches import (
+    BatchField,
+    BatchInputLine,
+    BatchObject,
+    BatchStatus,
+    FileObject,
+    RequestCounts,
+)
 from schemas.chunks import (
     LOGPROB_FLOOR,
     FinishReason,
@@ -50,6 +58,12 @@ from schemas.workers import WorkerInfo
 
 __all__ = [
     "ALLOWED_FROM",
+    "BatchField",
+    "BatchInputLine",
+    "BatchObject",
+    "BatchStatus",
+    "FileObject",
+    "RequestCounts",
     "DEFAULT_PREFIX",
     "IDEMPOTENCY_TTL_S",
     "LOGPROB_FLOOR",

@@ -15,6 +15,21 @@ Layout (prefix `p`, default "inferq"; one Redis instance, not Redis Cluster)
     {p}:worker:{name}                 hash, TTL         that worker         API (health)
     {p}:control                       pub/sub channel   cancel              workers
     {p}:idem:{owner}:{key}            string, TTL       enqueue             enqueue
+    {p}:ttft:{model}                  sorted set, TTL   workers (heartbeat) status, dashboard
+    {p}:tokens:{model}                sorted set, TTL   workers (heartbeat) status, dashboard
+    {p}:bulk:{model}                  stream, group     enqueue (priority   workers, after the
+                                      "workers"         >= PRIORITY_BULK)   jobs stream
+    {p}:file:{id}                     hash, TTL         Files API, batch    Files API, batch
+                                                        controller          controller
+    {p}:files:{owner}                 sorted set        Files API           Files API (list)
+    {p}:batch:{id}                    hash, TTL         Batch API,          Batch API, CLI
+                                                        controller
+    {p}:batch:{id}:lines              hash, TTL         controller          controller
+    {p}:batch:{id}:out / :err         hash, TTL         controller          controller
+    {p}:batch:{id}:lease              string, PX TTL    controller          controller
+    {p}:batches:{owner}               sorted set        Batch API           Batch API (list)
+    {p}:batches:active                set               Batch API,          controller
+                                                        controller          (reconciler)
 
 Variable parts (model, worker name, owner, idempotency key) are percent-encoded (RFC 3986:
 only A-Z a-z 0-9 - . _ ~ stay as they are), so a model named "org/My Model:v2" gives
@@ -46,6 +61,27 @@ HEARTBEAT_INTERVAL_S with TTL HEARTBEAT_TTL_S, so a dead worker's hash disappear
 
 Control channel `{p}:control`: `schemas.events.ControlMessage` JSON (cancel broadcasts).
 
+Bulk stream `{p}:bulk:{model}`: the same entries and group as the jobs stream, for jobs whose
+priority is PRIORITY_BULK or more (`RedisKeys.queue_stream` picks). Workers read it only with the
+admission capacity the jobs stream left over, so a bulk backlog never delays interactive jobs;
+enqueue, cancel, the janitor and dead letters treat it like the jobs stream of the same model.
+
+Files `{p}:file:{id}`: fields id, filename, purpose, bytes, created_at (unix s), owner, content
+(the raw bytes). `{p}:files:{owner}` scores file ids by created_at for listing.
+
+Batches `{p}:batch:{id}`: the fields of `schemas.batches.BatchField`. Controller bookkeeping:
+`:lines` maps input line number -> job id (set as each line is enqueued); `:out` and `:err` map
+line number -> the output / error file line (JSON) once the line's job ended, so re-running the
+controller never writes a line twice; `:lease` (SET NX PX) is held by the one controller run
+advancing the batch. `{p}:batches:{owner}` scores batch ids by created_at; `{p}:batches:active`
+holds batches not yet in a terminal status (what a restarted controller resumes).
+
+Live-stats samples `{p}:ttft:{model}` and `{p}:tokens:{model}`: sorted sets scored by unix
+time, written by workers in their heartbeat pipeline (finished jobs' TTFTs; each worker's
+cumulative token counts per beat), trimmed to the last `schemas.workers.LIVE_STATS_WINDOW_S`,
+read by `inferq status` and the API's dashboard to compute tokens/s and TTFT percentiles. Member
+formats: `schemas.workers.TtftSample` and `TokenSample`.
+
 Idempotency `{p}:idem:{owner}:{key}` -> job id, set together with the job (atomically, see
 `producer_api.queue.enqueue`) with TTL IDEMPOTENCY_TTL_S; the owner part is "" for anonymous.
 """
@@ -54,6 +90,8 @@ from __future__ import annotations
 
 import re
 from urllib.parse import quote, unquote
+
+from schemas.jobs import PRIORITY_BULK
 
 DEFAULT_PREFIX = "inferq"
 WORKER_GROUP = "workers"
@@ -149,3 +187,59 @@ class RedisKeys:
 
     def control_channel(self) -> str:
         return f"{self.prefix}:control"
+
+    # bulk work (issue 7): priority streams, files and batches
+    def bulk_stream(self, model: str) -> str:
+        return f"{self.prefix}:bulk:{encode_segment(model)}"
+
+    def queue_stream(self, model: str, priority: int) -> str:
+        """The stream a job of `priority` is queued on: bulk work has its own stream."""
+        return self.bulk_stream(model) if priority >= PRIORITY_BULK else self.jobs_stream(model)
+
+    def model_of_stream(self, key: str | bytes) -> str:
+        """The model of a jobs or bulk stream key (inverse of both)."""
+        text = key.decode() if isinstance(key, bytes) else key
+        head = f"{self.prefix}:bulk:"
+        if text.startswith(head):
+            return decode_segment(text[len(head) :])
+        return self.model_of_jobs_stream(text)
+
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{encode_segment(file_id)}"
+
+    def files_of(self, owner: str | None) -> str:
+        return f"{self.prefix}:files:{encode_segment(owner or '')}"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{encode_segment(batch_id)}"
+
+    def batch_lines(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:lines"
+
+    def batch_outputs(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:out"
+
+    def batch_errors(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:err"
+
+    def batch_lease(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:lease"
+
+    def batches_of(self, owner: str | None) -> str:
+        return f"{self.prefix}:batches:{encode_segment(owner or '')}"
+
+    def active_batches(self) -> str:
+        return f"{self.prefix}:batches:active"
+
+    def arq_queue(self) -> str:
+        """The arq queue the batch controller serves."""
+        return f"{self.prefix}:arq:batches"
+
+    # live stats (recent samples, see schemas.workers)
+    def ttft_samples(self, model: str) -> str:
+        """Sorted set of finished jobs' TTFTs, scored by finish time."""
+        return f"{self.prefix}:ttft:{encode_segment(model)}"
+
+    def token_samples(self, model: str) -> str:
+        """Sorted set of workers' cumulative token counts per heartbeat, scored by time."""
+        return f"{self.prefix}:tokens:{encode_segment(model)}"

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Run the main job on the default model. Until `inferq up` (API + worker + Redis) lands this
-# greets the default model offline; extra arguments go to `inferq generate`.
+# The main job: Redis (started here when none answers at INFERQ_REDIS_URL), the HTTP API and one
+# worker on the default model. Ctrl-C stops all three. Extra arguments go to `inferq up`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-INFERQ_EXTRAS="${INFERQ_EXTRAS:-test}" source "$ROOT/scripts/env.sh"
+if ! command -v redis-server >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+source "$ROOT/scripts/env.sh"
 inferq model pull >/dev/null
-if [ "$#" -eq 0 ]; then set -- --chat "Hello! What can you do?"; fi
-exec inferq generate "$@"
+exec inferq up "$@"

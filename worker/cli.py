@@ -46,10 +46,58 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
     generate.set_defaults(handler=_generate)
 
+    from producer_api.serve import add_api_arguments
+    from producer_api.up import add_up_arguments
+
+    up = commands.add_parser("up", help="start Redis (if none answers), the API and one worker")
+    add_up_arguments(up)
+    up.set_defaults(handler=_up)
+    api = commands.add_parser("api", help="run the HTTP API (uvicorn)")
+    add_api_arguments(api)
+    api.set_defaults(handler=_api)
+
+    from worker.main import add_worker_arguments
+
+    worker = commands.add_parser("worker", help="run a worker: the model's job stream -> engine")
+    add_worker_arguments(worker)
+    worker.set_defaults(handler=_worker)
+
+    from producer_api.status_cli import add_status_arguments
+
+    status = commands.add_parser(
+        "status", help="models, workers, queues and dead letters, read from Redis"
+    )
+    add_status_arguments(status)
+    status.set_defaults(handler=_status)
+
     bench = commands.add_parser("bench", help="run a benchmark from bench/ (flags pass through)")
     bench.add_argument("name", help="throughput, queue_overhead, serve, gpu, ...")
     bench.set_defaults(handler=_bench)
     return parser
+
+
+def _up(args: argparse.Namespace, _: list[str]) -> int:
+    from producer_api.up import run_up
+
+    return run_up(args)
+
+
+def _api(args: argparse.Namespace, _: list[str]) -> int:
+    from producer_api.serve import run_api
+
+    return run_api(args)
+
+
+def _worker(args: argparse.Namespace, _: list[str]) -> int:
+    from worker.main import run_from_cli
+
+    return run_from_cli(args)
+
+
+def _status(args: argparse.Namespace, _: list[str]) -> int:
+    from producer_api.status_cli import run_status
+
+    return run_status(args)
 
 
 def _model_pull(args: argparse.Namespace, _: list[str]) -> int:

@@ -1,5 +1,203 @@
-"""Python clients for backend apps."""
+"""Python clients for backend apps: one interface over HTTP (the API) or straight over Redis.
 
+    from producer_api.client import AsyncClient, Client
+
+    with Client("http://127.0.0.1:8000", api_key="...") as client:     # or "redis://host:6379/0"
+        job = client.enqueue(model="SmolLM2-135M-Instruct", prompt="Hi", stream=True)
+        for chunk in client.stream(job.id):                             # resumes after drops
+            print(chunk.text, end="")
+        print(client.wait(job.id).result.usage)
+
+    async with AsyncClient("redis://127.0.0.1:6379/0") as client:
+        job = await client.run(model="SmolLM2-135M-Instruct", prompt="Hi", timeout=60)
+
+The transport follows the URL's scheme (http/https or redis/rediss/unix) unless `transport`
+says otherwise. Methods: enqueue, get, wait, stream, cancel, run; errors are
+`producer_api.queue.QueueError` (`JobNotFoundError` for an unknown job) on both transports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer_api.client.http_client import AsyncHttpClient, HttpClient, HttpError
 from producer_api.client.redis_client import AsyncRedisClient, RedisClient
+from producer_api.client.resume import (
+    DEFAULT_MAX_RETRIES,
+    resuming_stream,
+    resuming_stream_sync,
+)
+from producer_api.queue import DEFAULT_POLL_INTERVAL_S, JobNotFoundError, QueueError
+from schemas import DEFAULT_PREFIX, Job, JobRequest, TokenChunk
 
-__all__ = ["AsyncRedisClient", "RedisClient"]
+Transport = Literal["http", "redis"]
+_REDIS_RETRY_ON = (RedisConnectionError, RedisTimeoutError, ConnectionError)
+_SCHEMES: dict[str, Transport] = {
+    "http": "http",
+    "https": "http",
+    "redis": "redis",
+    "rediss": "redis",
+    "unix": "redis",
+}
+
+
+def transport_of(url: str) -> Transport:
+    scheme = urlsplit(url).scheme.lower()
+    if scheme not in _SCHEMES:
+        raise ValueError(f"cannot tell the transport of {url!r}: use http(s):// or redis://")
+    return _SCHEMES[scheme]
+
+
+class AsyncClient:
+    """asyncio client over HTTP or Redis (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        *,
+        transport: Transport | None = None,
+        api_key: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        owner: str | None = None,
+        timeout: float = 30.0,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+    ) -> None:
+        self.transport: Transport = transport or transport_of(url)
+        self.max_retries = max_retries
+        self._impl: AsyncHttpClient | AsyncRedisClient
+        if self.transport == "http":
+            self._impl = AsyncHttpClient(
+                url, api_key=api_key, timeout=timeout, max_retries=max_retries
+            )
+        else:
+            self._impl = AsyncRedisClient(
+                url, prefix=prefix, owner=owner, poll_interval=poll_interval
+            )
+
+    async def enqueue(
+        self, request: JobRequest | Mapping[str, Any] | None = None, /, **fields: Any
+    ) -> Job:
+        return await self._impl.enqueue(request, **fields)
+
+    async def get(self, job_id: str) -> Job:
+        return await self._impl.get(job_id)
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> Job:
+        return await self._impl.wait(job_id, timeout=timeout)
+
+    def stream(self, job_id: str, last_index: int = -1) -> AsyncIterator[TokenChunk]:
+        """Chunks after `last_index`, each once and in order, reconnecting after drops."""
+        if isinstance(self._impl, AsyncHttpClient):
+            return self._impl.stream(job_id, last_index)
+        impl = self._impl
+        return resuming_stream(
+            lambda after: impl.stream(job_id, after), last_index, _REDIS_RETRY_ON, self.max_retries
+        )
+
+    async def cancel(self, job_id: str) -> Job:
+        return await self._impl.cancel(job_id)
+
+    async def run(
+        self,
+        request: JobRequest | Mapping[str, Any] | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> Job:
+        return await self._impl.run(request, timeout=timeout, **fields)
+
+    async def aclose(self) -> None:
+        await self._impl.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class Client:
+    """Blocking client over HTTP or Redis, with AsyncClient's methods."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        *,
+        transport: Transport | None = None,
+        api_key: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        owner: str | None = None,
+        timeout: float = 30.0,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+    ) -> None:
+        self.transport: Transport = transport or transport_of(url)
+        self.max_retries = max_retries
+        self._impl: HttpClient | RedisClient
+        if self.transport == "http":
+            self._impl = HttpClient(url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        else:
+            self._impl = RedisClient(url, prefix=prefix, owner=owner, poll_interval=poll_interval)
+
+    def enqueue(
+        self, request: JobRequest | Mapping[str, Any] | None = None, /, **fields: Any
+    ) -> Job:
+        return self._impl.enqueue(request, **fields)
+
+    def get(self, job_id: str) -> Job:
+        return self._impl.get(job_id)
+
+    def wait(self, job_id: str, timeout: float | None = None) -> Job:
+        return self._impl.wait(job_id, timeout=timeout)
+
+    def stream(self, job_id: str, last_index: int = -1) -> Iterator[TokenChunk]:
+        if isinstance(self._impl, HttpClient):
+            return self._impl.stream(job_id, last_index)
+        impl = self._impl
+        return resuming_stream_sync(
+            lambda after: impl.stream(job_id, after), last_index, _REDIS_RETRY_ON, self.max_retries
+        )
+
+    def cancel(self, job_id: str) -> Job:
+        return self._impl.cancel(job_id)
+
+    def run(
+        self,
+        request: JobRequest | Mapping[str, Any] | None = None,
+        /,
+        *,
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> Job:
+        return self._impl.run(request, timeout=timeout, **fields)
+
+    def close(self) -> None:
+        self._impl.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "AsyncClient",
+    "AsyncHttpClient",
+    "AsyncRedisClient",
+    "Client",
+    "HttpClient",
+    "HttpError",
+    "JobNotFoundError",
+    "QueueError",
+    "RedisClient",
+    "Transport",
+    "transport_of",
+]

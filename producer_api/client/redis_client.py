@@ -29,9 +29,10 @@ T = TypeVar("T")
 DEFAULT_URL = "redis://localhost:6379/0"
 
 
-def _as_request(
+def as_request(
     request: JobRequest | Mapping[str, Any] | None, fields: Mapping[str, Any]
 ) -> JobRequest:
+    """A JobRequest from a JobRequest, a dict, and/or keyword fields (validated here)."""
     if isinstance(request, JobRequest):
         if fields:
             return JobRequest.model_validate({**request.model_dump(exclude_none=True), **fields})
@@ -69,7 +70,7 @@ class AsyncRedisClient:
         return await queue.enqueue(
             self.redis,
             self.keys,
-            _as_request(request, fields),
+            as_request(request, fields),
             owner=self.owner,
             max_queue_len=self.max_queue_len,
         )

@@ -97,7 +97,9 @@ def test_block_copies_run_before_the_step(tiny_llama_dir) -> None:
     logits = runner.execute(
         [ScheduledSeq(parent, 1), ScheduledSeq(child, 1)], block_copies=[(2, 9)]
     )
-    torch.testing.assert_close(logits[0], logits[1], atol=1e-6, rtol=0)
+    # Rows of one fp32 batch may round differently in the last bits (MKL picks kernels by
+    # shape); a missing copy would differ by O(1), since the child would read an empty block.
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
 
 
 def test_execute_leaves_sequences_untouched(tiny_llama_dir) -> None:

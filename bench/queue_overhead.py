@@ -1,0 +1,368 @@
+"""What the queue costs: one workload through Redis + one worker vs in-process LLM.generate.
+
+    python bench/queue_overhead.py --num-prompts 48 --input-len 160 --output-len 72
+
+Same random workload as bench/throughput.py (greedy, ignore_eos). In one run it starts its own
+redis-server on a free port, measures `LLM.generate` in this process, then the same requests
+enqueued at once into Redis and served by a `python -m worker` subprocess (streaming jobs, one
+chunk per step unless --chunk-tokens says otherwise), timed from the first enqueue to the last
+final chunk seen by a live subscriber. Reports both throughputs, their ratio, and chunk delivery
+latency (the worker's engine step returned -> the subscriber received the chunk) p50 / p99.
+The two paths alternate for --repeats rounds (a fresh workload of the same sizes each round,
+so the prefix cache never helps) and medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from figures import median_rates, print_row, quantile, rates
+from throughput import greedy, warm_up
+from workload import Request, add_workload_args, describe_runtime, random_workload, tune_cpu_runtime
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_args(parser)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="alternate both paths this many times"
+    )
+    parser.add_argument("--chunk-tokens", type=int, default=1, help="worker chunk coalescing")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    args = parser.parse_args()
+    tune_cpu_runtime(args.threads)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from engine import LLM
+
+    engine_args = {"dtype": args.dtype, "seed": args.seed}
+    if args.max_num_seqs:
+        engine_args["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(args.model, num_threads=args.threads, **engine_args)
+    vocab = llm.engine.runner.vocab_size
+
+    def workload(repeat: int) -> list[Request]:
+        return random_workload(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+            vocab,
+            args.seed + 7919 * repeat,
+        )
+
+    requests = workload(0)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    output_tokens = sum(r.output_len for r in requests)
+    print(
+        f"# workload: {len(requests)} prompts, {prompt_tokens} prompt + {output_tokens} output tokens"
+    )
+    print(
+        f"# runtime: torch {torch.__version__}, threads={torch.get_num_threads()}, {describe_runtime()}"
+    )
+    options = WorkerOptions(
+        model=args.model,
+        dtype=args.dtype,
+        chunk_tokens=args.chunk_tokens,
+        threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    warm_up(llm, args.seed)
+    results = measure_queue_overhead(llm, options, workload, args.repeats)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+@dataclass
+class WorkerOptions:
+    """How to start the `python -m worker` that serves the queue path."""
+
+    model: str
+    dtype: str = "auto"
+    chunk_tokens: int = 1
+    threads: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+
+def measure_queue_overhead(
+    llm, options: WorkerOptions, workload: Callable[[int], list[Request]], repeats: int
+) -> dict:
+    """Alternate `llm.generate` in this process with the same requests through a fresh
+    redis-server + one worker subprocess; medians of both, their ratio, chunk latencies."""
+    vocab = llm.engine.runner.vocab_size
+    warm = random_workload(4, 32, 8, 0.0, vocab, 1)
+    with tempfile.TemporaryDirectory(prefix="inferq-bench-") as scratch:
+        redis_url, redis_process = _start_redis(Path(scratch))
+        worker = None
+        try:
+            trace = Path(scratch) / "chunks.trace"
+            worker = _start_worker(options, redis_url, trace)
+            asyncio.run(_wait_ready(redis_url, worker))
+            asyncio.run(_queue_run(redis_url, options.model, warm, trace))  # warm the worker too
+            inproc, queued, latencies, reference, tokens = [], [], [], [], []
+            for repeat in range(repeats):
+                # A fresh workload per repeat (same sizes), so no repeat profits from the prefix
+                # cache of the one before; both paths see it for the first time. The order of the
+                # two paths alternates so a slow drift of the machine hits both alike.
+                batch = workload(repeat)
+                runs = {}
+                for path in ("in-process", "queue") if repeat % 2 == 0 else ("queue", "in-process"):
+                    if path == "in-process":
+                        started = time.perf_counter()
+                        outputs = llm.generate(
+                            [r.prompt_token_ids for r in batch],
+                            [greedy(r.output_len) for r in batch],
+                            use_tqdm=False,
+                        )
+                        runs[path] = time.perf_counter() - started
+                        reference = [o.outputs[0].token_ids for o in outputs]
+                    else:
+                        runs[path], lat, tokens = asyncio.run(
+                            _queue_run(redis_url, options.model, batch, trace)
+                        )
+                        latencies += lat
+                sizes = (
+                    sum(len(r.prompt_token_ids) for r in batch),
+                    sum(r.output_len for r in batch),
+                )
+                inproc.append(rates(runs["in-process"], *sizes))
+                queued.append(rates(runs["queue"], *sizes))
+                same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+                print(
+                    f"  repeat {repeat}: in-process {runs['in-process']:.2f} s, queue {runs['queue']:.2f} s, "
+                    f"ratio {runs['in-process'] / runs['queue']:.3f}, identical outputs {same}/{len(batch)}"
+                )
+        finally:
+            if worker is not None:
+                _stop(worker)
+            _stop(redis_process)
+
+    results = {"in_process": median_rates(inproc), "queue": median_rates(queued)}
+    results["throughput_ratio"] = (
+        results["queue"]["output_tok_s"] / results["in_process"]["output_tok_s"]
+    )
+    latencies.sort()
+    results["chunk_latency_ms"] = {
+        "p50": 1000 * quantile(latencies, 0.50),
+        "p99": 1000 * quantile(latencies, 0.99),
+        "max": 1000 * latencies[-1] if latencies else float("nan"),
+        "chunks": len(latencies),
+    }
+    print_row("in-process LLM.generate", results["in_process"], 32)
+    print_row("Redis + 1 worker (streaming)", results["queue"], 32)
+    print(f"throughput ratio (queue / in-process): {results['throughput_ratio']:.3f}")
+    lat = results["chunk_latency_ms"]
+    print(
+        f"chunk delivery latency (engine step -> subscriber): p50 {lat['p50']:.2f} ms, "
+        f"p99 {lat['p99']:.2f} ms, max {lat['max']:.2f} ms over {lat['chunks']} chunks"
+    )
+    return results
+
+
+# ---------------------------------------------------------------------------- the queue path
+
+
+async def _queue_run(
+    redis_url: str, model: str, requests: list[Request], trace: Path
+) -> tuple[float, list[float], list]:
+    """Enqueue every request at once; return (seconds to the last final chunk, per-chunk
+    latencies in seconds, output token ids per request)."""
+    from redis.asyncio import Redis
+
+    from producer_api.queue import enqueue
+    from schemas import JobRequest, RedisKeys
+
+    keys = RedisKeys()
+    trace.write_text("")
+    redis = Redis.from_url(redis_url)
+    pubsub = redis.pubsub()
+    await pubsub.psubscribe(keys.channel("") + "*")
+    while (await pubsub.get_message(timeout=1.0) or {}).get("type") != "psubscribe":
+        pass
+    received: dict[tuple[str, int], float] = {}
+    tokens: dict[str, list[int]] = {}
+    finals: set[str] = set()
+    job_requests = [
+        JobRequest(
+            model=model,
+            prompt_token_ids=r.prompt_token_ids,
+            stream=True,
+            sampling={"temperature": 0, "max_tokens": r.output_len, "ignore_eos": True},
+        )
+        for r in requests
+    ]
+    started = time.perf_counter()
+    jobs = await asyncio.gather(*(enqueue(redis, keys, request) for request in job_requests))
+    while len(finals) < len(jobs):
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=60.0)
+        if message is None:
+            raise RuntimeError("no chunk for 60 s: is the worker alive?")
+        now = time.time()
+        # A lean reader (json, not the pydantic models): on a small machine the subscriber
+        # shares the CPU with the engine, and its cost is the client's, not the queue's.
+        chunk = json.loads(message["data"])
+        key = (chunk.get("job_id"), chunk.get("index"))
+        if "event" in chunk or key in received:
+            continue
+        received[key] = now
+        tokens.setdefault(key[0], []).extend(chunk.get("token_ids", ()))
+        if chunk.get("final"):
+            finals.add(key[0])
+    seconds = time.perf_counter() - started
+    await pubsub.aclose()
+    await redis.aclose()
+    await asyncio.sleep(0.2)  # let the worker's trace buffer reach the file
+    emitted = _read_trace(trace)
+    latencies = [received[key] - emitted[key] for key in received if key in emitted]
+    return seconds, latencies, [tokens.get(job.id, []) for job in jobs]
+
+
+def _read_trace(trace: Path) -> dict[tuple[str, int], float]:
+    out = {}
+    for line in trace.read_text().splitlines():
+        job_id, index, at = line.split()
+        out[(job_id, int(index))] = float(at)
+    return out
+
+
+def _start_worker(options: WorkerOptions, redis_url: str, trace: Path) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "worker",
+        "--log-level",
+        os.environ.get("INFERQ_BENCH_WORKER_LOG", "warning"),
+        "--model",
+        options.model,
+        "--redis-url",
+        redis_url,
+        "--name",
+        "bench-worker",
+        "--dtype",
+        options.dtype,
+        "--chunk-tokens",
+        str(options.chunk_tokens),
+        "--chunk-trace-path",
+        str(trace),
+    ]
+    for flag, value in (
+        ("--num-threads", options.threads),
+        ("--max-num-seqs", options.max_num_seqs),
+        ("--max-num-batched-tokens", options.max_num_batched_tokens),
+    ):
+        if value:
+            command += [flag, str(value)]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    return subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=_die_with_parent)
+
+
+async def _wait_ready(redis_url: str, worker: subprocess.Popen) -> None:
+    from redis.asyncio import Redis
+
+    from schemas import RedisKeys
+
+    redis = Redis.from_url(redis_url)
+    try:
+        while not await redis.exists(RedisKeys().worker("bench-worker")):
+            if worker.poll() is not None:
+                raise RuntimeError("the worker exited while starting")
+            await asyncio.sleep(0.2)
+    finally:
+        await redis.aclose()
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def _start_redis(data_dir: Path) -> tuple[str, subprocess.Popen]:
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(data_dir / "redis.log"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
+    for _ in range(500):
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock,
+        ):
+            sock.sendall(b"PING\r\n")
+            if sock.recv(16).startswith(b"+PONG"):
+                return f"redis://127.0.0.1:{port}/0", process
+        time.sleep(0.02)
+    process.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def _die_with_parent() -> None:
+    # This process pinned itself to one core when torch started with OMP_PROC_BIND set (see
+    # tune_cpu_runtime); children would inherit that mask, so give them every core back.
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+if __name__ == "__main__":
+    main()

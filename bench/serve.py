@@ -1,0 +1,405 @@
+"""Online serving: Poisson arrivals through the HTTP API (streaming), vs the in-process engine.
+
+    python bench/serve.py --rates 0.5,1,2 --num-prompts 24 --input-len 128 --output-len 48
+
+For each arrival rate (requests/s) the same random workload (bench/workload.py; greedy,
+ignore_eos) is sent with exponential inter-arrival times, one `POST /v1/completions` with
+`stream: true` per request, and every chunk's arrival is timed. Reported per rate, for the
+HTTP path and for the same arrivals fed straight into an `engine.Engine` in this process:
+TTFT, time per output token (TPOT = (end - first token) / (tokens - 1)), inter-token latency
+(ITL, gaps between chunks), p50 / p99, and request and output-token throughput.
+
+Without --url it starts its own system (a redis-server on a free port, the API via uvicorn and
+one `python -m worker`), like `inferq up`; with --url it measures that deployment instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import random
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from workload import Request, add_workload_args, describe_runtime, random_workload
+
+
+@dataclass
+class Timeline:
+    """One request: when it was sent, and when each chunk (with how many tokens) came."""
+
+    sent: float
+    chunk_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.sent if self.chunk_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.chunk_times) < 2 or self.output_tokens < 2:
+            return None
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (self.output_tokens - 1)
+
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+
+@dataclass
+class RunReport:
+    mode: str
+    rate: float
+    completed: int
+    failed: int
+    duration_s: float
+    request_throughput: float
+    output_token_throughput: float
+    ttft_ms_p50: float
+    ttft_ms_p90: float
+    ttft_ms_p99: float
+    tpot_ms_p50: float
+    tpot_ms_p90: float
+    tpot_ms_p99: float
+    itl_ms_p50: float
+    itl_ms_p90: float
+    itl_ms_p99: float
+
+
+def arrival_times(count: int, rate: float, seed: int) -> list[float]:
+    """Poisson process: exponential gaps with mean 1/rate (rate <= 0: all at once)."""
+    if rate <= 0:
+        return [0.0] * count
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+def _ms_percentiles(values: list[float]) -> tuple[float, float, float]:
+    """p50 / p90 / p99 in milliseconds (NaN when nothing was measured)."""
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    p50, p90, p99 = np.percentile(np.asarray(values) * 1000.0, [50, 90, 99])
+    return float(p50), float(p90), float(p99)
+
+
+def summarize(mode: str, rate: float, timelines: list[Timeline], started: float) -> RunReport:
+    ok = [t for t in timelines if t.error is None and t.chunk_times]
+    end = max((t.chunk_times[-1] for t in ok), default=started)
+    duration = max(end - started, 1e-9)
+    ttft = _ms_percentiles([t.ttft for t in ok if t.ttft is not None])
+    tpot = _ms_percentiles([t.tpot for t in ok if t.tpot is not None])
+    itl = _ms_percentiles([gap for t in ok for gap in t.itls()])
+    return RunReport(
+        mode=mode,
+        rate=rate,
+        completed=len(ok),
+        failed=len(timelines) - len(ok),
+        duration_s=duration,
+        request_throughput=len(ok) / duration,
+        output_token_throughput=sum(t.output_tokens for t in ok) / duration,
+        ttft_ms_p50=ttft[0],
+        ttft_ms_p90=ttft[1],
+        ttft_ms_p99=ttft[2],
+        tpot_ms_p50=tpot[0],
+        tpot_ms_p90=tpot[1],
+        tpot_ms_p99=tpot[2],
+        itl_ms_p50=itl[0],
+        itl_ms_p90=itl[1],
+        itl_ms_p99=itl[2],
+    )
+
+
+# ------------------------------------------------------------------ the HTTP path
+
+
+async def _one_http_request(
+    http, model: str, request: Request, delay: float, start: float
+) -> Timeline:
+    await asyncio.sleep(max(start + delay - time.perf_counter(), 0.0))
+    timeline = Timeline(sent=time.perf_counter())
+    body = {
+        "model": model,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                timeline.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return timeline
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    timeline.error = payload["error"].get("message", "error")
+                elif payload.get("choices"):
+                    timeline.chunk_times.append(time.perf_counter())
+                elif payload.get("usage"):
+                    timeline.output_tokens = payload["usage"]["completion_tokens"]
+    except Exception as exc:  # a benchmark reports failures, it does not stop on them
+        timeline.error = f"{type(exc).__name__}: {exc}"
+    return timeline
+
+
+async def run_http(
+    url: str, api_key: str, model: str, requests: list[Request], arrivals: list[float]
+) -> tuple[list[Timeline], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=8)
+    async with httpx.AsyncClient(
+        base_url=url,
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=httpx.Timeout(600.0),
+        limits=limits,
+    ) as http:
+        start = time.perf_counter()
+        timelines = await asyncio.gather(
+            *(
+                _one_http_request(http, model, request, delay, start)
+                for request, delay in zip(requests, arrivals, strict=True)
+            )
+        )
+    return list(timelines), start
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_system(model: str, data_dir: Path, worker_flags: list[str]):
+    """redis-server + API + worker as children (producer_api.up does the spawning)."""
+    import os
+
+    import httpx
+
+    from producer_api.up import System, start_redis
+
+    system = System()
+    redis_url = f"redis://127.0.0.1:{_free_port()}/0"
+    start_redis(system, redis_url, data_dir)
+    port = _free_port()
+    env = {**os.environ, "INFERQ_REDIS_URL": redis_url, "INFERQ_AUTH_DISABLED": "1"}
+    env.pop("INFERQ_API_KEYS", None)
+    system.spawn(
+        "api",
+        [
+            sys.executable, "-m", "uvicorn", "producer_api.app:create_app", "--factory",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+        ],
+        env,
+    )  # fmt: skip
+    system.spawn(
+        "worker",
+        [sys.executable, "-m", "worker", "--model", model, "--redis-url", redis_url,
+         "--log-level", "warning", *worker_flags],
+        env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    give_up = time.monotonic() + 600
+    with httpx.Client(base_url=url, timeout=2.0) as http:
+        while True:
+            if system.dead():
+                system.stop()
+                raise RuntimeError("a child exited during start-up")
+            try:
+                if http.get("/ready").status_code == 200:
+                    return system, url
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > give_up:
+                system.stop()
+                raise RuntimeError("the system did not become ready")
+            time.sleep(0.25)
+
+
+# ------------------------------------------------------------------ the in-process engine
+
+
+def run_engine(
+    engine, requests: list[Request], arrivals: list[float]
+) -> tuple[list[Timeline], float]:
+    """The same arrivals fed to an Engine in this process (no queue, no HTTP): the reference."""
+    from engine import SamplingParams
+
+    timelines = [Timeline(sent=0.0) for _ in requests]
+    start = time.perf_counter()
+    next_up, done = 0, 0
+    while done < len(requests):
+        now = time.perf_counter() - start
+        while next_up < len(requests) and arrivals[next_up] <= now:
+            request = requests[next_up]
+            params = SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
+            engine.add_request(f"r{next_up}", request.prompt_token_ids, params)
+            timelines[next_up].sent = time.perf_counter()
+            next_up += 1
+        if not engine.has_unfinished():
+            time.sleep(max(arrivals[next_up] - (time.perf_counter() - start), 0.0))
+            continue
+        deltas = engine.step()
+        stamp = time.perf_counter()
+        for delta in deltas:
+            index = int(delta.request_id[1:])
+            if delta.token_ids:
+                timelines[index].chunk_times.append(stamp)
+                timelines[index].output_tokens += len(delta.token_ids)
+            if delta.request_finished:
+                engine.pop_output(delta.request_id)
+                done += 1
+    return timelines, start
+
+
+# ------------------------------------------------------------------ report
+
+
+def print_table(reports: list[RunReport]) -> None:
+    header = (
+        f"{'mode':<7}{'rate':>6}{'ok':>5}{'fail':>5}{'req/s':>8}{'tok/s':>9}"
+        f"{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'TPOT p50':>10}{'p99':>9}"
+        f"{'ITL p50':>9}{'p90':>9}{'p99':>9}"
+    )
+    print(header + "   (latencies in ms)")
+    for r in reports:
+        print(
+            f"{r.mode:<7}{r.rate:>6.2f}{r.completed:>5}{r.failed:>5}{r.request_throughput:>8.2f}"
+            f"{r.output_token_throughput:>9.1f}{r.ttft_ms_p50:>10.1f}{r.ttft_ms_p90:>9.1f}"
+            f"{r.ttft_ms_p99:>9.1f}{r.tpot_ms_p50:>10.1f}{r.tpot_ms_p99:>9.1f}"
+            f"{r.itl_ms_p50:>9.1f}{r.itl_ms_p90:>9.1f}{r.itl_ms_p99:>9.1f}"
+        )
+
+
+def workload_for_rate(args: argparse.Namespace, vocab_size: int) -> Callable[[int], list[Request]]:
+    """A fresh workload of the same sizes for each rate: a repeated one would find its whole
+    prompts in the prefix cache from the rate before and flatter every later rate."""
+
+    def make(rate_index: int) -> list[Request]:
+        return random_workload(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+            vocab_size,
+            args.seed + 104729 * rate_index,
+        )
+
+    return make
+
+
+def measure_serving(
+    engine,
+    model: str,
+    workload: Callable[[int], list[Request]],
+    rates: list[float],
+    seed: int,
+    worker_flags: list[str],
+    url: str | None = None,
+    api_key: str = "bench",
+    http: bool = True,
+) -> list[RunReport]:
+    """Every rate through the in-process `engine` (None: skip) and then through HTTP (a system
+    started here unless `url`); the same requests and arrivals for both paths at a rate."""
+    reports: list[RunReport] = []
+    if engine is not None:
+        for index, rate in enumerate(rates):
+            arrivals = arrival_times(len(workload(index)), rate, seed)
+            timelines, start = run_engine(engine, workload(index), arrivals)
+            reports.append(summarize("engine", rate, timelines, start))
+    gc.collect()
+    if not http:
+        return sorted(reports, key=lambda r: (r.rate, r.mode))
+    system = None
+    with tempfile.TemporaryDirectory(prefix="inferq-serve-bench-") as tmp:
+        if url is None:
+            system, url = start_system(model, Path(tmp), worker_flags)
+        try:
+            for index, rate in enumerate(rates):
+                requests = workload(index)
+                arrivals = arrival_times(len(requests), rate, seed)
+                timelines, start = asyncio.run(run_http(url, api_key, model, requests, arrivals))
+                for t in timelines:
+                    if t.error:
+                        print(f"# failed request: {t.error}")
+                        break
+                reports.append(summarize("http", rate, timelines, start))
+        finally:
+            if system is not None:
+                system.stop()
+    reports.sort(key=lambda r: (r.rate, r.mode))
+    return reports
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_args(parser)
+    parser.add_argument("--rates", default="0.5,1,2", help="requests/s, comma separated (0: burst)")
+    parser.add_argument("--url", default=None, help="measure this API instead of starting one")
+    parser.add_argument("--api-key", default="bench", help="key for --url")
+    parser.add_argument("--skip-engine", action="store_true", help="no in-process reference")
+    parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument(
+        "--worker-flag", action="append", default=[], help="extra `python -m worker` flag"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the reports as JSON")
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, seed=args.seed))
+    workload = workload_for_rate(args, engine.runner.vocab_size)
+    print(
+        f"# serve bench: {args.num_prompts} requests per rate, input ~{args.input_len}, output "
+        f"~{args.output_len} tokens, rates {rates} req/s; {describe_runtime()}"
+    )
+    flags = list(args.worker_flag)
+    if args.threads:
+        flags += ["--num-threads", str(args.threads)]
+    reports = measure_serving(
+        None if args.skip_engine else engine,
+        args.model,
+        workload,
+        rates,
+        args.seed,
+        flags,
+        url=args.url,
+        api_key=args.api_key,
+        http=not args.skip_http,
+    )
+    print_table(reports)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in reports], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The FastAPI app: `create_app(settings)`; one Redis connection pool per process.
+
+python -m uvicorn producer_api.app:create_app --factory --port 8000   # settings from INFERQ_*
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from redis.asyncio import Redis
+
+from producer_api.deps import ApiState
+from producer_api.errors import error_response, install_error_handlers
+from producer_api.limits import BodySizeLimitMiddleware
+from producer_api.metrics import ApiMetrics, RequestMetricsMiddleware
+from producer_api.routes import dashboard, jobs, openai, ops
+from producer_api.settings import ApiSettings
+from producer_api.workers import WorkerDirectory
+from schemas import ErrorBody, ErrorCode, RedisKeys
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "0.1.0"
+
+
+def create_app(settings: ApiSettings | None = None) -> FastAPI:
+    settings = settings or ApiSettings()
+    metrics = ApiMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = Redis.from_url(settings.redis_url, decode_responses=True)
+        keys = RedisKeys(settings.prefix)
+        app.state.inferq = ApiState(
+            settings=settings,
+            redis=redis,
+            keys=keys,
+            key_table=settings.key_table(),
+            workers=WorkerDirectory(redis, keys, settings.worker_cache_s),
+            metrics=metrics,
+        )
+        if settings.auth_disabled:
+            log.warning(
+                "AUTHENTICATION IS DISABLED: anyone who can reach this port can use the API "
+                "(INFERQ_AUTH_DISABLED); use it on localhost only"
+            )
+        try:
+            yield
+        finally:
+            await redis.aclose()
+
+    app = FastAPI(
+        title="inferq",
+        version=API_VERSION,
+        description="Queue-backed LLM inference: a jobs API and an OpenAI-compatible API.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app, settings.retry_after_s)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        body = ErrorBody.of(ErrorCode.INTERNAL_ERROR, "internal error")
+        return error_response(body, request.url.path, status=500)
+
+    app.include_router(jobs.router)
+    app.include_router(openai.router)
+    app.include_router(ops.router)
+    app.include_router(dashboard.router)
+    # Outermost first: count every response, the body-size refusals included.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,43 @@
+"""Settings of the batch controller process (arq worker), environment prefix `INFERQ_`.
+
+The API process keeps its own `ApiSettings` (upload limits live there); the names shared with
+it (`redis_url`, `prefix`, `default_max_tokens`) mean the same in both."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas import DEFAULT_PREFIX
+
+
+class BatchControllerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = DEFAULT_PREFIX
+    default_max_tokens: int = Field(
+        1024, ge=1, description="chat max_tokens when a batch line gives none"
+    )
+    batch_chunk_lines: int = Field(200, ge=1, description="lines enqueued per fan-out round")
+    batch_max_backlog: int = Field(
+        2000,
+        ge=1,
+        description="fan-out pauses while the model's bulk stream holds this many entries",
+    )
+    batch_max_in_flight: int = Field(
+        5000, ge=1, description="most unfinished jobs of one batch at any time"
+    )
+    batch_poll_interval_s: float = Field(0.5, gt=0, description="how often job statuses are read")
+    batch_lease_s: float = Field(
+        15.0, gt=0, description="a controller run's hold on a batch; a dead run's ends this late"
+    )
+    batch_tick_s: float = Field(
+        60.0, gt=0, description="one arq job advances a batch this long, then queues the next"
+    )
+    batch_resume_every_s: int = Field(
+        5, ge=1, le=60, description="how often batches whose controller died are resumed"
+    )
+    batch_retention_s: int = Field(
+        7 * 24 * 3600, ge=60, description="how long finished batches and their files are kept"
+    )

@@ -1,0 +1,88 @@
+"""What every route needs: the app's shared state, the caller, and checks on the model asked for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from redis.asyncio import Redis
+
+from producer_api.auth import ANONYMOUS, KeyTable, Principal
+from producer_api.errors import ApiError
+from producer_api.metrics import ApiMetrics
+from producer_api.settings import ApiSettings
+from producer_api.workers import ServedModel, WorkerDirectory
+from schemas import ErrorCode, Job, RedisKeys
+
+
+@dataclass
+class ApiState:
+    settings: ApiSettings
+    redis: Redis
+    keys: RedisKeys
+    key_table: KeyTable
+    workers: WorkerDirectory
+    metrics: ApiMetrics
+
+    async def served_model(self, model: str) -> ServedModel | None:
+        return (await self.workers.models()).get(model)
+
+    async def require_model(self, model: str, *, allow_configured: bool) -> ServedModel | None:
+        """The model's live workers; 404 model_not_found when none serve it (unless it is one of
+        the configured `models` and `allow_configured`: jobs may then wait for a worker)."""
+        served = await self.served_model(model)
+        if served is None and not (allow_configured and model in self.settings.models):
+            raise ApiError(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"The model {model!r} does not exist or no worker serves it right now",
+                "model",
+            )
+        return served
+
+    def context_of(self, model: str, served: ServedModel | None) -> int | None:
+        if served is not None and served.max_model_len is not None:
+            return served.max_model_len
+        return self.settings.model_context.get(model)
+
+
+def get_state(request: Request) -> ApiState:
+    return request.app.state.inferq
+
+
+_bearer = HTTPBearer(auto_error=False, description="an API key: `Authorization: Bearer <key>`")
+
+
+def get_principal(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    state = get_state(request)
+    if credentials is not None and credentials.credentials:
+        owner = state.key_table.owner_of(credentials.credentials)
+        if owner is not None:
+            return Principal(owner)
+        if state.settings.auth_disabled:
+            return ANONYMOUS  # SDKs always send some key; without auth any key is anonymous
+        raise _unauthorized("Incorrect API key provided")
+    if state.settings.auth_disabled:
+        return ANONYMOUS
+    raise _unauthorized("Missing API key: send `Authorization: Bearer <key>`")
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(
+        ErrorCode.UNAUTHORIZED, message, status=401, headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def check_visible(job: Job, principal: Principal) -> Job:
+    """A job is visible to its owner only; anyone else gets the same 404 as for no job."""
+    if job.owner != principal.owner:
+        raise ApiError(ErrorCode.NOT_FOUND, f"no job {job.id!r}")
+    return job
+
+
+State = Annotated[ApiState, Depends(get_state)]
+Caller = Annotated[Principal, Depends(get_principal)]

@@ -1,0 +1,143 @@
+"""One error body for every route, in OpenAI's shape so OpenAI clients read it as they expect:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "n", "code": "..."}}
+
+`code` is a `schemas.ErrorCode` value and `param` the offending field. Jobs routes answer with
+the status `ErrorCode.http_status` gives; the OpenAI routes answer 400 where that is 422, as
+OpenAI does for invalid requests and too-long contexts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from producer_api.queue import QueueError, QueueFullError
+from schemas import ErrorBody, ErrorCode
+from schemas.errors import field_path
+
+log = logging.getLogger(__name__)
+
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+class ApiError(Exception):
+    """Raised by routes: answered as the error body with `status` (default from the code)."""
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        param: str | None = None,
+        *,
+        status: int | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.error = ErrorBody.of(code, message, param)
+        self.status = status
+        self.headers = dict(headers or {})
+
+
+def is_openai_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
+
+
+def error_status(code: ErrorCode, path: str) -> int:
+    status = code.http_status
+    if status == 422 and is_openai_path(path):
+        return 400
+    return status
+
+
+def error_payload(error: ErrorBody, status: int) -> dict[str, object]:
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {
+        "error": {
+            "message": error.message,
+            "type": kind,
+            "param": error.param,
+            "code": error.code.value,
+        }
+    }
+
+
+def error_response(
+    error: ErrorBody,
+    path: str,
+    *,
+    status: int | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    status = status or error_status(error.code, path)
+    return JSONResponse(
+        error_payload(error, status), status_code=status, headers=dict(headers or {})
+    )
+
+
+def queue_error_response(exc: QueueError, path: str, retry_after_s: int) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if isinstance(exc, QueueFullError) else None
+    return error_response(exc.error, path, headers=headers)
+
+
+def validation_error_body(exc: RequestValidationError) -> ErrorBody:
+    """Name each bad field as the client wrote it (`messages.0.role`, not `body.messages...`)."""
+    problems = []
+    first_param = None
+    for error in exc.errors():
+        loc = tuple(error.get("loc", ()))
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            loc = loc[1:]
+        if error.get("type") == "json_invalid":
+            loc = ()
+        path = field_path(loc)
+        if first_param is None:
+            first_param = path
+        reason = (
+            "the body is not valid JSON" if error.get("type") == "json_invalid" else error["msg"]
+        )
+        problems.append(f"{path}: {reason}" if path else reason)
+    return ErrorBody.of(
+        ErrorCode.INVALID_REQUEST, "; ".join(problems) or "invalid request", first_param
+    )
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.error, request.url.path, status=exc.status, headers=exc.headers)
+
+    @app.exception_handler(QueueError)
+    async def _queue_error(request: Request, exc: QueueError) -> JSONResponse:
+        return queue_error_response(exc, request.url.path, retry_after_s)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error_body(exc), request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_REQUEST
+        body = ErrorBody.of(code, str(exc.detail))
+        return error_response(body, request.url.path, status=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("Redis unavailable: %s", exc)
+        body = ErrorBody.of(ErrorCode.UNAVAILABLE, "the queue (Redis) cannot be reached")
+        return error_response(body, request.url.path, headers={"Retry-After": str(retry_after_s)})

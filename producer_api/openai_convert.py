@@ -1,0 +1,351 @@
+"""OpenAI requests -> job requests, and job results / chunks -> OpenAI response bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from producer_api.errors import ApiError
+from producer_api.openai_models import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from schemas import ErrorCode, Job, JobRequest, TokenChunk, Usage
+from schemas.chunks import TokenLogprob
+from schemas.errors import field_path
+
+# OpenAI knows stop and length (and content_filter / tool_calls, which never happen here).
+_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def finish_reason(value: str | None) -> str | None:
+    return None if value is None else _FINISH_REASONS.get(value, "stop")
+
+
+def _unsupported(param: str, what: str) -> ApiError:
+    return ApiError(ErrorCode.INVALID_REQUEST, f"{param}: {what} is not supported", param)
+
+
+def _openai_param(loc: tuple[int | str, ...]) -> str | None:
+    """A JobRequest field path as the client named it (sampling.temperature -> temperature)."""
+    if loc and loc[0] == "sampling":
+        loc = loc[1:]
+    elif loc and loc[0] in ("prompt_token_ids", "prompt"):
+        loc = ("prompt",)
+    return field_path(loc)
+
+
+def _job_request(fields: dict[str, Any]) -> JobRequest:
+    try:
+        return JobRequest.model_validate(fields)
+    except ValidationError as exc:
+        problems, first = [], None
+        for error in exc.errors(include_url=False):
+            param = _openai_param(tuple(error["loc"]))
+            first = first or param
+            problems.append(f"{param}: {error['msg']}" if param else error["msg"])
+        raise ApiError(ErrorCode.INVALID_REQUEST, "; ".join(problems), first) from exc
+
+
+def _sampling(
+    req: _GenerationFields, max_tokens: int, logprobs: bool, top_logprobs: int
+) -> dict[str, Any]:
+    given = {
+        "n": req.n,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": req.top_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "seed": req.seed,
+        "stop": req.stop,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "min_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "stop_token_ids": req.stop_token_ids,
+        "skip_special_tokens": req.skip_special_tokens,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "top_logprobs": top_logprobs,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def _check_common(req: _GenerationFields) -> None:
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias")
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts, one job each."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "prompt: must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def check_completion(req: CompletionRequest) -> None:
+    _check_common(req)
+    if req.echo:
+        raise _unsupported("echo", "echo")
+    if req.suffix is not None:
+        raise _unsupported("suffix", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise _unsupported("best_of", "best_of other than n")
+
+
+def completion_job(
+    req: CompletionRequest, prompt: str | list[int], max_tokens: int, timeout_s: float
+) -> JobRequest:
+    logprobs = req.logprobs is not None
+    fields: dict[str, Any] = {
+        "model": req.model,
+        "sampling": _sampling(req, max_tokens, logprobs, req.logprobs or 0),
+        "stream": req.stream,
+        "priority": req.priority,
+        "timeout_s": timeout_s,
+    }
+    fields["prompt" if isinstance(prompt, str) else "prompt_token_ids"] = prompt
+    return _job_request(fields)
+
+
+def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    _check_common(req)
+    if req.tools:
+        raise _unsupported("tools", "tool calling")
+    if req.tool_choice not in (None, "none"):
+        raise _unsupported("tool_choice", "tool_choice other than 'none'")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise _unsupported("response_format", "a response_format other than text")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, "top_logprobs: requires logprobs=true", "top_logprobs"
+        )
+
+
+def chat_job(req: ChatCompletionRequest, max_tokens: int, timeout_s: float) -> JobRequest:
+    messages = []
+    for message in req.messages:
+        entry: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": message.text(),
+        }
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
+    return _job_request(
+        {
+            "model": req.model,
+            "messages": messages,
+            "sampling": _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0),
+            "stream": req.stream,
+            "priority": req.priority,
+            "timeout_s": timeout_s,
+        }
+    )
+
+
+# ---------------------------------------------------------------- responses
+
+
+def usage_body(usages: list[Usage]) -> dict[str, Any]:
+    prompt = sum(u.prompt_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+    cached = sum(u.cached_prompt_tokens for u in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _token_text(item: TokenLogprob | Any) -> str:
+    return item.token if item.token is not None else f"token_id:{item.token_id}"
+
+
+def completion_logprobs(
+    logprobs: list[TokenLogprob] | None, text_offset: int = 0
+) -> dict[str, Any] | None:
+    """The legacy completions logprobs object (tokens, token_logprobs, top_logprobs, offsets)."""
+    if logprobs is None:
+        return None
+    tokens, offsets, offset = [], [], text_offset
+    for item in logprobs:
+        token = _token_text(item)
+        tokens.append(token)
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [item.logprob for item in logprobs],
+        "top_logprobs": [
+            {_token_text(top): top.logprob for top in item.top_logprobs} for item in logprobs
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprob(item: TokenLogprob | Any) -> dict[str, Any]:
+    token = _token_text(item)
+    return {"token": token, "logprob": item.logprob, "bytes": list(token.encode())}
+
+
+def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    return {
+        "content": [
+            {**_chat_logprob(item), "top_logprobs": [_chat_logprob(t) for t in item.top_logprobs]}
+            for item in logprobs
+        ],
+        "refusal": None,
+    }
+
+
+def response_id(kind: str, job: Job) -> str:
+    return f"{kind}-{job.id}"
+
+
+def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
+    choices = []
+    for prompt_index, job in enumerate(jobs):
+        assert job.result is not None
+        for choice in job.result.choices:
+            choices.append(
+                {
+                    "index": prompt_index * req.n + choice.index,
+                    "text": choice.text,
+                    "logprobs": completion_logprobs(choice.logprobs),
+                    "finish_reason": finish_reason(choice.finish_reason),
+                    "stop_reason": choice.stop_reason,
+                }
+            )
+    return {
+        "id": response_id("cmpl", jobs[0]),
+        "object": "text_completion",
+        "created": int(jobs[0].created_at.timestamp()),
+        "model": req.model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": usage_body([job.result.usage for job in jobs if job.result is not None]),
+    }
+
+
+def chat_body(req: ChatCompletionRequest, job: Job) -> dict[str, Any]:
+    assert job.result is not None
+    return {
+        "id": response_id("chatcmpl", job),
+        "object": "chat.completion",
+        "created": int(job.created_at.timestamp()),
+        "model": req.model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": choice.index,
+                "message": {"role": "assistant", "content": choice.text, "refusal": None},
+                "logprobs": chat_logprobs(choice.logprobs),
+                "finish_reason": finish_reason(choice.finish_reason),
+                "stop_reason": choice.stop_reason,
+            }
+            for choice in job.result.choices
+        ],
+        "usage": usage_body([job.result.usage]),
+    }
+
+
+class CompletionChunks:
+    """Stream chunks of `/v1/completions` for one request (all its prompts' jobs)."""
+
+    def __init__(self, req: CompletionRequest, first_job: Job) -> None:
+        self.req = req
+        self.header = {
+            "id": response_id("cmpl", first_job),
+            "object": "text_completion",
+            "created": int(first_job.created_at.timestamp()),
+            "model": req.model,
+            "system_fingerprint": None,
+        }
+        self.offsets: dict[int, int] = {}
+
+    def _frame(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict:
+        frame = {**self.header, "choices": choices}
+        if self.req.include_usage:
+            frame["usage"] = usage
+        return frame
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
+        index = prompt_index * self.req.n + chunk.choice
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(chunk.text)
+        choice = {
+            "index": index,
+            "text": chunk.text,
+            "logprobs": completion_logprobs(chunk.logprobs, offset),
+            "finish_reason": finish_reason(chunk.finish_reason),
+        }
+        if chunk.finish_reason is not None:
+            choice["stop_reason"] = chunk.stop_reason
+        return self._frame([choice], None)
+
+    def usage(self, usages: list[Usage]) -> dict[str, Any]:
+        return {**self.header, "choices": [], "usage": usage_body(usages)}
+
+
+class ChatChunks:
+    """Stream chunks of `/v1/chat/completions`: a role delta per choice first, then content."""
+
+    def __init__(self, req: ChatCompletionRequest, job: Job) -> None:
+        self.req = req
+        self.header = {
+            "id": response_id("chatcmpl", job),
+            "object": "chat.completion.chunk",
+            "created": int(job.created_at.timestamp()),
+            "model": req.model,
+            "system_fingerprint": None,
+        }
+
+    def _frame(self, choice: dict[str, Any]) -> dict[str, Any]:
+        frame = {**self.header, "choices": [choice]}
+        if self.req.include_usage:
+            frame["usage"] = None
+        return frame
+
+    def start(self) -> list[dict[str, Any]]:
+        return [
+            self._frame(
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+            for i in range(self.req.n)
+        ]
+
+    def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
+        choice = {
+            "index": chunk.choice,
+            "delta": {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {},
+            "logprobs": chat_logprobs(chunk.logprobs),
+            "finish_reason": finish_reason(chunk.finish_reason),
+        }
+        if chunk.finish_reason is not None:
+            choice["stop_reason"] = chunk.stop_reason
+        return self._frame(choice)
+
+    def usage(self, usages: list[Usage]) -> dict[str, Any]:
+        return {**self.header, "choices": [], "usage": usage_body(usages)}

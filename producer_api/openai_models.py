@@ -1,0 +1,100 @@
+"""Request shapes of the OpenAI-compatible endpoints (HTTP-only; the job contract is `schemas`).
+
+Fields OpenAI documents are accepted with OpenAI's meaning; a few vLLM-style extensions (top_k,
+min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
+priority) pass through to the sampler. Unknown fields are refused (400 naming the field)
+rather than silently ignored, except inside messages, where SDKs echo back extra fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from schemas.jobs import MAX_MESSAGES, MAX_PRIORITY, MAX_PROMPT_CHARS
+from schemas.sampling import MAX_N, MAX_TOP_LOGPROBS
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False
+
+
+class _GenerationFields(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str = Field(min_length=1, max_length=256)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(None, description="up to 16 stop strings")
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256, description="accepted and ignored")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: leave empty")
+    # extensions (vLLM-style)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    skip_special_tokens: StrictBool = True
+    priority: int = Field(0, ge=0, le=MAX_PRIORITY, description="lower runs first")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationFields):
+    """`POST /v1/completions`. `prompt` is a string, a list of strings, a list of token ids, or
+    a list of token-id lists; each prompt gets `n` choices (choice index = prompt * n + i)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool = Field(False, description="not supported: must be false")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n")
+    suffix: str | None = Field(None, description="not supported")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None)
+    name: str | None = Field(None, min_length=1, max_length=64)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationFields):
+    """`POST /v1/chat/completions`; the worker applies the model's chat template."""
+
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: leave empty")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="only 'none'")
+    parallel_tool_calls: StrictBool | None = None

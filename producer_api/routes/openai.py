@@ -1,0 +1,286 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+
+Each prompt becomes one job; a non-streamed call waits for the jobs, a streamed one relays
+their chunks as OpenAI chunks and ends with `data: [DONE]`. A client that leaves before the
+end cancels its jobs (nobody could read their output). Streams wait for the first chunk before
+answering, so a job that fails at once (e.g. context_length_exceeded) is an HTTP error there too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from producer_api import queue
+from producer_api.admission import (
+    check_n,
+    check_token_prompt,
+    model_and_context,
+    resolve_max_tokens,
+    submit,
+)
+from producer_api.auth import Principal
+from producer_api.deps import ApiState, Caller, State
+from producer_api.errors import ApiError, error_payload, error_status
+from producer_api.openai_convert import (
+    ChatChunks,
+    CompletionChunks,
+    chat_body,
+    chat_job,
+    chat_max_tokens,
+    check_chat,
+    check_completion,
+    completion_body,
+    completion_job,
+    completion_prompts,
+)
+from producer_api.openai_models import ChatCompletionRequest, CompletionRequest
+from producer_api.sse import EventStreamResponse, sse_event
+from producer_api.streams import ClientGone, merge_indexed, unless_disconnected
+from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus, TokenChunk
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+FINAL_STATUS_WAIT_S = 5.0
+WAIT_GRACE_S = 5.0  # past the jobs' own deadline, before the API gives up waiting
+DONE = b"data: [DONE]\n\n"
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
+Framer = CompletionChunks | ChatChunks
+
+
+@router.get("/models")
+async def list_models(state: State, caller: Caller) -> dict[str, Any]:
+    """Models with at least one live worker."""
+    served = await state.workers.models()
+    return {"object": "list", "data": [_model_card(m) for _, m in sorted(served.items())]}
+
+
+@router.get("/models/{model:path}")
+async def read_model(model: str, state: State, caller: Caller) -> dict[str, Any]:
+    served = await state.require_model(model, allow_configured=False)
+    assert served is not None
+    return _model_card(served)
+
+
+def _model_card(served: Any) -> dict[str, Any]:
+    return {
+        "id": served.name,
+        "object": "model",
+        "created": int(served.since),
+        "owned_by": "inferq",
+        "max_model_len": served.max_model_len,
+        "workers": served.workers,
+    }
+
+
+@router.post("/completions")
+async def completions(
+    body: CompletionRequest, request: Request, state: State, caller: Caller
+) -> Response:
+    check_completion(body)
+    check_n(state, body.n, "n")
+    prompts = completion_prompts(body)
+    if len(prompts) > state.settings.max_prompts:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST,
+            f"prompt: at most {state.settings.max_prompts} prompts in one request",
+            "prompt",
+        )
+    _, context = await model_and_context(state, body.model, allow_configured=False)
+    max_tokens = resolve_max_tokens(state, body.max_tokens, context, "max_tokens")
+    requests = []
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            check_token_prompt(prompt, max_tokens, context, "prompt")
+        requests.append(completion_job(body, prompt, max_tokens, state.settings.request_timeout_s))
+    jobs = await _submit_all(state, requests, caller)
+    if body.stream:
+        return await _open_stream(
+            state, request, jobs, CompletionChunks(body, jobs[0]), body.include_usage
+        )
+    finished = await _wait_all(state, request, jobs)
+    return JSONResponse(completion_body(body, finished))
+
+
+@router.post("/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: State, caller: Caller
+) -> Response:
+    check_chat(body)
+    check_n(state, body.n, "n")
+    _, context = await model_and_context(state, body.model, allow_configured=False)
+    requested, param = chat_max_tokens(body)
+    max_tokens = resolve_max_tokens(state, requested, context, param)
+    job_request = chat_job(body, max_tokens, state.settings.request_timeout_s)
+    jobs = await _submit_all(state, [job_request], caller)
+    if body.stream:
+        return await _open_stream(
+            state, request, jobs, ChatChunks(body, jobs[0]), body.include_usage
+        )
+    finished = await _wait_all(state, request, jobs)
+    return JSONResponse(chat_body(body, finished[0]))
+
+
+async def _submit_all(state: ApiState, requests: list[JobRequest], caller: Principal) -> list[Job]:
+    jobs: list[Job] = []
+    try:
+        for job_request in requests:
+            jobs.append(await submit(state, job_request, caller))
+    except BaseException:
+        await _cancel_all(state, jobs)  # all prompts or none
+        raise
+    return jobs
+
+
+async def _cancel_all(state: ApiState, jobs: list[Job]) -> None:
+    with anyio.CancelScope(shield=True):
+        for job in jobs:
+            # best effort: the job's deadline ends it anyway
+            with contextlib.suppress(Exception):
+                await queue.cancel_job(state.redis, state.keys, job.id, reason="client went away")
+
+
+def _job_failure(job: Job, path: str) -> ApiError:
+    """The HTTP error for a job that did not succeed (context_length_exceeded -> 400, ...)."""
+    if job.status is JobStatus.SUCCEEDED:
+        raise ValueError("job succeeded")
+    if job.error is not None:
+        error = job.error
+    elif job.status.is_terminal:
+        code = ErrorCode.CANCELLED if job.status is JobStatus.CANCELLED else ErrorCode.EXPIRED
+        error = ErrorBody.of(code, f"the job ended as {job.status.value}")
+    else:
+        error = ErrorBody.of(ErrorCode.DEADLINE_EXCEEDED, "the job did not finish in time")
+    return ApiError(error.code, error.message, error.param, status=error_status(error.code, path))
+
+
+async def _wait_all(state: ApiState, request: Request, jobs: list[Job]) -> list[Job]:
+    timeout = state.settings.request_timeout_s + WAIT_GRACE_S
+
+    async def wait(job: Job) -> Job:
+        return await queue.wait_job(
+            state.redis,
+            state.keys,
+            job.id,
+            timeout=timeout,
+            poll_interval=state.settings.poll_interval_s,
+        )
+
+    try:
+        finished = await unless_disconnected(request, asyncio.gather(*(wait(job) for job in jobs)))
+    except ClientGone:
+        await _cancel_all(state, jobs)
+        raise ApiError(ErrorCode.CANCELLED, "the client disconnected", status=499) from None
+    failed = [job for job in finished if job.status is not JobStatus.SUCCEEDED]
+    if failed:
+        await _cancel_all(state, [job for job in finished if not job.status.is_terminal])
+        raise _job_failure(failed[0], request.url.path)
+    return list(finished)
+
+
+def _data(payload: dict[str, Any]) -> bytes:
+    return sse_event(json.dumps(payload, separators=(",", ":")))
+
+
+async def _first_chunk(stream: AsyncIterator[TokenChunk]) -> TokenChunk | None:
+    return await anext(stream, None)
+
+
+def _is_failure_chunk(chunk: TokenChunk | None) -> bool:
+    return chunk is None or chunk.finish_reason in ("error", "abort")
+
+
+async def _open_stream(
+    state: ApiState, request: Request, jobs: list[Job], framer: Framer, include_usage: bool
+) -> Response:
+    streams = [
+        queue.stream_chunks(
+            state.redis, state.keys, job.id, poll_interval=state.settings.poll_interval_s
+        )
+        for job in jobs
+    ]
+    firsts: list[TokenChunk | None] = []
+    try:
+        for job, stream in zip(jobs, streams, strict=True):
+            first = await unless_disconnected(request, _first_chunk(stream))
+            if _is_failure_chunk(first):
+                ended = await _final_job(state, job)
+                if ended.status is not JobStatus.SUCCEEDED:
+                    raise _job_failure(ended, request.url.path)
+            firsts.append(first)
+    except BaseException as exc:
+        for stream in streams:
+            await stream.aclose()
+        await _cancel_all(state, jobs)
+        if isinstance(exc, ClientGone):
+            raise ApiError(ErrorCode.CANCELLED, "the client disconnected", status=499) from None
+        raise
+    events = _openai_events(state, jobs, streams, firsts, framer, include_usage)
+    return EventStreamResponse(events, state.metrics, keepalive_s=state.settings.sse_keepalive_s)
+
+
+async def _final_job(state: ApiState, job: Job) -> Job:
+    return await queue.wait_job(
+        state.redis,
+        state.keys,
+        job.id,
+        timeout=FINAL_STATUS_WAIT_S,
+        poll_interval=state.settings.poll_interval_s,
+    )
+
+
+async def _with_first(first: TokenChunk | None, rest: AsyncIterator[TokenChunk]):
+    if first is not None:
+        yield first
+    async for chunk in rest:
+        yield chunk
+
+
+async def _openai_events(
+    state: ApiState,
+    jobs: list[Job],
+    streams: list[AsyncIterator[TokenChunk]],
+    firsts: list[TokenChunk | None],
+    framer: Framer,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    completed = False
+    merged = merge_indexed(
+        [_with_first(first, stream) for first, stream in zip(firsts, streams, strict=True)]
+    )
+    try:
+        for frame in framer.start():
+            yield _data(frame)
+        async for position, chunk in merged:
+            if chunk.finish_reason in ("error", "abort"):
+                # the job's status tells what happened; only pass the text on
+                if not chunk.text:
+                    continue
+                chunk = chunk.model_copy(update={"finish_reason": None, "stop_reason": None})
+            yield _data(framer.chunk(position, chunk))
+        finished = [await _final_job(state, job) for job in jobs]
+        failed = [job for job in finished if job.status is not JobStatus.SUCCEEDED]
+        if failed:
+            error = _job_failure(failed[0], COMPLETIONS_PATH)
+            yield _data(error_payload(error.error, error.status or 500))
+            completed = True
+            return
+        if include_usage:
+            yield _data(framer.usage([job.result.usage for job in finished if job.result]))
+        yield DONE
+        completed = True
+    finally:
+        await merged.aclose()
+        for stream in streams:
+            await stream.aclose()
+        if not completed:
+            await _cancel_all(state, jobs)

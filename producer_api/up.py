@@ -1,0 +1,303 @@
+"""`inferq up`: the whole system on one machine: Redis, the API and one worker.
+
+Redis: used as it is when something answers at the configured URL; otherwise, for a local URL,
+a `redis-server` is started with its data (AOF) in `--data-dir`. Then the API (uvicorn) and one
+worker on `--model` start as child processes; once /ready answers, the URLs and a curl example
+are printed. Ctrl-C (or SIGTERM) stops the worker (it drains), the API, then the Redis server
+this command started, in that order. Nothing here imports the engine: the worker is a child.
+
+Without INFERQ_API_KEYS the API runs without authentication, which is only allowed when it
+listens on a loopback address (and is printed loudly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import redis
+
+from producer_api.settings import DEFAULT_PORT
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # engine.model_files.DEFAULT_MODEL, not imported here
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+READY_TIMEOUT_S = 900.0  # the first start converts the default model
+STOP_TIMEOUT_S = 40.0
+LOG_LEVELS = ["debug", "info", "warning", "error"]  # the worker's default drain is 30 s
+
+
+class UpError(Exception):
+    """A start-up problem the user can fix (message says how)."""
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=os.environ.get("INFERQ_MODEL", DEFAULT_MODEL), help="worker's model")
+    add("--host", default=os.environ.get("INFERQ_HOST", "127.0.0.1"), help="API listen address")
+    add("--port", type=int, default=int(os.environ.get("INFERQ_PORT", DEFAULT_PORT)))
+    add("--redis-url", default=os.environ.get("INFERQ_REDIS_URL", DEFAULT_REDIS_URL))
+    add("--prefix", default=os.environ.get("INFERQ_PREFIX"), help="Redis key prefix")
+    add("--data-dir", type=Path, default=None, help="Redis data dir (default $INFERQ_HOME/redis)")
+    add("--no-worker", action="store_true", help="start Redis and the API only")
+    add("--ready-timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for /ready")
+
+
+def default_data_dir() -> Path:
+    home = os.environ.get("INFERQ_HOME") or Path.home() / ".cache" / "inferq"
+    return Path(home) / "redis"
+
+
+def _die_with_parent() -> None:
+    # Linux: a child gets SIGTERM if `inferq up` itself is killed, so none outlives it.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                print(f"inferq up: {self.name} did not stop in {timeout:.0f} s; killing it")
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@dataclass
+class System:
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(self, name: str, args: list[str], env: dict[str, str]) -> Child:
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        process = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=preexec)
+        child = Child(name, process)
+        self.children.append(child)
+        return child
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if not c.alive()]
+
+    def stop(self) -> None:
+        """Newest first: worker (drains its jobs), API, then the Redis server we started."""
+        for child in reversed(self.children):
+            timeout = STOP_TIMEOUT_S if child.name == "worker" else 10.0
+            code = child.stop(timeout)
+            how = "cleanly" if code in (0, -signal.SIGTERM) else f"with exit code {code}"
+            print(f"inferq up: {child.name} stopped {how}")
+
+
+def _redis_answers(url: str) -> bool:
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError):
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def start_redis(system: System, url: str, data_dir: Path) -> Child | None:
+    """None when a server already answers at `url`, else the redis-server started for it."""
+    if _redis_answers(url):
+        print(f"inferq up: using the Redis at {url}")
+        return None
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+    if parts.scheme != "redis" or host not in LOOPBACK_HOSTS:
+        raise UpError(f"nothing answers at {url}, and inferq up only starts Redis on this host")
+    binary = shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None
+    )
+    if binary is None:
+        raise UpError("redis-server not found: install it (apt-get install -y redis-server)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = [
+        binary,
+        "--port", str(port),
+        "--bind", "127.0.0.1" if host != "::1" else "::1",
+        "--dir", str(data_dir),
+        "--appendonly", "yes",
+        "--save", "",
+        "--daemonize", "no",
+        "--logfile", str(data_dir / "redis.log"),
+    ]  # fmt: skip
+    child = system.spawn("redis", args, dict(os.environ))
+    give_up = time.monotonic() + 15
+    while not _redis_answers(url):
+        if not child.alive() or time.monotonic() > give_up:
+            raise UpError(f"redis-server did not start; see {data_dir / 'redis.log'}")
+        time.sleep(0.05)
+    print(f"inferq up: started redis-server at {url} (data in {data_dir})")
+    return child
+
+
+def api_environment(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
+    """The API's environment, and whether authentication is off."""
+    env = dict(os.environ)
+    env["INFERQ_REDIS_URL"] = args.redis_url
+    if args.prefix:
+        env["INFERQ_PREFIX"] = args.prefix
+    keys_given = bool(env.get("INFERQ_API_KEYS", "").strip())
+    auth_off = env.get("INFERQ_AUTH_DISABLED", "").lower() in ("1", "true", "yes")
+    if not keys_given and not auth_off:
+        if args.host not in LOOPBACK_HOSTS:
+            raise UpError(
+                f"the API would listen on {args.host} without authentication: set "
+                'INFERQ_API_KEYS=\'{"me": "<key>"}\' (or INFERQ_AUTH_DISABLED=1 if you mean it)'
+            )
+        env["INFERQ_AUTH_DISABLED"] = "1"
+        auth_off = True
+    return env, auth_off
+
+
+def _wait_ready(
+    system: System,
+    base_url: str,
+    timeout: float,
+    want_worker: bool,
+    should_stop: Callable[[], bool],
+) -> None:
+    """Until /ready (or /health without a worker) answers 200, a child dies, or Ctrl-C."""
+    give_up = time.monotonic() + timeout
+    last_note = time.monotonic()
+    with httpx.Client(base_url=base_url, timeout=2.0) as http:
+        while time.monotonic() < give_up:
+            if should_stop():
+                return
+            if system.dead():
+                names = ", ".join(c.name for c in system.dead())
+                raise UpError(f"{names} exited during start-up (see its log above)")
+            try:
+                path = "/ready" if want_worker else "/health"
+                if http.get(path).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() - last_note > 15:
+                print("inferq up: waiting for the API and the worker (the model loads) ...")
+                last_note = time.monotonic()
+            time.sleep(0.25)
+    raise UpError(f"not ready after {timeout:.0f} s")
+
+
+def _banner(base_url: str, model: str, auth_off: bool) -> str:
+    key = "anything" if auth_off else "$INFERQ_KEY"
+    lines = [
+        "",
+        f"inferq is up: API {base_url} (docs {base_url}/docs, metrics {base_url}/metrics)",
+        f"  model: {model}",
+        "  try:",
+        f"    curl -s {base_url}/v1/completions -H 'Content-Type: application/json' \\",
+        f"      -H 'Authorization: Bearer {key}' \\",
+        f'      -d \'{{"model": "{model}", "prompt": "The capital of France is", '
+        '"max_tokens": 16, "temperature": 0}\'',
+        "  Ctrl-C stops everything.",
+    ]
+    if auth_off:
+        bar = "!" * 78
+        lines[1:1] = [
+            bar,
+            "!! AUTHENTICATION IS DISABLED (local use): any client on this machine can use",
+            "!! the API. Set INFERQ_API_KEYS to require keys.",
+            bar,
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Start Redis (if needed), the API and a worker; block until Ctrl-C; stop them all."""
+    system = System()
+    stopping = False
+
+    def request_stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    log_level = getattr(args, "log_level", "warning")  # the children's; `inferq` has its own flag
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    base_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    code = 0
+    try:
+        if not _port_free(args.host, args.port):
+            raise UpError(f"port {args.port} on {args.host} is taken: pass --port")
+        start_redis(system, args.redis_url, args.data_dir or default_data_dir())
+        env, auth_off = api_environment(args)
+        system.spawn(
+            "api",
+            [
+                sys.executable, "-m", "uvicorn", "producer_api.app:create_app", "--factory",
+                "--host", args.host, "--port", str(args.port), "--log-level", log_level,
+            ],
+            env,
+        )  # fmt: skip
+        if not args.no_worker:
+            worker_env = {**env, "INFERQ_MODEL": args.model}
+            worker_args = [sys.executable, "-m", "worker", "--model", args.model]
+            worker_args += ["--redis-url", args.redis_url, "--log-level", log_level]
+            system.spawn("worker", worker_args, worker_env)
+        _wait_ready(system, base_url, args.ready_timeout, not args.no_worker, lambda: stopping)
+        if not stopping:
+            print(_banner(base_url, args.model, auth_off), flush=True)
+        while not stopping:
+            if system.dead():
+                names = ", ".join(c.name for c in system.dead())
+                print(f"inferq up: {names} exited; stopping the rest", file=sys.stderr)
+                code = 1
+                break
+            time.sleep(0.2)
+    except UpError as exc:
+        print(f"inferq up: error: {exc}", file=sys.stderr)
+        code = 2
+    finally:
+        print("inferq up: stopping ...", flush=True)
+        system.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="inferq up", description=__doc__)
+    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
+    add_up_arguments(parser)
+    return run_up(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Which workers are alive and which models they serve, read from their heartbeat hashes.
+
+A heartbeat hash `{p}:worker:{name}` expires HEARTBEAT_TTL_S after the worker's last beat, so
+every hash that exists is a live worker. The list is re-read at most every `cache_s` seconds:
+requests check the model on every call, and a SCAN per request would cost more than the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+
+from schemas import RedisKeys, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+# Heartbeat fields a worker may add beyond WorkerInfo (read when present).
+MAX_MODEL_LEN_FIELD = "max_model_len"
+_INFO_FIELDS = frozenset(WorkerInfo.model_fields)
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    info: WorkerInfo
+    max_model_len: int | None  # the worker's context length, when it advertises one
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    workers: int
+    max_model_len: int | None  # the smallest context among its workers (any may run a job)
+    since: float  # unix time the longest-running worker started
+
+
+def parse_heartbeat(data: dict[str | bytes, str | bytes]) -> LiveWorker | None:
+    fields = {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in data.items()
+    }
+    try:
+        info = WorkerInfo.model_validate({k: v for k, v in fields.items() if k in _INFO_FIELDS})
+    except ValidationError:
+        return None
+    raw_len = fields.get(MAX_MODEL_LEN_FIELD)
+    max_model_len = int(raw_len) if raw_len and raw_len.isdigit() and int(raw_len) > 0 else None
+    return LiveWorker(info, max_model_len)
+
+
+class WorkerDirectory:
+    def __init__(self, redis: Redis, keys: RedisKeys, cache_s: float = 1.0) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.cache_s = cache_s
+        self._cached: list[LiveWorker] | None = None
+        self._read_at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def live(self) -> list[LiveWorker]:
+        loop = asyncio.get_running_loop()
+        if self._cached is not None and loop.time() - self._read_at < self.cache_s:
+            return self._cached
+        async with self._lock:
+            if self._cached is None or loop.time() - self._read_at >= self.cache_s:
+                self._cached = await self._read()
+                self._read_at = loop.time()
+            return self._cached
+
+    def forget(self) -> None:
+        """Drop the cached list (tests, or after a worker is known to have changed)."""
+        self._cached = None
+
+    async def _read(self) -> list[LiveWorker]:
+        names = [key async for key in self.redis.scan_iter(self.keys.workers_pattern(), count=500)]
+        if not names:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(name)
+            hashes = await pipe.execute()
+        workers = []
+        for name, data in zip(names, hashes, strict=True):
+            if not data:
+                continue  # expired between SCAN and HGETALL
+            worker = parse_heartbeat(data)
+            if worker is None:
+                log.warning("ignoring an unreadable worker heartbeat %r", name)
+                continue
+            workers.append(worker)
+        return workers
+
+    async def models(self) -> dict[str, ServedModel]:
+        served: dict[str, ServedModel] = {}
+        for worker in await self.live():
+            name = worker.info.model
+            since = worker.info.started_at.timestamp()
+            known = served.get(name)
+            if known is None:
+                served[name] = ServedModel(name, 1, worker.max_model_len, since)
+                continue
+            lengths = [n for n in (known.max_model_len, worker.max_model_len) if n is not None]
+            served[name] = ServedModel(
+                name, known.workers + 1, min(lengths) if lengths else None, min(known.since, since)
+            )
+        return served

@@ -1,0 +1,245 @@
+"""Bulk work in OpenAI's Batch API shapes: files, batches, their statuses, and the JSONL line
+formats of input, output and error files (keyed by each request's `custom_id`).
+
+A batch is stored as the hash `{p}:batch:{id}` (fields in `BatchField`, all strings; times are
+unix seconds as OpenAI reports them) and shown to clients as `BatchObject`."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+BATCH_ID_PREFIX = "batch_"
+FILE_ID_PREFIX = "file-"
+BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+MAX_CUSTOM_ID_CHARS = 512
+MAX_BATCH_METADATA_PAIRS = 16
+
+_ID_RE = re.compile(r"^(batch_|file-)[A-Za-z0-9_-]{16,64}$")
+_WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
+_WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600}
+MAX_COMPLETION_WINDOW_S = 7 * 24 * 3600
+
+Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
+
+
+def new_batch_id() -> str:
+    return BATCH_ID_PREFIX + secrets.token_urlsafe(16)
+
+
+def new_file_id() -> str:
+    return FILE_ID_PREFIX + secrets.token_urlsafe(16)
+
+
+def is_valid_batch_id(value: str) -> bool:
+    return value.startswith(BATCH_ID_PREFIX) and bool(_ID_RE.match(value))
+
+
+def is_valid_file_id(value: str) -> bool:
+    return value.startswith(FILE_ID_PREFIX) and bool(_ID_RE.match(value))
+
+
+def completion_window_seconds(window: str) -> int:
+    """ "24h" -> 86400. OpenAI only knows "24h"; shorter windows ("30m", "90s") help tests and
+    operators. Raises ValueError for anything else or more than 7 days."""
+    match = _WINDOW_RE.match(window)
+    if match is None:
+        raise ValueError(f"completion_window {window!r} must look like '24h', '30m' or '90s'")
+    seconds = int(match.group(1)) * _WINDOW_UNITS[match.group(2)]
+    if seconds > MAX_COMPLETION_WINDOW_S:
+        raise ValueError("completion_window may be at most 7 days")
+    return seconds
+
+
+class BatchStatus(StrEnum):
+    """validating -> in_progress -> finalizing -> completed; or failed (input unusable),
+    expired (completion_window passed), cancelling -> cancelled."""
+
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_BATCH_STATUSES
+
+
+TERMINAL_BATCH_STATUSES = frozenset(
+    {BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
+
+
+class BatchField(StrEnum):
+    """Fields of the batch hash. Times (`*_at`) are unix seconds; `metadata` and `errors` are
+    JSON; total / completed / failed count requests; `submitted` counts input lines the
+    controller has enqueued (its resume point); `owner` is absent for anonymous batches."""
+
+    ID = "id"
+    OWNER = "owner"
+    ENDPOINT = "endpoint"
+    INPUT_FILE_ID = "input_file_id"
+    COMPLETION_WINDOW = "completion_window"
+    STATUS = "status"
+    OUTPUT_FILE_ID = "output_file_id"
+    ERROR_FILE_ID = "error_file_id"
+    CREATED_AT = "created_at"
+    IN_PROGRESS_AT = "in_progress_at"
+    EXPIRES_AT = "expires_at"
+    FINALIZING_AT = "finalizing_at"
+    COMPLETED_AT = "completed_at"
+    FAILED_AT = "failed_at"
+    EXPIRED_AT = "expired_at"
+    CANCELLING_AT = "cancelling_at"
+    CANCELLED_AT = "cancelled_at"
+    TOTAL = "total"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    SUBMITTED = "submitted"
+    METADATA = "metadata"
+    ERRORS = "errors"
+
+
+# The `*_at` field set when a batch enters each status.
+STATUS_TIME_FIELD: dict[BatchStatus, BatchField] = {
+    BatchStatus.IN_PROGRESS: BatchField.IN_PROGRESS_AT,
+    BatchStatus.FINALIZING: BatchField.FINALIZING_AT,
+    BatchStatus.COMPLETED: BatchField.COMPLETED_AT,
+    BatchStatus.FAILED: BatchField.FAILED_AT,
+    BatchStatus.EXPIRED: BatchField.EXPIRED_AT,
+    BatchStatus.CANCELLING: BatchField.CANCELLING_AT,
+    BatchStatus.CANCELLED: BatchField.CANCELLED_AT,
+}
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchObject(BaseModel):
+    """A batch as the API shows it (OpenAI's `batch` object)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: dict[str, Any] | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+
+    @classmethod
+    def from_redis_hash(cls, data: Mapping[str, str]) -> BatchObject:
+        values: dict[str, Any] = {}
+        for name in BatchObject.model_fields:
+            raw = data.get(name)
+            if raw is None or name in ("object", "request_counts"):
+                continue
+            if name in ("metadata", "errors"):
+                values[name] = json.loads(raw)
+            elif name.endswith("_at"):
+                values[name] = int(raw)
+            else:
+                values[name] = raw
+        values["request_counts"] = RequestCounts(
+            total=int(data.get(BatchField.TOTAL, 0)),
+            completed=int(data.get(BatchField.COMPLETED, 0)),
+            failed=int(data.get(BatchField.FAILED, 0)),
+        )
+        return cls.model_validate(values)
+
+
+class FileObject(BaseModel):
+    """A stored file as the API shows it (OpenAI's `file` object)."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str = "processed"
+
+
+class BatchInputLine(BaseModel):
+    """One line of a batch input file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: str = Field(min_length=1, max_length=MAX_CUSTOM_ID_CHARS)
+    method: Literal["POST"]
+    url: Endpoint
+    body: dict[str, Any]
+
+
+def output_line(custom_id: str, job_id: str, body: dict[str, Any]) -> str:
+    """A line of the output file: the request succeeded and `body` is its response."""
+    return _line(
+        {
+            "id": f"batch_req_{job_id}",
+            "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": job_id, "body": body},
+            "error": None,
+        }
+    )
+
+
+def error_line(
+    custom_id: str | None,
+    code: str,
+    message: str,
+    *,
+    job_id: str | None = None,
+    status_code: int | None = None,
+    line: int | None = None,
+) -> str:
+    """A line of the error file: the request could not run (bad line) or did not succeed.
+    `line` is the 1-based input line number, given for lines that never became a job."""
+    error: dict[str, Any] = {"code": code, "message": message}
+    if line is not None:
+        error["line"] = line
+    response = None
+    if status_code is not None:
+        response = {
+            "status_code": status_code,
+            "request_id": job_id,
+            "body": {"error": {"message": message, "type": "invalid_request_error", "code": code}},
+        }
+    return _line(
+        {
+            "id": f"batch_req_{job_id or 'none'}",
+            "custom_id": custom_id,
+            "response": response,
+            "error": error,
+        }
+    )
+
+
+def _line(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,163 @@
+"""Acceptance against the real system: uvicorn on a free port, a real Redis, and a real worker
+process (`python -m worker`) on the default model, driven by the official `openai` package.
+Greedy outputs must equal the offline `engine.LLM`'s, and usage must count the same tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack, auth
+from tests.api.test_jobs_api import sse_events
+from tests.conftest import _started_server
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512  # the worker's context, small so "too long" prompts stay cheap
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]
+MAX_TOKENS = 12
+READY_TIMEOUT_S = 300
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy outputs of the offline engine, the ground truth."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    completions = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    chat = llm.chat(CHAT, greedy, use_tqdm=False)[0]
+    yield {"completions": completions, "chat": chat}
+    del llm
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory) -> Iterator[Stack]:
+    server = _started_server(tmp_path_factory.mktemp("redis-real"))
+    worker = subprocess.Popen(
+        [
+            sys.executable, "-m", "worker", "--model", MODEL, "--redis-url", server.url,
+            "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning",
+        ],
+        env={**os.environ, "INFERQ_NUM_THREADS": os.environ.get("INFERQ_NUM_THREADS", "2")},
+    )  # fmt: skip
+    bg = BackgroundLoop()
+    stack = Stack(server.url, bg)
+    try:
+        api = stack.api(models=[], max_n=4)
+        give_up = time.monotonic() + READY_TIMEOUT_S
+        with httpx.Client(base_url=api.url) as http:
+            while http.get("/ready").status_code != 200:
+                assert worker.poll() is None, "the worker exited during start-up"
+                assert time.monotonic() < give_up, "the worker did not come up"
+                time.sleep(0.5)
+        yield stack
+    finally:
+        stack.close()
+        bg.close()
+        worker.terminate()
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        server.kill()
+
+
+@pytest.fixture
+def sdk(system) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=system.servers[0].url + "/v1", api_key=ALICE_KEY, max_retries=0, timeout=120
+    ) as client:
+        yield client
+
+
+def test_completions_match_the_offline_engine(sdk, reference):
+    for prompt, want in zip(PROMPTS, reference["completions"], strict=True):
+        out = want.outputs[0]
+        response = sdk.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert response.choices[0].text == out.text
+        assert response.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert response.usage.completion_tokens == len(out.token_ids)
+        assert response.usage.total_tokens == len(want.prompt_token_ids) + len(out.token_ids)
+        stream = sdk.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == out.text
+        assert chunks[-1].usage.completion_tokens == len(out.token_ids)
+
+
+def test_chat_matches_the_offline_engine(sdk, reference):
+    want = reference["chat"]
+    out = want.outputs[0]
+    response = sdk.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert response.choices[0].message.content == out.text
+    assert response.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert response.usage.completion_tokens == len(out.token_ids)
+    stream = sdk.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == out.text
+
+
+def test_n_with_a_seed_gives_n_choices(sdk):
+    response = sdk.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, n=2, seed=1234, temperature=0.9
+    )
+    assert [c.index for c in response.choices] == [0, 1]
+    assert all(c.message.content for c in response.choices)
+    assert response.usage.completion_tokens >= 2
+
+
+def test_too_long_prompt_is_400_context_length_exceeded(sdk):
+    long_prompt = "hello " * (MAX_MODEL_LEN + 50)
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+    assert caught.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long_prompt}], stream=True
+        )
+    assert caught.value.code == "context_length_exceeded"
+
+
+def test_jobs_stream_resumes_with_last_event_id(system, reference):
+    want = reference["completions"][0].outputs[0]
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "stream": True,
+        "sampling": {"temperature": 0, "max_tokens": MAX_TOKENS},
+    }
+    with httpx.Client(base_url=system.servers[0].url, headers=auth(), timeout=120) as http:
+        job = http.post("/v1/jobs", json=body).json()
+        with http.stream("GET", job["links"]["stream"]) as response:
+            first = sse_events(response, limit=3)
+        with http.stream(
+            "GET", job["links"]["stream"], headers={"Last-Event-ID": first[-1].id}
+        ) as response:
+            rest = sse_events(response)
+    chunks = [json.loads(e.data) for e in first + rest if e.event == "chunk"]
+    assert [c["index"] for c in chunks] == list(range(len(chunks)))
+    assert "".join(c.get("text", "") for c in chunks) == want.text
+    assert json.loads(rest[-1].data)["result"]["choices"][0]["text"] == want.text

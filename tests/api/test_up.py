@@ -1,0 +1,111 @@
+"""`inferq up` (producer_api.up): starts Redis, the API and a worker, answers a completion,
+and stops all three on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from producer_api import up
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def up_args(**overrides) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    up.add_up_arguments(parser)
+    args = parser.parse_args([])
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+def test_no_auth_only_on_loopback(monkeypatch):
+    monkeypatch.delenv("INFERQ_API_KEYS", raising=False)
+    monkeypatch.delenv("INFERQ_AUTH_DISABLED", raising=False)
+    env, auth_off = up.api_environment(up_args(host="127.0.0.1"))
+    assert auth_off and env["INFERQ_AUTH_DISABLED"] == "1"
+    with pytest.raises(up.UpError, match="INFERQ_API_KEYS"):
+        up.api_environment(up_args(host="0.0.0.0"))
+    monkeypatch.setenv("INFERQ_API_KEYS", '{"me": "secret"}')
+    env, auth_off = up.api_environment(up_args(host="0.0.0.0"))
+    assert not auth_off and "INFERQ_AUTH_DISABLED" not in env
+
+
+def test_banner_shows_a_working_curl_and_warns_without_auth():
+    banner = up._banner("http://127.0.0.1:8123", MODEL, auth_off=True)
+    assert "AUTHENTICATION IS DISABLED" in banner
+    assert "curl -s http://127.0.0.1:8123/v1/completions" in banner
+    assert f'"model": "{MODEL}"' in banner
+
+
+def test_existing_redis_is_used_not_started(redis_url):
+    system = up.System()
+    assert up.start_redis(system, redis_url, Path("/nonexistent")) is None
+    assert system.children == []
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_up_answers_a_completion_and_stops_cleanly(tmp_path):
+    api_port, redis_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("INFERQ_API_KEYS",)}
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "producer_api", "up", "--port", str(api_port),
+            "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--data-dir", str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    output: list[str] = []
+    try:
+        give_up = time.monotonic() + 300
+        assert process.stdout is not None
+        while not any("Ctrl-C stops everything" in line for line in output):
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "".join(output)
+            output.append(line)
+            assert time.monotonic() < give_up, "".join(output)
+        text = "".join(output)
+        assert "AUTHENTICATION IS DISABLED" in text and "curl -s" in text
+        response = httpx.post(
+            f"http://127.0.0.1:{api_port}/v1/completions",
+            json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] >= 1
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, "".join(output) + rest
+    assert "worker stopped cleanly" in rest and "redis stopped cleanly" in rest
+    assert not answers(api_port) and not answers(redis_port)

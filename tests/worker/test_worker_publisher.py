@@ -1,0 +1,38 @@
+"""The outbox against a real Redis: a re-sent chunk is refused by its replay id, never doubled."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+from worker_harness import KEYS, replay_chunks
+
+from schemas import JobStatus, TokenChunk
+from worker.publisher import Outbox
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_resent_chunks_land_once_and_keep_their_order(redis_url):
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    outbox = Outbox(KEYS, KEYS.jobs_stream("m"), "w")
+    chunks = [TokenChunk(job_id="job_x", index=i, text=f"t{i}", token_ids=[i]) for i in range(3)]
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(KEYS.channel("job_x"))
+    await pubsub.get_message(timeout=1)
+    for chunk in chunks[:2]:
+        outbox.chunk(chunk)
+    await outbox.flush(redis)
+    for chunk in chunks:  # a re-sent pipeline (e.g. after a lost reply) repeats 0 and 1
+        outbox.chunk(chunk, set_ttl=False)
+    outbox.transition("job_x", JobStatus.RUNNING, {})  # a non-chunk op splits the run
+    outbox.chunk(chunks[2])
+    assert await outbox.flush(redis) == 5
+    assert [c for _, c in await replay_chunks(redis, "job_x")] == chunks
+    assert await redis.ttl(KEYS.out_stream("job_x")) > 0
+    live = []
+    while (
+        message := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+    ) is not None:
+        live.append(TokenChunk.from_json(message["data"]).index)
+    assert live == [0, 1, 0, 1, 2, 2]  # readers skip repeats by index
+    await pubsub.aclose()

@@ -1,0 +1,369 @@
+"""The engine side of a worker: which jobs are in the engine, how many more it admits, and
+turning each step's deltas into chunks, results and status changes queued in the outbox.
+
+Every method here touches the engine and must run while no step is in flight."""
+
+from __future__ import annotations
+
+import logging
+import time
+from enum import Enum
+from typing import Any
+
+from schemas import ErrorBody, ErrorCode, JobRequest, JobResult, JobStatus, utc_now
+from worker.chunking import ChunkPolicy, absorb, take_chunks
+from worker.engine_api import EngineLike
+from worker.held import HeldJob
+from worker.logs import log_event
+from worker.metrics import WorkerMetrics
+from worker.publisher import Outbox
+from worker.results import build_result
+from worker.tracing import ChunkTracer
+
+logger = logging.getLogger(__name__)
+
+_ESTIMATE_WEIGHT = 0.2  # how fast the assumed job size follows the jobs actually seen
+
+
+class AbortReason(Enum):
+    ENDED = "ended"  # cancelled / ended elsewhere: the hash says so already; just ack
+    LOST = "lost"  # another worker owns the entry now: stop quietly
+    DEADLINE = "deadline"  # deadline passed while running: mark expired
+
+
+class Batch:
+    """The jobs of one worker's engine, from `queue()` to result, abort or hand-back."""
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        outbox: Outbox,
+        *,
+        worker_name: str,
+        policy: ChunkPolicy,
+        metrics: WorkerMetrics,
+        tracer: ChunkTracer,
+        prompt_estimate: int,
+    ) -> None:
+        self.engine = engine
+        self.outbox = outbox
+        self.worker_name = worker_name
+        self.policy = policy
+        self.metrics = metrics
+        self.tracer = tracer
+        self.held: dict[str, HeldJob] = {}  # in the engine
+        self.ready: list[HeldJob] = []  # read from the stream, added to the engine next turn
+        self.outcomes: dict[str, int] = {}
+        self._aborts: dict[str, AbortReason] = {}
+        self._buffered: set[str] = set()  # jobs with output held back by chunk coalescing
+        self._prompt_estimate = float(prompt_estimate)
+        self._max_tokens_estimate = 16.0
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def holds(self, job_id: str) -> bool:
+        return job_id in self.held or any(h.job_id == job_id for h in self.ready)
+
+    def all_jobs(self) -> list[HeldJob]:
+        return [*self.held.values(), *self.ready]
+
+    def queue(self, held: HeldJob) -> None:
+        if not self.holds(held.job_id):
+            self.ready.append(held)
+
+    def request_abort(self, job_id: str, reason: AbortReason) -> None:
+        """Abort at the start of the next turn (safe to call while a step runs)."""
+        if self.holds(job_id):
+            self._aborts.setdefault(job_id, reason)
+
+    def count(self, outcome: str, amount: int = 1) -> None:
+        if amount:
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + amount
+            self.metrics.requests.labels(self.metrics.model, outcome).inc(amount)
+
+    def reject(
+        self,
+        job_id: str | None,
+        entry_id: str,
+        error: ErrorBody,
+        fields: dict[str, str],
+        attempts: int,
+        stream: str | None = None,
+    ) -> None:
+        """Dead-letter an entry and fail its job."""
+        log_event(
+            logger,
+            logging.WARNING,
+            "job_dead_lettered",
+            job=job_id,
+            entry=entry_id,
+            code=error.code.value,
+            message=error.message,
+        )
+        self.outbox.fail(
+            job_id,
+            entry_id,
+            error,
+            dead_letter=True,
+            entry_fields=fields,
+            attempts=attempts,
+            stream=stream,
+        )
+        self.count("dead_lettered")
+
+    # ------------------------------------------------------------------ between steps
+
+    def prepare_turn(self) -> None:
+        """Deadlines, aborts, then the jobs read last turn into the engine."""
+        now = utc_now()
+        for held in self.held.values():
+            if held.job.request.is_past_deadline(now):
+                self._aborts.setdefault(held.job_id, AbortReason.DEADLINE)
+        self._apply_aborts()
+        self._admit_ready()
+
+    def pull_budget(self, max_pull: int) -> int:
+        """How many more jobs the engine admits now (free KV blocks and sequence slots, minus
+        what waiting requests will take), sized like the jobs seen so far."""
+        admissible = self.engine.num_admissible(
+            max(1, round(self._prompt_estimate)), max(1, round(self._max_tokens_estimate))
+        )
+        admissible -= len(self.ready)
+        if admissible <= 0 and not self.engine.has_unfinished() and not self.ready:
+            admissible = 1  # an idle engine always tries one job, whatever the estimate says
+        return max(0, min(admissible, max_pull))
+
+    def _admit_ready(self) -> None:
+        ready, self.ready = self.ready, []
+        for held in ready:
+            request = held.job.request
+            try:
+                prompt_ids = self._prompt_ids(request)
+                self.engine.add_request(
+                    held.job_id,
+                    prompt_ids,
+                    request.sampling,
+                    priority=request.priority,
+                    prior_output_token_ids=held.prior_output_token_ids,
+                )
+            except Exception as exc:
+                self.reject(
+                    held.job_id,
+                    held.entry_id,
+                    _rejection(exc),
+                    {"job": held.job_id},
+                    held.job.attempts,
+                    held.queue_stream,
+                )
+                continue
+            held.prompt_len = len(prompt_ids)
+            held.started_at = utc_now()
+            self.held[held.job_id] = held
+            self._learn_size(held.prompt_len, request.sampling.max_tokens)
+            self._start(held)
+
+    def _prompt_ids(self, request: JobRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if request.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in request.messages]
+            return self.engine.apply_chat_template(messages)
+        return self.engine.tokenize(request.prompt or "")
+
+    def _learn_size(self, prompt_len: int, max_tokens: int) -> None:
+        w = _ESTIMATE_WEIGHT
+        self._prompt_estimate += w * (prompt_len - self._prompt_estimate)
+        self._max_tokens_estimate += w * (max_tokens - self._max_tokens_estimate)
+
+    def _start(self, held: HeldJob) -> None:
+        fields: dict[str, object] = {"worker": self.worker_name, "attempts": held.job.attempts + 1}
+        if held.job.started_at is None:
+            fields["started_at"] = held.started_at  # queue wait counts from the first start
+
+        def started(applied: bool, current: JobStatus | None) -> None:
+            held.start_confirmed = applied
+            if not applied and self.held.get(held.job_id) is held:
+                self._aborts.setdefault(held.job_id, AbortReason.ENDED)
+
+        self.outbox.transition(held.job_id, JobStatus.RUNNING, fields, started)
+        log_event(
+            logger,
+            logging.DEBUG,
+            "job_started",
+            job=held.job_id,
+            prompt_tokens=held.prompt_len,
+            resumed_at_chunk=held.next_index,
+            attempt=held.job.attempts + 1,
+        )
+
+    def _apply_aborts(self) -> None:
+        if not self._aborts:
+            return
+        aborts, self._aborts = self._aborts, {}
+        for job_id, reason in aborts.items():
+            held = self.held.pop(job_id, None)
+            if held is not None:
+                self._abort_in_engine(job_id)
+            else:
+                held = next((h for h in self.ready if h.job_id == job_id), None)
+                if held is None:
+                    continue
+                self.ready.remove(held)
+            self._buffered.discard(job_id)
+            log_event(logger, logging.INFO, "job_aborted", job=job_id, reason=reason.value)
+            if reason is AbortReason.ENDED:
+                self.outbox.ack(held.entry_id, held.queue_stream)
+                self.count("cancelled")
+            elif reason is AbortReason.DEADLINE:
+                error = ErrorBody.of(
+                    ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while running"
+                )
+                self.outbox.finish(
+                    job_id,
+                    held.entry_id,
+                    JobStatus.EXPIRED,
+                    {"error": error},
+                    stream=held.queue_stream,
+                )
+                self.count("expired")
+            else:
+                self.count("lost")
+
+    def _abort_in_engine(self, job_id: str) -> None:
+        try:
+            self.engine.abort(job_id)
+        except Exception:
+            logger.exception("engine abort of %s failed", job_id)
+
+    # ------------------------------------------------------------------ after a step
+
+    def collect(self, deltas: list[Any], error: BaseException | None, emitted_at: float) -> None:
+        """Queue the chunks due after a step, and the results of the jobs it finished."""
+        if error is not None:
+            self._fail_all(error)
+            return
+        now = time.monotonic()
+        wall = utc_now()
+        touched: dict[str, HeldJob] = {}
+        finished: list[HeldJob] = []
+        for delta in deltas:
+            held = self.held.get(delta.request_id)
+            if held is None:
+                continue
+            absorb(held, delta, now)
+            if delta.token_ids and held.first_token_at is None and not held.resumed:
+                held.first_token_at = wall
+            touched[held.job_id] = held
+            if delta.request_finished:
+                finished.append(held)
+        coalescing = not self.policy.every_step
+        if coalescing:
+            touched.update((i, self.held[i]) for i in self._buffered if i in self.held)
+        for held in touched.values():
+            for chunk in take_chunks(held, self.policy, now):
+                self.outbox.chunk(chunk, set_ttl=chunk.final or not held.ttl_set)
+                held.ttl_set = True
+                self.tracer.emit(chunk.job_id, chunk.index, emitted_at)
+            if coalescing:
+                if any(c.pending_token_ids for c in held.choices):
+                    self._buffered.add(held.job_id)
+                else:
+                    self._buffered.discard(held.job_id)
+        for held in finished:
+            self._complete(held, wall)
+        self.tracer.flush()
+
+    def _complete(self, held: HeldJob, wall: Any) -> None:
+        del self.held[held.job_id]
+        self._buffered.discard(held.job_id)
+        output = self.engine.pop_output(held.job_id)
+        try:
+            if output is None:
+                raise ValueError("the engine finished the job without output")
+            result = build_result(held, output, wall)
+        except Exception as exc:  # an output the schema refuses is an engine bug
+            logger.exception("no result for %s", held.job_id)
+            error = ErrorBody.of(ErrorCode.ENGINE_ERROR, f"invalid engine output: {exc}")
+            self.outbox.finish(
+                held.job_id,
+                held.entry_id,
+                JobStatus.FAILED,
+                {"error": error},
+                stream=held.queue_stream,
+            )
+            self.count("failed")
+            return
+
+        def stored(applied: bool, current: JobStatus | None) -> None:
+            if not applied and current is not JobStatus.SUCCEEDED:
+                log_event(logger, logging.INFO, "result_dropped", job=held.job_id, status=current)
+
+        self.outbox.finish(
+            held.job_id,
+            held.entry_id,
+            JobStatus.SUCCEEDED,
+            {"result": result},
+            stored,
+            stream=held.queue_stream,
+        )
+        self.count("succeeded")
+        self._observe_timings(result)
+
+    def _observe_timings(self, result: JobResult) -> None:
+        t, m = result.timings, self.metrics.model
+        if t.ttft_s is not None:
+            self.metrics.ttft.labels(m).observe(t.ttft_s)
+        if t.queue_wait_s is not None:
+            self.metrics.queue_wait.labels(m).observe(t.queue_wait_s)
+        if t.total_s is not None:
+            self.metrics.e2e.labels(m).observe(t.total_s)
+        generated = max(len(c.token_ids) for c in result.choices)
+        if t.decode_s is not None and generated > 1:
+            self.metrics.tpot.labels(m).observe(t.decode_s / (generated - 1))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """A step raised: the engine cannot say which job caused it, so the batch fails (with a
+        final `error` chunk for streaming readers) and the worker serves on."""
+        logger.error(
+            "engine step failed; failing the %d jobs in the batch", len(self.held), exc_info=error
+        )
+        body = ErrorBody.of(ErrorCode.ENGINE_ERROR, f"the engine failed: {error}")
+        now = time.monotonic()
+        for held in list(self.held.values()):
+            self._abort_in_engine(held.job_id)
+            for choice in held.choices:
+                choice.finish_reason = choice.finish_reason or "error"
+            for chunk in take_chunks(held, self.policy, now, force=True):
+                self.outbox.chunk(chunk)
+            self.outbox.finish(
+                held.job_id,
+                held.entry_id,
+                JobStatus.FAILED,
+                {"error": body},
+                stream=held.queue_stream,
+            )
+            self.count("failed")
+        self.held.clear()
+        self._buffered.clear()
+
+    # ------------------------------------------------------------------ shutdown
+
+    def release_for_hand_back(self) -> list[HeldJob]:
+        """Abort everything, queue the output produced so far, return the jobs to re-queue."""
+        now = time.monotonic()
+        jobs = self.all_jobs()
+        for held in self.held.values():
+            self._abort_in_engine(held.job_id)
+            for chunk in take_chunks(held, self.policy, now, force=True):
+                self.outbox.chunk(chunk)
+        self.held.clear()
+        self.ready = []
+        self._buffered.clear()
+        return jobs
+
+
+def _rejection(exc: Exception) -> ErrorBody:
+    code = getattr(exc, "code", None)
+    if code in ErrorCode.__members__.values():
+        return ErrorBody.of(ErrorCode(code), str(exc))
+    return ErrorBody.of(ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")

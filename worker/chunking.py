@@ -1,0 +1,105 @@
+"""Engine deltas -> numbered TokenChunks, with optional coalescing (every k tokens / t ms)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from schemas import Logprob, TokenChunk, TokenLogprob
+from worker.held import ChoiceState, HeldJob
+
+
+@dataclass(frozen=True)
+class ChunkPolicy:
+    """When a streaming choice's buffered output goes out: once it holds `tokens` tokens or its
+    oldest token waited `interval_s`. A finish always goes out at once; jobs with stream=false
+    publish only at the end (or when handed back)."""
+
+    tokens: int = 1
+    interval_s: float = 0.0
+
+    @property
+    def every_step(self) -> bool:
+        return self.tokens <= 1 and self.interval_s <= 0
+
+    def due(self, choice: ChoiceState, now: float) -> bool:
+        if len(choice.pending_token_ids) >= self.tokens:
+            return True
+        since = choice.pending_since
+        return self.interval_s > 0 and since is not None and now - since >= self.interval_s
+
+
+def convert_logprobs(items: Iterable[object] | None) -> list[TokenLogprob] | None:
+    """Engine TokenLogprob(token_id, logprob, top_logprobs=[(id, lp)]) -> wire TokenLogprob."""
+    if items is None:
+        return None
+    return [
+        TokenLogprob(
+            token_id=item.token_id,
+            logprob=float(item.logprob),
+            top_logprobs=[
+                Logprob(token_id=int(tid), logprob=float(lp)) for tid, lp in item.top_logprobs
+            ],
+        )
+        for item in items
+    ]
+
+
+def absorb(held: HeldJob, delta: object, now: float) -> None:
+    """Add one engine RequestDelta to its choice's unpublished output."""
+    choice = held.choices[delta.choice_index]
+    if delta.token_ids:
+        if choice.pending_since is None:
+            choice.pending_since = now
+        choice.pending_token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            choice.pending_logprobs = (choice.pending_logprobs or []) + convert_logprobs(
+                delta.logprobs
+            )
+    choice.pending_text += delta.text
+    if delta.finish_reason is not None and choice.finish_reason is None:
+        choice.finish_reason = delta.finish_reason
+        choice.stop_reason = delta.stop_reason
+
+
+def take_chunks(
+    held: HeldJob, policy: ChunkPolicy, now: float, *, force: bool = False
+) -> list[TokenChunk]:
+    """The chunks due now, numbered on from `held.next_index`; the last one is `final` when the
+    job's every choice has finished and nothing else is left unpublished. `force` publishes all
+    buffered output (used before handing a job back)."""
+    ready = []
+    for choice in held.choices:
+        if not choice.has_pending:
+            continue
+        finishing = choice.finish_reason is not None
+        if force or finishing or (held.stream and policy.due(choice, now)):
+            ready.append(choice)
+    if not ready:
+        return []
+    job_done = held.all_finished and all(
+        choice.finish_published or choice in ready for choice in held.choices
+    )
+    chunks = []
+    for position, choice in enumerate(ready):
+        finishing = choice.finish_reason is not None
+        chunks.append(
+            TokenChunk(
+                job_id=held.job_id,
+                index=held.next_index,
+                choice=choice.index,
+                text=choice.pending_text,
+                token_ids=choice.pending_token_ids,
+                logprobs=choice.pending_logprobs,
+                finish_reason=choice.finish_reason if finishing else None,
+                stop_reason=choice.stop_reason if finishing else None,
+                final=job_done and position == len(ready) - 1,
+            )
+        )
+        held.next_index += 1
+        choice.pending_token_ids = []
+        choice.pending_text = ""
+        choice.pending_logprobs = None
+        choice.pending_since = None
+        choice.finish_published = finishing
+    return chunks

@@ -1,0 +1,86 @@
+"""Finding out that a held job was ended elsewhere: cancel broadcasts on the control channel,
+and a periodic look at the held jobs' statuses (in case a broadcast was missed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from schemas import ControlMessage, JobStatus, RedisKeys
+from worker.backoff import Backoff
+from worker.logs import log_event
+
+logger = logging.getLogger(__name__)
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+
+
+async def listen_for_cancels(
+    redis: Redis,
+    keys: RedisKeys,
+    on_cancel: Callable[[str], None],
+    backoff: Backoff,
+    closing: asyncio.Event,
+) -> None:
+    """Call `on_cancel(job_id)` for every cancel broadcast until `closing` is set; re-subscribes
+    after Redis comes back (broadcasts sent meanwhile are caught by `ended_jobs`). Ends on the
+    event rather than relying on task cancellation, which a timeout firing at the same moment
+    can swallow."""
+    channel = keys.control_channel()
+    while not closing.is_set():
+        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(channel)
+            backoff.succeeded()
+            while not closing.is_set():
+                message = await pubsub.get_message(timeout=0.5)
+                if message is None or message.get("type") != "message":
+                    continue
+                try:
+                    control = ControlMessage.from_json(message["data"])
+                except ValidationError:
+                    log_event(logger, logging.WARNING, "bad_control_message", data=message["data"])
+                    continue
+                if control.op == "cancel":
+                    on_cancel(control.job_id)
+        except REDIS_DOWN as exc:
+            wait = backoff.failed()
+            log_event(
+                logger, logging.WARNING, "control_channel_lost", error=exc, retry_in=f"{wait:.2f}"
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closing.wait(), wait)
+        finally:
+            with contextlib.suppress(*REDIS_DOWN):
+                await pubsub.aclose()
+
+
+async def ended_jobs(
+    redis: Redis, keys: RedisKeys, job_ids: list[str]
+) -> dict[str, JobStatus | None]:
+    """The held jobs whose hash says they are over (or whose hash is gone), with that status."""
+    if not job_ids:
+        return {}
+    async with redis.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hget(keys.job(job_id), "status")
+        statuses = await pipe.execute()
+    out: dict[str, JobStatus | None] = {}
+    for job_id, status in zip(job_ids, statuses, strict=True):
+        if status is None:
+            out[job_id] = None
+            continue
+        try:
+            parsed = JobStatus(status)
+        except ValueError:
+            continue
+        if parsed.is_terminal:
+            out[job_id] = parsed
+    return out

@@ -1,0 +1,98 @@
+"""The worker's heartbeat: its hash `{p}:worker:{name}` (capacity and load, refreshed with a TTL)
+and, in the same pipeline, the live-stats samples of its model (see `schemas.workers`): its
+cumulative token counts, and the TTFTs of the jobs it finished since the last beat. Batching the
+samples here keeps the engine's step path at one round trip per step."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from datetime import datetime
+from importlib import metadata
+
+from redis.asyncio import Redis
+
+from schemas import RedisKeys, WorkerInfo, utc_now
+from schemas.workers import LIVE_STATS_MAXLEN, LIVE_STATS_WINDOW_S, TokenSample, TtftSample
+
+MAX_BUFFERED_TTFTS = 10_000  # TTFTs kept while Redis is away (the oldest are dropped)
+
+
+def worker_version() -> str:
+    try:
+        return metadata.version("inferq")
+    except metadata.PackageNotFoundError:
+        return "0.1.0+source"
+
+
+class TtftBuffer:
+    """TTFTs of jobs finished since the last heartbeat; the heartbeat writes them in one go."""
+
+    def __init__(self, maxlen: int = MAX_BUFFERED_TTFTS) -> None:
+        self._samples: deque[TtftSample] = deque(maxlen=maxlen)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def add(self, job_id: str, ttft_s: float, finished_at: float | None = None) -> None:
+        at = time.time() if finished_at is None else finished_at
+        self._samples.append(TtftSample(at, ttft_s, job_id))
+
+    def take(self) -> list[TtftSample]:
+        samples = list(self._samples)
+        self._samples.clear()
+        return samples
+
+    def put_back(self, samples: Iterable[TtftSample]) -> None:
+        """Return samples a failed heartbeat did not write (they go out with the next one)."""
+        self._samples.extendleft(reversed(list(samples)))
+
+
+async def beat(
+    redis: Redis,
+    keys: RedisKeys,
+    *,
+    name: str,
+    model: str,
+    stats: object | None,
+    started_at: datetime,
+    ttl_s: int,
+    max_model_len: int | None = None,
+    ttfts: Iterable[TtftSample] = (),
+) -> WorkerInfo:
+    """Write one heartbeat from an EngineStats snapshot, with the model's live-stats samples, in
+    one round trip (a MULTI/EXEC transaction). `max_model_len` (the context length) lets the API
+    refuse over-long prompts at the door."""
+    info = WorkerInfo(
+        name=name,
+        model=model,
+        kv_blocks_free=max(0, getattr(stats, "num_blocks_free", 0)),
+        kv_blocks_total=getattr(stats, "num_blocks_total", 0),
+        running=getattr(stats, "num_running", 0),
+        waiting=getattr(stats, "num_waiting", 0),
+        version=worker_version(),
+        max_model_len=max_model_len or None,
+        prompt_tokens=max(0, getattr(stats, "num_prompt_tokens_computed", 0)),
+        generated_tokens=max(0, getattr(stats, "num_generation_tokens", 0)),
+        started_at=started_at,
+        updated_at=utc_now(),
+    )
+    now = info.updated_at.timestamp()
+    key = keys.worker(name)
+    tokens = TokenSample(now, name, info.generated_tokens, info.prompt_tokens)
+    samples = {keys.token_samples(model): {tokens.member(): tokens.at}}
+    ttft_members = {sample.member(): sample.finished_at for sample in ttfts}
+    if ttft_members:
+        samples[keys.ttft_samples(model)] = ttft_members
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(key, mapping=info.to_redis_hash())
+        pipe.expire(key, ttl_s)
+        for sample_key, members in samples.items():
+            pipe.zadd(sample_key, members)
+            # Keep the window: drop old samples, cap the count, expire when no worker writes.
+            pipe.zremrangebyscore(sample_key, "-inf", f"({now - LIVE_STATS_WINDOW_S}")
+            pipe.zremrangebyrank(sample_key, 0, -LIVE_STATS_MAXLEN - 1)
+            pipe.expire(sample_key, LIVE_STATS_WINDOW_S)
+        await pipe.execute()
+    return info

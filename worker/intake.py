@@ -1,0 +1,296 @@
+"""Reading jobs-stream entries and deciding what each one is: a job to run, or one to skip,
+expire or dead-letter. Reads only; the worker queues the resulting writes in its outbox."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from schemas import (
+    TERMINAL_STATUSES,
+    ErrorBody,
+    ErrorCode,
+    Job,
+    JobStatus,
+    RedisKeys,
+    TokenChunk,
+    error_from_validation,
+    is_valid_job_id,
+)
+from schemas.chunks import REPLAY_FIELD
+from schemas.keys import JOB_ENTRY_FIELD
+from worker.held import HeldJob
+from worker.logs import log_event
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Entry:
+    """One jobs-stream entry as delivered; `fields` is None when the entry was deleted.
+    `stream`: the stream it came from ("" for the worker's jobs stream)."""
+
+    entry_id: str
+    fields: dict[str, str] | None
+    stream: str = ""
+
+
+@dataclass
+class Admit:
+    held: HeldJob
+
+
+@dataclass
+class Skip:
+    """Nothing to run (job gone, already ended, superseded): XACK + XDEL only."""
+
+    entry_id: str
+    job_id: str | None
+    reason: str
+    stream: str = ""
+
+
+@dataclass
+class Expire:
+    entry_id: str
+    job_id: str
+    stream: str = ""
+
+
+@dataclass
+class Reject:
+    """Cannot run: dead letter with `error.code` as the reason; job marked failed if stored."""
+
+    entry_id: str
+    job_id: str | None
+    error: ErrorBody
+    entry_fields: dict[str, str]
+    attempts: int = 0
+    stream: str = ""
+
+
+Verdict = Admit | Skip | Expire | Reject
+
+
+def classify(
+    entry: Entry, stored: dict[str, str] | None, max_attempts: int, now: datetime
+) -> Verdict:
+    """Decide one entry given its job hash (`stored`, None when the entry names no job)."""
+    verdict = _classify(entry, stored, max_attempts, now)
+    if isinstance(verdict, Admit):
+        verdict.held.queue_stream = entry.stream
+    else:
+        verdict.stream = entry.stream
+    return verdict
+
+
+def _classify(
+    entry: Entry, stored: dict[str, str] | None, max_attempts: int, now: datetime
+) -> Verdict:
+    if entry.fields is None:
+        return Skip(entry.entry_id, None, "entry deleted")
+    job_id = entry.fields.get(JOB_ENTRY_FIELD)
+    if not job_id or not is_valid_job_id(job_id):
+        error = ErrorBody.of(
+            ErrorCode.UNPARSEABLE_JOB, f"stream entry has no valid '{JOB_ENTRY_FIELD}' field"
+        )
+        return Reject(entry.entry_id, None, error, entry.fields)
+    if not stored:
+        return Skip(entry.entry_id, job_id, "job hash missing")
+    status = stored.get("status")
+    if status in TERMINAL_STATUSES:
+        return Skip(entry.entry_id, job_id, f"job already {status}")
+    try:
+        job = Job.from_redis_hash(stored)
+    except ValidationError as exc:
+        attempts = _int(stored.get("attempts"))
+        if any(error["loc"] and error["loc"][0] == "request" for error in exc.errors()):
+            error = error_from_validation(exc, ErrorCode.INVALID_REQUEST)
+        else:
+            error = error_from_validation(exc, ErrorCode.UNPARSEABLE_JOB)
+        return Reject(entry.entry_id, job_id, error, entry.fields, attempts)
+    if job.entry_id is not None and job.entry_id != entry.entry_id:
+        return Skip(entry.entry_id, job_id, f"superseded by entry {job.entry_id}")
+    if job.request.is_past_deadline(now):
+        return Expire(entry.entry_id, job_id)
+    if job.attempts >= max_attempts:
+        error = ErrorBody.of(
+            ErrorCode.MAX_ATTEMPTS_EXCEEDED,
+            f"the job was started {job.attempts} times (limit {max_attempts}) without finishing",
+        )
+        return Reject(entry.entry_id, job_id, error, entry.fields, job.attempts)
+    return Admit(HeldJob.fresh(job, entry.entry_id))
+
+
+def _int(value: str | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
+
+
+class StreamReader:
+    """The reads of one worker on its model's jobs stream (consumer group `keys.group`)."""
+
+    def __init__(self, redis: Redis, keys: RedisKeys, stream: str, consumer: str) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.stream = stream
+        self.consumer = consumer
+        self._claim_cursor = "0-0"
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, self.keys.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to `count` never-delivered entries; waits up to `block_ms` only when given."""
+        reply = await self.redis.xreadgroup(
+            self.keys.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+        )
+        return _entries(reply)
+
+    async def read_own_pending(self, limit: int = 1000) -> list[Entry]:
+        """Entries this consumer name was given earlier and never acked (a restart with the same
+        name, or reads whose follow-up was cut off by a lost connection)."""
+        out: list[Entry] = []
+        start = "0"
+        while len(out) < limit:
+            reply = await self.redis.xreadgroup(
+                self.keys.group, self.consumer, {self.stream: start}, count=100
+            )
+            batch = _entries(reply)
+            if not batch:
+                break
+            out.extend(batch)
+            start = batch[-1].entry_id
+        return out
+
+    async def autoclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
+        """Take over up to `count` entries idle for `min_idle_ms` (their worker stopped
+        renewing: it died or lost Redis). Walks the pending list across calls."""
+        reply = await self.redis.xautoclaim(
+            self.stream,
+            self.keys.group,
+            self.consumer,
+            min_idle_ms,
+            start_id=self._claim_cursor,
+            count=count,
+        )
+        next_cursor, claimed = reply[0], reply[1]
+        self._claim_cursor = next_cursor or "0-0"
+        return [
+            Entry(entry_id, fields or None, self.stream) for entry_id, fields in claimed if entry_id
+        ]
+
+    async def load(self, entries: list[Entry], max_attempts: int, now: datetime) -> list[Verdict]:
+        """Classify entries (one pipeline of HGETALLs) and, for jobs that earlier attempts
+        already started, read their published chunks (one more pipeline) to resume from."""
+        if not entries:
+            return []
+        named = [
+            e for e in entries if e.fields and is_valid_job_id(e.fields.get(JOB_ENTRY_FIELD, ""))
+        ]
+        stored: dict[str, dict[str, str]] = {}
+        if named:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for entry in named:
+                    pipe.hgetall(self.keys.job(entry.fields[JOB_ENTRY_FIELD]))
+                for entry, values in zip(named, await pipe.execute(), strict=True):
+                    stored[entry.entry_id] = values
+        verdicts = [classify(e, stored.get(e.entry_id), max_attempts, now) for e in entries]
+        resuming = [
+            v.held
+            for v in verdicts
+            if isinstance(v, Admit)
+            and (v.held.job.status is JobStatus.RUNNING or v.held.job.attempts)
+        ]
+        if resuming:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for held in resuming:
+                    pipe.xrange(self.keys.out_stream(held.job_id), "-", "+")
+                for held, replay in zip(resuming, await pipe.execute(), strict=True):
+                    held.resume_from(_chunks(held.job_id, replay))
+        return verdicts
+
+
+def _entries(reply: object) -> list[Entry]:
+    if not reply:
+        return []
+    out = []
+    for stream, items in reply:
+        for entry_id, fields in items:
+            if entry_id is not None:
+                name = stream.decode() if isinstance(stream, bytes) else stream
+                out.append(Entry(entry_id, fields or None, name))
+    return out
+
+
+def _chunks(job_id: str, replay: list[tuple[str, dict[str, str]]]) -> list[TokenChunk]:
+    chunks = []
+    for entry_id, fields in replay:
+        try:
+            chunks.append(TokenChunk.from_json(fields[REPLAY_FIELD]))
+        except (KeyError, ValueError):
+            log_event(logger, logging.WARNING, "unreadable_chunk", job=job_id, entry=entry_id)
+    return chunks
+
+
+class PriorityReader:
+    """A worker's reads on both of its model's streams: the jobs stream (interactive) first,
+    then the bulk stream with whatever admission room is left, so a bulk backlog never makes an
+    interactive job wait for a free slot. Pending recovery, the janitor (XAUTOCLAIM) and the
+    group set-up cover both streams."""
+
+    def __init__(self, redis: Redis, keys: RedisKeys, model: str, consumer: str) -> None:
+        self.interactive = StreamReader(redis, keys, keys.jobs_stream(model), consumer)
+        self.bulk = StreamReader(redis, keys, keys.bulk_stream(model), consumer)
+        self.stream = self.interactive.stream
+        self.bulk_stream = self.bulk.stream
+
+    @property
+    def readers(self) -> tuple[StreamReader, StreamReader]:
+        return self.interactive, self.bulk
+
+    async def ensure_group(self) -> None:
+        for reader in self.readers:
+            await reader.ensure_group()
+
+    async def read_own_pending(self, limit: int = 1000) -> list[Entry]:
+        out: list[Entry] = []
+        for reader in self.readers:
+            out += await reader.read_own_pending(limit)
+        return out
+
+    async def autoclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
+        claimed = await self.interactive.autoclaim(min_idle_ms, count)
+        if count - len(claimed) > 0:
+            claimed += await self.bulk.autoclaim(min_idle_ms, count - len(claimed))
+        return claimed
+
+    async def read_new(
+        self, count: int, block_ms: int | None, bulk_room: int | None = None
+    ) -> list[Entry]:
+        """Up to `count` new entries, interactive ones first; at most `bulk_room` bulk ones
+        (None: no cap). Only the jobs stream is waited on (`block_ms`): a bulk job that arrives
+        at an idle worker is picked up on the next round, a block later at most."""
+        entries = await self.interactive.read_new(count, None)
+        room = count - len(entries)
+        if bulk_room is not None:
+            room = min(room, bulk_room)
+        if room > 0:
+            entries += await self.bulk.read_new(room, None)
+        if not entries and block_ms:
+            entries = await self.interactive.read_new(count, block_ms)
+        return entries
+
+    async def load(self, entries: list[Entry], max_attempts: int, now: datetime) -> list[Verdict]:
+        return await self.interactive.load(entries, max_attempts, now)

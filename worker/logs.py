@@ -1,0 +1,29 @@
+"""Structured log lines: `event key=value ...` text plus the same fields as record extras."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+
+def _format_value(value: Any) -> str:
+    text = str(value)
+    return f'"{text}"' if (" " in text or not text) else text
+
+
+def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> None:
+    """Log `event k=v ...`; handlers that emit JSON find `event` and `fields` on the record."""
+    if not logger.isEnabledFor(level):
+        return
+    pairs = " ".join(f"{key}={_format_value(value)}" for key, value in fields.items())
+    logger.log(
+        level, f"{event} {pairs}" if pairs else event, extra={"event": event, "fields": fields}
+    )
+
+
+def configure_logging(level: str = "info") -> None:
+    """Process-wide logging for `python -m worker` (libraries never call this)."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )

@@ -1,0 +1,276 @@
+"""The outbox: Redis writes queued in order and sent as one pipelined round trip per step.
+
+Every write here is safe to send twice (a pipeline cut off by a lost connection is re-sent
+whole): chunk XADDs use explicit ids, which Redis refuses to repeat; status changes are
+compare-and-set; XACK / XDEL of a gone entry are no-ops. Live listeners skip repeated PUBLISHes
+by chunk index."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from schemas import (
+    OUT_STREAM_MAXLEN,
+    OUT_STREAM_TTL_S,
+    TRANSITION_SCRIPT,
+    ErrorBody,
+    JobStatus,
+    RedisKeys,
+    TokenChunk,
+    chunk_stream_id,
+    format_time,
+    transition_applied,
+    transition_call,
+    utc_now,
+)
+from schemas.chunks import REPLAY_FIELD
+from schemas.keys import DEAD_LETTER_MAXLEN, JOB_ENTRY_FIELD
+from worker.logs import log_event
+
+logger = logging.getLogger(__name__)
+
+Reply = Callable[[list[Any]], None]
+
+
+# A run of chunks in one command, in order: per chunk XADD to its replay stream (a repeated
+# index is refused, and skipped), then PUBLISH, then (re)set the stream's TTL if asked. Same
+# writes as one XADD + PUBLISH pair per chunk, with one reply to parse instead of two per chunk.
+CHUNKS_SCRIPT = """
+-- KEYS[i]: replay stream of chunk i
+-- ARGV[1] MAXLEN ~, ARGV[2] TTL seconds, ARGV[3] entry field,
+-- then per chunk 4 values: channel, entry id, payload, '1' to set the TTL
+-- returns {chunks written, {errors other than a refused repeat}}
+local written, errors = 0, {}
+for i = 1, #KEYS do
+  local at = 4 + (i - 1) * 4
+  local payload = ARGV[at + 2]
+  local added = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[at + 1], ARGV[3], payload)
+  if type(added) == 'table' and added.err then
+    if not string.find(added.err, 'equal or smaller', 1, true) then
+      table.insert(errors, added.err)
+    end
+  else
+    written = written + 1
+  end
+  redis.call('PUBLISH', ARGV[at], payload)
+  if ARGV[at + 3] == '1' then redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+end
+return {written, errors}
+"""
+
+
+@dataclass(frozen=True)
+class _ChunkWrite:
+    out_stream: str
+    channel: str
+    entry_id: str
+    payload: str
+    set_ttl: bool
+
+
+@dataclass
+class _Op:
+    commands: list[tuple[Any, ...]] = field(default_factory=list)
+    on_reply: Reply | None = None
+    chunk: _ChunkWrite | None = None  # chunk ops are sent as runs through CHUNKS_SCRIPT
+    acks_entry: str | None = None  # jobs-stream entry this op retires
+
+
+@dataclass
+class Outbox:
+    """Queued writes of one worker, flushed in order."""
+
+    keys: RedisKeys
+    jobs_stream: str
+    worker_name: str
+    ops: list[_Op] = field(default_factory=list)
+    _in_flight: list[_Op] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def entries_being_acked(self) -> set[str]:
+        """Entries whose XACK is queued or on its way (they still show as pending in Redis)."""
+        return {op.acks_entry for op in (*self._in_flight, *self.ops) if op.acks_entry}
+
+    # ------------------------------------------------------------------ what can be queued
+
+    def chunk(self, chunk: TokenChunk, *, set_ttl: bool = True) -> None:
+        """XADD to the replay stream, then PUBLISH. `set_ttl` (re)sets the stream's TTL; once
+        per attempt and on the final chunk is enough."""
+        write = _ChunkWrite(
+            out_stream=self.keys.out_stream(chunk.job_id),
+            channel=self.keys.channel(chunk.job_id),
+            entry_id=chunk_stream_id(chunk.index),
+            payload=chunk.to_json(),
+            set_ttl=set_ttl,
+        )
+        self.ops.append(_Op(chunk=write))
+
+    def transition(
+        self,
+        job_id: str,
+        status: JobStatus,
+        fields: dict[str, object],
+        on_done: Callable[[bool, JobStatus | None], None] | None = None,
+    ) -> None:
+        """Move the job to `status` (compare-and-set); `on_done(applied, previous_or_current)`."""
+        script_keys, args = transition_call(self.keys, job_id, status, fields)
+
+        def handle(replies: list[Any]) -> None:
+            reply = replies[0]
+            if isinstance(reply, Exception):
+                log_event(logger, logging.ERROR, "transition_error", job=job_id, error=reply)
+                return
+            if on_done is not None:
+                on_done(*transition_applied(reply))
+
+        self.ops.append(_Op([("EVAL", TRANSITION_SCRIPT, 2, *script_keys, *args)], handle))
+
+    def ack(self, entry_id: str, stream: str | None = None) -> None:
+        """Done with a jobs-stream entry: XACK then XDEL (XLEN is the backlog). `stream`: the
+        stream the entry came from when it is not the jobs stream (the bulk stream)."""
+        stream = stream or self.jobs_stream
+        self.ops.append(
+            _Op(
+                [
+                    ("XACK", stream, self.keys.group, entry_id),
+                    ("XDEL", stream, entry_id),
+                ],
+                acks_entry=entry_id,
+            )
+        )
+
+    def finish(
+        self,
+        job_id: str,
+        entry_id: str,
+        status: JobStatus,
+        fields: dict[str, object],
+        on_done: Callable[[bool, JobStatus | None], None] | None = None,
+        stream: str | None = None,
+    ) -> None:
+        """End a job: its status (and result or error) first, then the entry's XACK + XDEL."""
+        fields = {"finished_at": utc_now(), **fields}
+        self.transition(job_id, status, fields, on_done)
+        self.ack(entry_id, stream)
+
+    def fail(
+        self,
+        job_id: str | None,
+        entry_id: str,
+        error: ErrorBody,
+        *,
+        dead_letter: bool,
+        entry_fields: dict[str, str] | None = None,
+        attempts: int = 0,
+        on_done: Callable[[bool, JobStatus | None], None] | None = None,
+        stream: str | None = None,
+    ) -> None:
+        """A job that cannot run: dead letter (with the reason), status failed, XACK + XDEL."""
+        if dead_letter:
+            self.dead_letter(job_id, error, entry_fields or {}, attempts)
+        if job_id is not None:
+            self.finish(job_id, entry_id, JobStatus.FAILED, {"error": error}, on_done, stream)
+        else:
+            self.ack(entry_id, stream)
+
+    def dead_letter(
+        self, job_id: str | None, error: ErrorBody, entry_fields: dict[str, str], attempts: int
+    ) -> None:
+        model = self.keys.model_of_jobs_stream(self.jobs_stream)
+        values = {
+            JOB_ENTRY_FIELD: job_id or "",
+            "reason": error.code.value,
+            "message": error.message,
+            "entry": json.dumps(entry_fields, separators=(",", ":")),
+            "worker": self.worker_name,
+            "at": format_time(utc_now()),
+            "attempts": str(attempts),
+        }
+        flat = [item for pair in values.items() for item in pair]
+        self.ops.append(
+            _Op(
+                [
+                    (
+                        "XADD",
+                        self.keys.dead_letters(model),
+                        "MAXLEN",
+                        "~",
+                        DEAD_LETTER_MAXLEN,
+                        "*",
+                        *flat,
+                    )
+                ]
+            )
+        )
+
+    # ------------------------------------------------------------------ sending
+
+    async def flush(self, redis: Redis) -> int:
+        """Send everything queued in one pipeline; returns how many ops went out. On a
+        connection error the ops stay queued (in order) and the error propagates."""
+        if not self.ops:
+            return 0
+        batch, self.ops = self.ops, []
+        self._in_flight = batch
+        units = _units(batch)
+        try:
+            async with redis.pipeline(transaction=False) as pipe:
+                for commands, _ in units:
+                    for command in commands:
+                        pipe.execute_command(*command)
+                replies = await pipe.execute(raise_on_error=False)
+        except BaseException:
+            self.ops = batch + self.ops
+            raise
+        finally:
+            self._in_flight = []
+        position = 0
+        for commands, on_reply in units:
+            if on_reply is not None:
+                try:
+                    on_reply(replies[position : position + len(commands)])
+                except Exception:  # one bad callback must not lose the rest
+                    logger.exception("outbox callback failed")
+            position += len(commands)
+        return len(batch)
+
+
+def _units(batch: list[_Op]) -> list[tuple[list[tuple[Any, ...]], Reply | None]]:
+    """Commands to send, in order, each run of consecutive chunk ops folded into one EVAL."""
+    units: list[tuple[list[tuple[Any, ...]], Reply | None]] = []
+    run: list[_ChunkWrite] = []
+    for op in batch:
+        if op.chunk is not None:
+            run.append(op.chunk)
+            continue
+        if run:
+            units.append(_chunk_run(run))
+            run = []
+        units.append((op.commands, op.on_reply))
+    if run:
+        units.append(_chunk_run(run))
+    return units
+
+
+def _chunk_run(run: list[_ChunkWrite]) -> tuple[list[tuple[Any, ...]], Reply]:
+    args: list[Any] = [OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD]
+    for write in run:
+        args += [write.channel, write.entry_id, write.payload, "1" if write.set_ttl else "0"]
+    keys = [write.out_stream for write in run]
+    return [("EVAL", CHUNKS_SCRIPT, len(keys), *keys, *args)], _check_chunk_reply
+
+
+def _check_chunk_reply(replies: list[Any]) -> None:
+    reply = replies[0]
+    if isinstance(reply, Exception):
+        log_event(logger, logging.WARNING, "chunk_write_failed", error=reply)
+    elif reply[1]:
+        log_event(logger, logging.WARNING, "chunk_write_failed", errors=reply[1])

@@ -1,0 +1,420 @@
+"""The worker: joins one model's Redis job stream to an engine.
+
+One asyncio loop drives everything. Each turn of the main loop:
+
+1. with the engine idle: apply aborts (cancel, deadline, lost lease), add the jobs read last
+   turn to the engine, and compute how many more jobs the free KV blocks admit;
+2. run `engine.step()` in a thread while, on the loop, the outbox (chunks, status changes and
+   acks of the previous step) goes out in one pipeline and up to that many entries are read;
+3. turn the step's deltas into chunks and results, queued in the outbox for the next turn.
+
+Side tasks: heartbeat, cancel listener, lease renewal, status checks. Redis being away never
+stops the engine: the outbox keeps every write in order and sends it once Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from schemas import ErrorBody, ErrorCode, JobStatus, RedisKeys, utc_now
+from worker.backoff import Backoff
+from worker.batch import AbortReason, Batch
+from worker.chunking import ChunkPolicy
+from worker.control import REDIS_DOWN, ended_jobs, listen_for_cancels
+from worker.engine_api import EngineLike, build_engine
+from worker.finish_recorder import RecordingOutbox
+from worker.handback import hand_back
+from worker.heartbeat import beat
+from worker.intake import Admit, Entry, Expire, PriorityReader, Reject, Skip, Verdict
+from worker.janitor import renew_leases
+from worker.logs import log_event
+from worker.metrics import WorkerMetrics
+from worker.settings import WorkerSettings
+from worker.tracing import ChunkTracer
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Serve `settings.queue_model` from Redis with `engine` (built from the settings if not
+    given). `await run()` until `request_stop()`; then running jobs get `drain_timeout_s` to
+    finish and the rest are handed back to the queue."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine: EngineLike | None = None,
+        *,
+        redis: Redis | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.model = settings.queue_model
+        self.keys = RedisKeys(settings.prefix)
+        self.jobs_stream = self.keys.jobs_stream(self.model)
+        self.engine = engine if engine is not None else build_engine(settings)
+        self._owns_redis = redis is None
+        self.redis = redis or Redis.from_url(
+            settings.redis_url,
+            decode_responses=True,
+            socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
+            socket_connect_timeout=min(settings.socket_timeout_s, 5.0),
+        )
+        # interactive jobs stream first, the bulk stream with the room left (issue 7)
+        self.reader = PriorityReader(self.redis, self.keys, self.model, self.name)
+        self.outbox = RecordingOutbox(self.keys, self.jobs_stream, self.name)
+        self.metrics = metrics or WorkerMetrics(self.model)
+        self.tracer = ChunkTracer(settings.chunk_trace_path)
+        self.batch = Batch(
+            self.engine,
+            self.outbox,
+            worker_name=self.name,
+            policy=ChunkPolicy(settings.chunk_tokens, settings.chunk_interval_ms / 1000),
+            metrics=self.metrics,
+            tracer=self.tracer,
+            prompt_estimate=settings.admission_prompt_tokens,
+        )
+        self.metrics_port: int | None = None
+        self.stats: Any = self.engine.stats()
+        self.started_at = utc_now()
+        self._redis = Backoff(settings.reconnect_min_s, settings.reconnect_max_s)
+        self._control = Backoff(settings.reconnect_min_s, settings.reconnect_max_s)
+        self._stop_requested = False
+        self._drain_deadline = float("inf")
+        self._next_janitor = 0.0
+        self._recover_pending = True  # read our own pending entries first
+        # One thread runs every step: the engine is not thread-safe, and torch keeps one OpenMP
+        # team (with its CPU binding) per calling thread.
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    @property
+    def outcomes(self) -> dict[str, int]:
+        """How many jobs ended how (succeeded, failed, cancelled, ...), for logs and tests."""
+        return self.batch.outcomes
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def request_stop(self, drain_timeout_s: float | None = None) -> None:
+        """Stop pulling; running jobs get the drain timeout, then are handed back. A second
+        call ends the drain at once."""
+        timeout = self.settings.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if self._stop_requested:
+            timeout = 0.0
+        self._stop_requested = True
+        self._drain_deadline = min(self._drain_deadline, time.monotonic() + timeout)
+        log_event(logger, logging.INFO, "worker_stopping", worker=self.name, drain_s=timeout)
+
+    async def run(self) -> None:
+        if self.settings.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(
+                self.settings.metrics_port, self.settings.metrics_host
+            )
+        tasks: list[asyncio.Task[None]] = []
+        closing = asyncio.Event()
+        try:
+            if not await self._create_group():
+                return
+            settings = self.settings
+            tasks = [
+                asyncio.create_task(
+                    self._every(settings.heartbeat_interval_s, self._beat, closing)
+                ),
+                asyncio.create_task(
+                    listen_for_cancels(
+                        self.redis, self.keys, self._on_cancel, self._control, closing
+                    )
+                ),
+                asyncio.create_task(
+                    self._every(settings.lease_interval_s, self._renew_leases, closing)
+                ),
+                asyncio.create_task(
+                    self._every(settings.status_check_interval_s, self._check_statuses, closing)
+                ),
+            ]
+            log_event(
+                logger,
+                logging.INFO,
+                "worker_started",
+                worker=self.name,
+                model=self.model,
+                stream=self.jobs_stream,
+                kv_blocks=self.stats.num_blocks_total,
+            )
+            await self._main_loop()
+            await self._hand_back_unfinished()
+        finally:
+            closing.set()
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5.0)
+            await self._goodbye()
+        log_event(logger, logging.INFO, "worker_stopped", worker=self.name, **self.outcomes)
+
+    async def _create_group(self) -> bool:
+        """Create the consumer group, waiting for Redis as long as it takes (False: stopped
+        before Redis came up)."""
+        while not self._stop_requested:
+            try:
+                await self.reader.ensure_group()
+                return True
+            except REDIS_DOWN as exc:
+                await self._redis_failed(exc)
+                await asyncio.sleep(self._redis.delay())
+        return False
+
+    async def _goodbye(self) -> None:
+        with contextlib.suppress(TimeoutError, *REDIS_DOWN):
+            await asyncio.wait_for(self.redis.delete(self.keys.worker(self.name)), 2.0)
+        self.metrics.close()
+        self.tracer.close()
+        self._engine_thread.shutdown(wait=True)
+        if self._owns_redis:
+            await self.redis.aclose()
+
+    # ------------------------------------------------------------------ the main loop
+
+    async def _main_loop(self) -> None:
+        while True:
+            self.batch.prepare_turn()
+            self.stats = self.engine.stats()
+            self.metrics.observe_stats(self.stats)
+            busy = self.engine.has_unfinished()
+            if self._stop_requested and (not busy or time.monotonic() >= self._drain_deadline):
+                return
+            budget = 0 if self._stop_requested else self.batch.pull_budget(self.settings.max_pull)
+            if busy:
+                step = asyncio.create_task(self._step())
+                try:
+                    await self._redis_round(budget, block=False)
+                finally:
+                    deltas, error, emitted_at = await step
+                self.batch.collect(deltas, error, emitted_at)
+            else:  # idle: wait for work (the outbox goes out meanwhile)
+                await self._redis_round(budget, block=True)
+
+    async def _step(self) -> tuple[list[Any], BaseException | None, float]:
+        started = time.perf_counter()
+        try:
+            loop = asyncio.get_running_loop()
+            deltas = await loop.run_in_executor(self._engine_thread, self.engine.step)
+        except Exception as exc:  # an engine bug: the batch fails, the worker serves on
+            return [], exc, time.time()
+        self.metrics.step_time.labels(self.model).observe(time.perf_counter() - started)
+        return deltas, None, time.time()
+
+    async def _redis_round(self, budget: int, *, block: bool) -> None:
+        """Send the outbox and read up to `budget` entries, concurrently. A lost connection
+        never raises here: the backoff decides when the next round tries again."""
+        if not self._redis.ready():
+            if block or not self.engine.has_unfinished():
+                await asyncio.sleep(min(self._redis.delay(), 0.5))
+            return
+        results = await asyncio.gather(
+            self._flush(), self._pull(budget, block), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for failure in failures:
+            if not isinstance(failure, Exception):
+                raise failure  # cancelled, interrupted
+            if isinstance(failure, ResponseError) and "NOGROUP" in str(failure):
+                # Redis came back without our data (no persistence): start over.
+                log_event(
+                    logger, logging.WARNING, "consumer_group_missing", stream=self.jobs_stream
+                )
+                with contextlib.suppress(*REDIS_DOWN, ResponseError):
+                    await self.reader.ensure_group()
+            elif not isinstance(failure, REDIS_DOWN):
+                logger.error("Redis round failed", exc_info=failure)
+        if failures:
+            await self._redis_failed(failures[0])
+        elif self._redis.succeeded():
+            log_event(logger, logging.INFO, "redis_reconnected", worker=self.name)
+            self._recover_pending = True  # reads cut off while Redis was away left entries
+
+    async def _redis_failed(self, exc: BaseException) -> None:
+        wait = self._redis.failed()
+        self.metrics.redis_errors.labels(self.model).inc()
+        log_event(
+            logger,
+            logging.WARNING,
+            "redis_unavailable",
+            worker=self.name,
+            error=exc,
+            retry_in=f"{wait:.2f}s",
+            held=len(self.batch.held),
+            outbox=len(self.outbox),
+        )
+
+    async def _flush(self) -> None:
+        if not self.outbox.ops:
+            return
+        started = time.perf_counter()
+        await self.outbox.flush(self.redis)
+        self.metrics.flush_time.labels(self.model).observe(time.perf_counter() - started)
+
+    async def _pull(self, budget: int, block: bool) -> None:
+        entries: list[Entry] = []
+        if self._recover_pending and not self._stop_requested:
+            entries = self._not_held(await self.reader.read_own_pending())
+            self._recover_pending = False
+        if budget > 0 and time.monotonic() >= self._next_janitor:
+            self._next_janitor = time.monotonic() + self.settings.janitor_every_s
+            claimed = self._not_held(
+                await self.reader.autoclaim(self.settings.claim_min_idle_ms, budget)
+            )
+            if claimed:
+                log_event(
+                    logger, logging.INFO, "entries_claimed", worker=self.name, count=len(claimed)
+                )
+            entries += claimed
+        if budget - len(entries) > 0:
+            wait_ms = self.settings.block_ms if block and not entries else None
+            entries += await self.reader.read_new(budget - len(entries), wait_ms, self._bulk_room())
+        elif block and not entries:
+            await asyncio.sleep(self.settings.block_ms / 1000)
+        if entries:
+            self._take(await self.reader.load(entries, self.settings.max_attempts, utc_now()))
+
+    def _bulk_room(self) -> int | None:
+        """How many more bulk jobs may be held (None: no cap beyond KV admission). The cap keeps
+        sequence slots free for interactive jobs, which then start without waiting for bulk ones
+        to finish."""
+        cap = self.settings.bulk_max_held
+        if cap is None:
+            return None
+        bulk = self.reader.bulk_stream
+        return max(0, cap - sum(1 for h in self.batch.all_jobs() if h.queue_stream == bulk))
+
+    def _not_held(self, entries: list[Entry]) -> list[Entry]:
+        mine = {h.entry_id for h in self.batch.all_jobs()} | self.outbox.entries_being_acked()
+        return [entry for entry in entries if entry.entry_id not in mine]
+
+    def _take(self, verdicts: list[Verdict]) -> None:
+        for verdict in verdicts:
+            if isinstance(verdict, Admit):
+                self.batch.queue(verdict.held)
+            elif isinstance(verdict, Skip):
+                log_event(
+                    logger,
+                    logging.INFO,
+                    "entry_skipped",
+                    job=verdict.job_id,
+                    entry=verdict.entry_id,
+                    reason=verdict.reason,
+                )
+                self.outbox.ack(verdict.entry_id, verdict.stream)
+            elif isinstance(verdict, Expire):
+                error = ErrorBody.of(
+                    ErrorCode.EXPIRED, "the deadline passed before the job started"
+                )
+                self.outbox.finish(
+                    verdict.job_id,
+                    verdict.entry_id,
+                    JobStatus.EXPIRED,
+                    {"error": error},
+                    stream=verdict.stream,
+                )
+                self.batch.count("expired")
+            elif isinstance(verdict, Reject):
+                self.batch.reject(
+                    verdict.job_id,
+                    verdict.entry_id,
+                    verdict.error,
+                    verdict.entry_fields,
+                    verdict.attempts,
+                    verdict.stream,
+                )
+
+    # ------------------------------------------------------------------ side tasks
+
+    def _on_cancel(self, job_id: str) -> None:
+        self.batch.request_abort(job_id, AbortReason.ENDED)
+
+    async def _every(
+        self, interval_s: float, action: Callable[[], Awaitable[None]], closing: asyncio.Event
+    ) -> None:
+        """Run `action` every `interval_s` until `closing`: a side task never dies of an error."""
+        while not closing.is_set():
+            try:
+                await action()
+            except REDIS_DOWN:
+                pass  # the main loop reports and backs off; try again next time
+            except Exception:
+                logger.exception("%s failed", getattr(action, "__name__", "side task"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closing.wait(), interval_s)
+
+    async def _beat(self) -> None:
+        ttfts = self.outbox.ttfts.take()
+        try:
+            await beat(
+                self.redis,
+                self.keys,
+                name=self.name,
+                model=self.model,
+                stats=self.stats,
+                started_at=self.started_at,
+                ttl_s=self.settings.heartbeat_ttl_s,
+                max_model_len=getattr(self.engine, "max_model_len", None),
+                ttfts=ttfts,
+            )
+        except BaseException:
+            self.outbox.ttfts.put_back(ttfts)  # written with the next beat
+            raise
+
+    async def _renew_leases(self) -> None:
+        by_stream: dict[str, dict[str, str]] = {}
+        for h in self.batch.all_jobs():
+            by_stream.setdefault(h.queue_stream or self.jobs_stream, {})[h.entry_id] = h.job_id
+        for stream, entries in by_stream.items():
+            lost = await renew_leases(self.redis, self.keys, stream, self.name, set(entries))
+            for entry_id in lost:
+                held = self.batch.held.get(entries[entry_id])
+                if held is not None and held.entry_id == entry_id:
+                    log_event(
+                        logger, logging.WARNING, "lease_lost", job=held.job_id, entry=entry_id
+                    )
+                    self.batch.request_abort(held.job_id, AbortReason.LOST)
+
+    async def _check_statuses(self) -> None:
+        """Catch cancels whose broadcast this worker missed (e.g. while Redis was away)."""
+        job_ids = [h.job_id for h in self.batch.all_jobs()]
+        for job_id in await ended_jobs(self.redis, self.keys, job_ids):
+            self.batch.request_abort(job_id, AbortReason.ENDED)
+
+    async def _hand_back_unfinished(self) -> None:
+        """Publish what unfinished jobs produced so far, then re-queue them for another worker."""
+        jobs = self.batch.release_for_hand_back()
+        give_up = time.monotonic() + max(5.0, self.settings.drain_timeout_s)
+        while True:
+            try:
+                await self.outbox.flush(self.redis)
+                requeued = await hand_back(self.redis, self.keys, self.jobs_stream, jobs)
+                break
+            except REDIS_DOWN as exc:
+                if time.monotonic() >= give_up:  # the janitors take them after the lease ends
+                    log_event(
+                        logger,
+                        logging.ERROR,
+                        "hand_back_failed",
+                        worker=self.name,
+                        jobs=len(jobs),
+                        error=exc,
+                    )
+                    return
+                await self._redis_failed(exc)
+                await asyncio.sleep(self._redis.delay())
+        for job_id, entry in requeued.items():
+            log_event(logger, logging.INFO, "job_handed_back", job=job_id, new_entry=entry)
+        self.batch.count("handed_back", len(jobs))
