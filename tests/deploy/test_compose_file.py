@@ -1,0 +1,170 @@
+"""docker-compose.yml and the Dockerfile: the services a deployment needs, wired the way the
+README says, and every `inferq ...` command they run exists in the CLI with those flags."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from producer_api.settings import ApiSettings
+from worker.cli import _build_parser
+from worker.settings import WorkerSettings
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {"REDIS_PASSWORD": "s3cret-pw", "INFERQ_API_KEYS": '{"me": "k"}', "HF_TOKEN": "hf_x"}
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+class MissingVariable(Exception):
+    pass
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's variable substitution (${X}, ${X:-default}, ${X:?error}, $$) over the tree."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, op, arg = match.groups()
+        current = env.get(name)
+        if op in (":-", "-"):
+            return current if current else arg
+        if op in (":?", "?") and not current:
+            raise MissingVariable(f"{name}: {arg}")
+        return current or ""
+
+    return _VAR.sub(substitute, value)
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def compose(raw: dict[str, Any]) -> dict[str, Any]:
+    return interpolate(raw, ENV)
+
+
+def _inferq_commands(compose: dict[str, Any]) -> list[list[str]]:
+    commands = []
+    for service in compose["services"].values():
+        candidates = [service.get("command"), service.get("healthcheck", {}).get("test")]
+        for command in candidates:
+            if not isinstance(command, list):
+                continue
+            if command and command[0] in ("CMD", "CMD-SHELL"):
+                command = command[1:]
+            if command and command[0] == "inferq":
+                commands.append(command)
+    return commands
+
+
+def test_services_and_profiles(compose):
+    services = compose["services"]
+    assert set(services) == {"redis", "api", "worker-gpu", "worker-cpu"}
+    assert services["worker-cpu"]["profiles"] == ["cpu"]
+    assert all("profiles" not in services[s] for s in ("redis", "api", "worker-gpu"))
+    assert set(compose["volumes"]) == {"redis-data", "model-cache"}
+
+
+def test_redis_has_aof_a_volume_and_the_password_from_the_environment(compose, raw):
+    redis = compose["services"]["redis"]
+    command = " ".join(redis["command"])
+    assert "--appendonly yes" in command
+    assert '--requirepass "$REDIS_PASSWORD"' in command  # read in the container, not baked in
+    assert redis["environment"]["REDIS_PASSWORD"] == ENV["REDIS_PASSWORD"]
+    assert "redis-data:/data" in redis["volumes"]
+    assert "ports" not in redis, "Redis must not be published on the host"
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    with pytest.raises(MissingVariable, match="REDIS_PASSWORD"):
+        interpolate(raw, {k: v for k, v in ENV.items() if k != "REDIS_PASSWORD"})
+
+
+def test_api_port_environment_and_health(compose, raw):
+    api = compose["services"]["api"]
+    assert api["ports"] == ["8000:8000"]
+    assert interpolate(raw, {**ENV, "INFERQ_API_PORT": "9100"})["services"]["api"]["ports"] == [
+        "9100:8000"
+    ]
+    env = api["environment"]
+    assert env["INFERQ_REDIS_URL"] == f"redis://:{ENV['REDIS_PASSWORD']}@redis:6379/0"
+    assert env["INFERQ_API_KEYS"] == ENV["INFERQ_API_KEYS"]
+    with pytest.raises(MissingVariable, match="INFERQ_API_KEYS"):
+        interpolate(raw, {k: v for k, v in ENV.items() if k != "INFERQ_API_KEYS"})
+    assert api["command"][:2] == ["inferq", "api"] and "0.0.0.0" in api["command"]
+    checked = [a for a in api["healthcheck"]["test"] if a.startswith("http")]
+    assert checked == ["http://127.0.0.1:8000/health", "http://127.0.0.1:8000/ready"]
+    assert api["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_gpu_worker_reserves_a_gpu_keeps_models_and_passes_hf_token(compose):
+    worker = compose["services"]["worker-gpu"]
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "model-cache:/models" in worker["volumes"]
+    assert worker["environment"]["HF_TOKEN"] == ENV["HF_TOKEN"]
+    assert worker["environment"]["INFERQ_REDIS_URL"].startswith("redis://:s3cret-pw@redis:")
+    assert worker["command"][:2] == ["inferq", "worker"]
+    assert worker["command"][worker["command"].index("--device") + 1] == "cuda"
+    assert worker["build"]["args"]["INFERQ_TORCH_SPEC"].startswith("torch==")
+    assert worker["healthcheck"]["test"][1:] == ["inferq", "status", "--check-worker"]
+    # Longer than the worker's default drain (30 s), so SIGTERM lets running jobs finish.
+    assert (
+        int(worker["stop_grace_period"].rstrip("s"))
+        > WorkerSettings.model_fields["drain_timeout_s"].default
+    )
+
+
+def test_cpu_worker_runs_on_the_cpu_image(compose):
+    worker = compose["services"]["worker-cpu"]
+    assert worker["image"] == compose["services"]["api"]["image"]
+    assert worker["command"][worker["command"].index("--device") + 1] == "cpu"
+    assert "model-cache:/models" in worker["volumes"]
+
+
+def test_every_inferq_command_exists_in_the_cli(compose):
+    commands = _inferq_commands(compose)
+    assert {c[1] for c in commands} == {"api", "worker", "status"}
+    parser = _build_parser()
+    for command in commands:
+        args = parser.parse_args(command[1:])  # argparse exits (fails the test) on a bad flag
+        assert args.handler is not None
+
+
+def test_every_inferq_variable_is_a_setting(compose):
+    """A misspelt INFERQ_* variable would be ignored silently by the settings classes."""
+    known = {f"INFERQ_{name.upper()}" for name in ApiSettings.model_fields}
+    known |= {f"INFERQ_{name.upper()}" for name in WorkerSettings.model_fields}
+    known |= {"INFERQ_HOME"}  # the model cache folder (engine.model_files)
+    for name, service in compose["services"].items():
+        for variable in service.get("environment", {}):
+            if variable.startswith("INFERQ_"):
+                assert variable in known, f"{name}: {variable} is no setting"
+
+
+def test_dockerfile_installs_like_the_readme_and_matches_the_volumes(compose):
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "bash scripts/env.sh" in dockerfile
+    assert re.search(r"^ARG INFERQ_TORCH_SPEC=", dockerfile, re.MULTILINE)
+    assert "INFERQ_HOME=/models" in dockerfile  # where the model-cache volume is mounted
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+    assert compose["services"]["worker-gpu"]["build"]["context"] == "."
+
+
+def test_interpolation_helper_matches_compose_rules():
+    env = {"SET": "v", "EMPTY": ""}
+    assert interpolate("${SET:-d} ${EMPTY:-d} ${UNSET:-d} $$HOME", env) == "v d d $HOME"
+    with pytest.raises(MissingVariable):
+        interpolate("${EMPTY:?needed}", env)
