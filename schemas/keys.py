@@ -17,8 +17,6 @@ Layout (prefix `p`, default "inferq"; one Redis instance, not Redis Cluster)
     {p}:idem:{owner}:{key}            string, TTL       enqueue             enqueue
     {p}:ttft:{model}                  sorted set, TTL   workers (heartbeat) status, dashboard
     {p}:tokens:{model}                sorted set, TTL   workers (heartbeat) status, dashboard
-    {p}:ttft:{model}                  sorted set, TTL   workers (heartbeat) status, dashboard
-    {p}:tokens:{model}                sorted set, TTL   workers (heartbeat) status, dashboard
     {p}:bulk:{model}                  stream, group     enqueue (priority   workers, after the
                                       "workers"         >= PRIORITY_BULK)   jobs stream
     {p}:file:{id}                     hash, TTL         Files API, batch    Files API, batch
@@ -77,12 +75,6 @@ line number -> the output / error file line (JSON) once the line's job ended, so
 controller never writes a line twice; `:lease` (SET NX PX) is held by the one controller run
 advancing the batch. `{p}:batches:{owner}` scores batch ids by created_at; `{p}:batches:active`
 holds batches not yet in a terminal status (what a restarted controller resumes).
-
-Live-stats samples `{p}:ttft:{model}` and `{p}:tokens:{model}`: sorted sets scored by unix
-time, written by workers in their heartbeat pipeline (finished jobs' TTFTs; each worker's
-cumulative token counts per beat), trimmed to the last `schemas.workers.LIVE_STATS_WINDOW_S`,
-read by `inferq status` and the API's dashboard to compute tokens/s and TTFT percentiles. Member
-formats: `schemas.workers.TtftSample` and `TokenSample`.
 
 Live-stats samples `{p}:ttft:{model}` and `{p}:tokens:{model}`: sorted sets scored by unix
 time, written by workers in their heartbeat pipeline (finished jobs' TTFTs; each worker's
@@ -242,15 +234,6 @@ class RedisKeys:
     def arq_queue(self) -> str:
         """The arq queue the batch controller serves."""
         return f"{self.prefix}:arq:batches"
-
-    # live stats (recent samples, see schemas.workers)
-    def ttft_samples(self, model: str) -> str:
-        """Sorted set of finished jobs' TTFTs, scored by finish time."""
-        return f"{self.prefix}:ttft:{encode_segment(model)}"
-
-    def token_samples(self, model: str) -> str:
-        """Sorted set of workers' cumulative token counts per heartbeat, scored by time."""
-        return f"{self.prefix}:tokens:{encode_segment(model)}"
 
     # live stats (recent samples, see schemas.workers)
     def ttft_samples(self, model: str) -> str:
