@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from redis.asyncio import Redis
 
+from producer_api.batches import routes as batches_routes
 from producer_api.deps import ApiState
 from producer_api.errors import error_response, install_error_handlers
 from producer_api.limits import BodySizeLimitMiddleware
@@ -70,6 +71,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(openai.router)
     app.include_router(ops.router)
+    app.include_router(batches_routes.router)  # Files + Batch API (issue 7)
     app.include_router(dashboard.router)
     # Outermost first: count every response, the body-size refusals included.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)

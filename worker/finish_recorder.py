@@ -24,9 +24,10 @@ class RecordingOutbox(Outbox):
         status: JobStatus,
         fields: dict[str, object],
         on_done: Callable[[bool, JobStatus | None], None] | None = None,
+        stream: str | None = None,
     ) -> None:
         timings = getattr(fields.get("result"), "timings", None)
         ttft_s = getattr(timings, "ttft_s", None)
         if status is JobStatus.SUCCEEDED and ttft_s is not None:
             self.ttfts.add(job_id, ttft_s)
-        super().finish(job_id, entry_id, status, fields, on_done)
+        super().finish(job_id, entry_id, status, fields, on_done, stream)

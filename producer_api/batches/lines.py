@@ -66,7 +66,9 @@ def parse_lines(text: str, endpoint: str | None, default_max_tokens: int) -> lis
         if line.custom_id is not None and line.ok:
             if line.custom_id in seen:
                 line = ParsedLine(
-                    number, line.custom_id, error=_invalid(f"duplicate custom_id {line.custom_id!r}")
+                    number,
+                    line.custom_id,
+                    error=_invalid(f"duplicate custom_id {line.custom_id!r}"),
                 )
             seen.add(line.custom_id)
         parsed.append(line)
@@ -86,7 +88,9 @@ def parse_line(number: int, raw: str, endpoint: str | None, default_max_tokens: 
         return ParsedLine(number, custom_id, error=error_from_validation(exc))
     if endpoint is not None and line.url != endpoint:
         return ParsedLine(
-            number, custom_id, error=_invalid(f"url {line.url!r} differs from the batch's {endpoint!r}", "url")
+            number,
+            custom_id,
+            error=_invalid(f"url {line.url!r} differs from the batch's {endpoint!r}", "url"),
         )
     try:
         openai, request = line_request(line.url, line.body, default_max_tokens)
@@ -112,7 +116,9 @@ def line_request(
         check_completion(completion)
         prompts = completion_prompts(completion)
         if len(prompts) != 1:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "prompt: a batch line takes one prompt", "prompt")
+            raise ApiError(
+                ErrorCode.INVALID_REQUEST, "prompt: a batch line takes one prompt", "prompt"
+            )
         max_tokens = completion.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         request = completion_job(completion, prompts[0], max_tokens, _PLACEHOLDER_TIMEOUT_S)
         return completion, request

@@ -1,0 +1,122 @@
+"""The batch controller: an arq worker, off the GPU path (it only enqueues jobs and reads
+results through Redis).
+
+    arq producer_api.batches.controller.WorkerSettings      # or: inferq batch-controller
+
+Each arq job `advance_batch(batch_id)` holds the batch's lease and advances it for at most
+`batch_tick_s`, then queues its successor, so no arq job runs long (a killed arq worker's job
+is retried by arq once its in-progress marker lapses). Faster than that, `resume_batches` runs
+at start-up and every `batch_resume_every_s`: any active batch whose lease has lapsed (its run
+died) gets a new run. Runs are idempotent (see runner.py), so a batch resumed after a crash
+finishes with every line exactly once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from arq import Retry, create_pool, cron
+from arq.connections import ArqRedis, RedisSettings
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer_api.batches.runner import BatchRunner, Lease
+from producer_api.batches.settings import BatchControllerSettings
+from schemas import RedisKeys
+
+log = logging.getLogger(__name__)
+
+ADVANCE = "advance_batch"
+_MAX_TRIES = 20  # Redis blips: arq retries a run, which picks up where the last one stopped
+
+
+async def enqueue_advance(arq: ArqRedis, keys: RedisKeys, batch_id: str, tag: str) -> None:
+    """Queue a run of the batch; `tag` makes the arq job id unique per reason."""
+    await arq.enqueue_job(
+        ADVANCE, batch_id, _job_id=f"{batch_id}:{tag}", _queue_name=keys.arq_queue()
+    )
+
+
+async def submit_batch(redis_url: str, keys: RedisKeys, batch_id: str) -> None:
+    """From the API: start the controller on a new batch (one short-lived arq connection)."""
+    arq = await create_pool(RedisSettings.from_dsn(redis_url), default_queue_name=keys.arq_queue())
+    try:
+        await enqueue_advance(arq, keys, batch_id, "start")
+    finally:
+        await arq.aclose()
+
+
+async def advance_batch(ctx: dict[str, Any], batch_id: str) -> str:
+    settings: BatchControllerSettings = ctx["settings"]
+    redis: Redis = ctx["inferq_redis"]
+    keys: RedisKeys = ctx["keys"]
+    lease = Lease(redis, keys.batch_lease(batch_id), settings.batch_lease_s)
+    try:
+        if not await lease.acquire():
+            return "busy"  # another run holds it and will queue the next one
+        try:
+            runner = BatchRunner(redis, keys, settings, batch_id)
+            done = await runner.advance(time.monotonic() + settings.batch_tick_s, lease)
+        finally:
+            await lease.release()
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        log.warning("batch %s: Redis unavailable (%s); retrying", batch_id, exc)
+        raise Retry(defer=min(ctx.get("job_try", 1), 10)) from exc
+    if done:
+        return "done"
+    await enqueue_advance(ctx["redis"], keys, batch_id, f"t{time.time_ns()}")
+    return "continued"
+
+
+async def resume_batches(ctx: dict[str, Any]) -> int:
+    """Start a run for every active batch nobody is advancing (its run died)."""
+    redis: Redis = ctx["inferq_redis"]
+    keys: RedisKeys = ctx["keys"]
+    resumed = 0
+    for batch_id in await redis.smembers(keys.active_batches()):
+        if await redis.exists(keys.batch_lease(batch_id)):
+            continue
+        await enqueue_advance(ctx["redis"], keys, batch_id, f"r{time.time_ns()}")
+        resumed += 1
+    if resumed:
+        log.info("resumed %d batches", resumed)
+    return resumed
+
+
+async def startup(ctx: dict[str, Any]) -> None:
+    settings = BatchControllerSettings()
+    ctx["settings"] = settings
+    ctx["keys"] = RedisKeys(settings.prefix)
+    ctx["inferq_redis"] = Redis.from_url(settings.redis_url, decode_responses=True)
+    await resume_batches(ctx)
+
+
+async def shutdown(ctx: dict[str, Any]) -> None:
+    await ctx["inferq_redis"].aclose()
+
+
+def _every(seconds: int) -> set[int]:
+    return set(range(0, 60, seconds))
+
+
+_SETTINGS = BatchControllerSettings()
+
+
+class WorkerSettings:
+    """arq reads this class: `arq producer_api.batches.controller.WorkerSettings`."""
+
+    functions = [advance_batch]
+    cron_jobs = [
+        cron(resume_batches, second=_every(_SETTINGS.batch_resume_every_s), run_at_startup=False)
+    ]
+    on_startup = startup
+    on_shutdown = shutdown
+    redis_settings = RedisSettings.from_dsn(_SETTINGS.redis_url)
+    queue_name = RedisKeys(_SETTINGS.prefix).arq_queue()
+    max_tries = _MAX_TRIES
+    # a run stops itself after batch_tick_s; the margin covers its last round and finalizing
+    job_timeout = int(_SETTINGS.batch_tick_s) + 120
+    keep_result = 60
+    max_jobs = 32

@@ -1,0 +1,117 @@
+"""Files in Redis: batch inputs uploaded by clients and the output / error files batches write.
+
+Redis rather than a disk: the API and the controller may run on different machines that share
+nothing but Redis, and a file lives exactly as long as its batch needs it (TTL). That is also
+why sizes are capped (ApiSettings.max_file_bytes, max_batch_lines): every byte sits in Redis
+memory, so a file is bounded like any other queued work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from producer_api.batches.lines import ParsedLine, parse_lines
+from schemas import FileObject, RedisKeys
+from schemas.batches import is_valid_file_id, new_file_id
+
+BATCH_PURPOSE = "batch"
+OUTPUT_PURPOSE = "batch_output"
+_META_FIELDS = ("id", "filename", "purpose", "bytes", "created_at", "owner")
+
+
+class UploadError(ValueError):
+    """Why an upload was refused (the API answers 400 with this message)."""
+
+
+@dataclass
+class StoredFile:
+    info: FileObject
+    owner: str | None
+
+
+class FileStore:
+    def __init__(self, redis: Redis, keys: RedisKeys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def save(
+        self,
+        *,
+        owner: str | None,
+        filename: str,
+        purpose: str,
+        content: str,
+        created_at: int,
+        ttl_s: int,
+        file_id: str | None = None,
+    ) -> FileObject:
+        """Store a file (overwriting `file_id` when given: writing the same output twice is
+        harmless) and list it under its owner."""
+        file_id = file_id or new_file_id()
+        size = len(content.encode())
+        key = self.keys.file(file_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                key,
+                mapping={
+                    "id": file_id,
+                    "filename": filename,
+                    "purpose": purpose,
+                    "bytes": size,
+                    "created_at": created_at,
+                    "owner": owner or "",
+                    "content": content,
+                },
+            )
+            pipe.expire(key, ttl_s)
+            pipe.zadd(self.keys.files_of(owner), {file_id: created_at})
+            await pipe.execute()
+        return FileObject(
+            id=file_id, bytes=size, created_at=created_at, filename=filename, purpose=purpose
+        )
+
+    async def get(self, file_id: str) -> StoredFile | None:
+        if not is_valid_file_id(file_id):
+            return None
+        values = await self.redis.hmget(self.keys.file(file_id), _META_FIELDS)
+        meta = dict(zip(_META_FIELDS, values, strict=True))
+        if meta["id"] is None:
+            return None
+        info = FileObject(
+            id=meta["id"],
+            bytes=int(meta["bytes"]),
+            created_at=int(meta["created_at"]),
+            filename=meta["filename"],
+            purpose=meta["purpose"],
+        )
+        return StoredFile(info, meta["owner"] or None)
+
+    async def content(self, file_id: str) -> str | None:
+        if not is_valid_file_id(file_id):
+            return None
+        return await self.redis.hget(self.keys.file(file_id), "content")
+
+
+def validate_upload(
+    raw: bytes, *, max_bytes: int, max_lines: int, default_max_tokens: int
+) -> tuple[str, list[ParsedLine]]:
+    """The text of an uploaded batch input file and its parsed lines. Refuses (UploadError)
+    files that are too big, not UTF-8, empty, too long, or without a single valid line; single
+    bad lines are kept: the batch writes them to its error file."""
+    if len(raw) > max_bytes:
+        raise UploadError(f"file: {len(raw)} bytes is more than the limit of {max_bytes}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UploadError(f"file: not UTF-8 text ({exc})") from exc
+    lines = parse_lines(text, None, default_max_tokens)
+    if not lines:
+        raise UploadError("file: holds no request lines")
+    if len(lines) > max_lines:
+        raise UploadError(f"file: {len(lines)} request lines is more than the limit of {max_lines}")
+    if not any(line.ok for line in lines):
+        first = lines[0].error
+        reason = first.message if first is not None else "invalid"
+        raise UploadError(f"file: no valid request line (line {lines[0].number}: {reason})")
+    return text, lines

@@ -1,0 +1,358 @@
+"""One controller run over a batch: validate, fan lines out into the model's bulk stream
+(throttled by that stream's backlog), collect finished jobs into output / error lines, and
+finalize. Every step is idempotent, so a run killed at any point is simply run again:
+
+- a line's job is enqueued with the idempotency key `{batch_id}:{line}`: enqueueing it again
+  returns the same job, never a second one;
+- a finished line is written to `:out` / `:err` keyed by its line number: writing it twice
+  leaves one line;
+- output files get ids derived from the batch id: finalizing twice overwrites the same file.
+
+Only one run advances a batch at a time (`Lease`); a run that dies leaves the lease to expire,
+and the controller's resumer starts a new run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from datetime import UTC, datetime
+
+from redis.asyncio import Redis
+
+from producer_api import queue
+from producer_api.batches.files import OUTPUT_PURPOSE, FileStore
+from producer_api.batches.lines import (
+    ParsedLine,
+    batch_job_request,
+    line_not_run,
+    line_of_error,
+    line_of_result,
+    parse_lines,
+)
+from producer_api.batches.settings import BatchControllerSettings
+from producer_api.batches.store import BatchStore, now_s
+from schemas import BatchField, BatchStatus, ErrorCode, Job, RedisKeys
+from schemas.batches import BATCH_ID_PREFIX
+
+log = logging.getLogger(__name__)
+
+CANCELLED_CODE = "batch_cancelled"
+EXPIRED_CODE = "batch_expired"
+NOT_RUN_CODES = (CANCELLED_CODE, EXPIRED_CODE)
+_COLLECT_CHUNK = 500
+
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
+
+
+class Lease:
+    """`SET NX PX` on the batch's lease key: who holds it advances the batch."""
+
+    def __init__(self, redis: Redis, key: str, ttl_s: float) -> None:
+        self.redis = redis
+        self.key = key
+        self.ttl_ms = int(ttl_s * 1000)
+        self.token = secrets.token_hex(8)
+
+    async def acquire(self) -> bool:
+        return bool(await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms))
+
+    async def renew(self) -> bool:
+        return bool(await self.redis.eval(_RENEW, 1, self.key, self.token, self.ttl_ms))
+
+    async def release(self) -> None:
+        await self.redis.eval(_RELEASE, 1, self.key, self.token)
+
+
+def output_file_ids(batch_id: str) -> tuple[str, str]:
+    """Deterministic ids of a batch's output and error files."""
+    suffix = batch_id[len(BATCH_ID_PREFIX) :]
+    return f"file-{suffix}-out", f"file-{suffix}-err"
+
+
+class BatchRunner:
+    def __init__(
+        self, redis: Redis, keys: RedisKeys, settings: BatchControllerSettings, batch_id: str
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.settings = settings
+        self.batch_id = batch_id
+        self.store = BatchStore(redis, keys)
+        self.files = FileStore(redis, keys)
+        self.outstanding: dict[int, str] = {}  # line number -> job id, not yet collected
+        self.lines: dict[int, ParsedLine] = {}
+        self.valid: list[ParsedLine] = []
+        self.submitted = 0
+
+    async def advance(self, until: float, lease: Lease) -> bool:
+        """Work on the batch until it is over (True) or the monotonic time `until` (False)."""
+        data = await self.store.raw(self.batch_id)
+        if not data or BatchStatus(data[BatchField.STATUS]).is_terminal:
+            await self._retire()
+            return True
+        self.owner = data.get(BatchField.OWNER) or None
+        self.expires_at = int(data[BatchField.EXPIRES_AT])
+        text = await self.files.content(data[BatchField.INPUT_FILE_ID])
+        if text is None:
+            return await self._fail("input_file_missing", "the input file no longer exists")
+        parsed = parse_lines(text, data[BatchField.ENDPOINT], self.settings.default_max_tokens)
+        self.lines = {line.number: line for line in parsed}
+        self.valid = [line for line in parsed if line.ok]
+        validating = data[BatchField.STATUS] == BatchStatus.VALIDATING
+        if validating and not await self._validate(parsed):
+            return True
+        await self._load_progress()
+        while True:
+            status = await self.redis.hget(self.keys.batch(self.batch_id), BatchField.STATUS)
+            if status == BatchStatus.CANCELLING:
+                await self._stop(CANCELLED_CODE, "the batch was cancelled before this request ran")
+                return await self._finalize(BatchStatus.CANCELLED)
+            if now_s() >= self.expires_at:
+                await self._stop(EXPIRED_CODE, "the batch expired before this request ran")
+                return await self._finalize(BatchStatus.EXPIRED)
+            await self._fan_out()
+            await self._collect()
+            if self.submitted >= len(self.valid) and not self.outstanding:
+                return await self._finalize(BatchStatus.COMPLETED)
+            await self._publish_counts()
+            if time.monotonic() >= until or not await lease.renew():
+                return False
+            await asyncio.sleep(self.settings.batch_poll_interval_s)
+
+    # ------------------------------------------------------------------ phases
+
+    async def _validate(self, parsed: list[ParsedLine]) -> bool:
+        """Bad lines go to the error file now; False when nothing can run (batch failed)."""
+        errors = {line.number: line_of_error(line) for line in parsed if not line.ok}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if errors:
+                pipe.hset(self.keys.batch_errors(self.batch_id), mapping=errors)
+            pipe.hset(self.keys.batch(self.batch_id), BatchField.TOTAL, len(parsed))
+            await pipe.execute()
+        if not self.valid:
+            details = [
+                {"code": line.error.code.value, "message": line.error.message, "line": line.number}
+                for line in parsed[:10]
+                if line.error is not None
+            ]
+            await self._fail("invalid_input", "no line of the input file is valid", details)
+            return False
+        await self.store.set_status(
+            self.batch_id, BatchStatus.IN_PROGRESS, (BatchStatus.VALIDATING,)
+        )
+        log.info("batch %s: %d lines, %d invalid", self.batch_id, len(parsed), len(errors))
+        return True
+
+    async def _load_progress(self) -> None:
+        """Where an earlier run stopped: lines enqueued, and which of them are collected."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(self.keys.batch(self.batch_id), BatchField.SUBMITTED)
+            pipe.hgetall(self.keys.batch_lines(self.batch_id))
+            pipe.hkeys(self.keys.batch_outputs(self.batch_id))
+            pipe.hkeys(self.keys.batch_errors(self.batch_id))
+            submitted, line_jobs, out, err = await pipe.execute()
+        self.submitted = int(submitted or 0)
+        done = {int(n) for n in (*out, *err)}
+        self.outstanding = {int(n): job for n, job in line_jobs.items() if int(n) not in done}
+
+    async def _fan_out(self) -> None:
+        if self.submitted >= len(self.valid):
+            return
+        room = min(
+            self.settings.batch_chunk_lines,
+            self.settings.batch_max_in_flight - len(self.outstanding),
+        )
+        if room <= 0:
+            return
+        model = self.valid[self.submitted].request.model  # type: ignore[union-attr]
+        backlog = await self.redis.xlen(self.keys.bulk_stream(model))
+        room = min(room, self.settings.batch_max_backlog - backlog)
+        if room <= 0:
+            return
+        chunk = self.valid[self.submitted : self.submitted + room]
+        deadline = datetime.fromtimestamp(self.expires_at, UTC)
+        results = await asyncio.gather(
+            *(
+                queue.enqueue(
+                    self.redis,
+                    self.keys,
+                    batch_job_request(
+                        line.request, batch_id=self.batch_id, line=line, deadline=deadline
+                    ),  # type: ignore[arg-type]
+                    owner=self.owner,
+                )
+                for line in chunk
+            ),
+            return_exceptions=True,
+        )
+        enqueued: dict[int, str] = {}
+        refused: dict[int, str] = {}
+        for line, result in zip(chunk, results, strict=True):
+            if isinstance(result, queue.QueueError):
+                refused[line.number] = line_not_run(line, result.code.value, result.error.message)
+            elif isinstance(result, BaseException):
+                raise result  # Redis trouble: arq retries the run; enqueued lines dedupe
+            else:
+                enqueued[line.number] = result.id
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if enqueued:
+                pipe.hset(self.keys.batch_lines(self.batch_id), mapping=enqueued)
+            if refused:
+                pipe.hset(self.keys.batch_errors(self.batch_id), mapping=refused)
+            pipe.hset(
+                self.keys.batch(self.batch_id), BatchField.SUBMITTED, self.submitted + len(chunk)
+            )
+            await pipe.execute()
+        self.submitted += len(chunk)
+        self.outstanding.update(enqueued)
+
+    async def _collect(self) -> None:
+        """Write the lines of jobs that ended since the last look."""
+        items = list(self.outstanding.items())
+        for start in range(0, len(items), _COLLECT_CHUNK):
+            part = items[start : start + _COLLECT_CHUNK]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for _, job_id in part:
+                    pipe.hget(self.keys.job(job_id), "status")
+                statuses = await pipe.execute()
+            ended = [
+                (n, job_id)
+                for (n, job_id), status in zip(part, statuses, strict=True)
+                if status is None or status in ("succeeded", "failed", "cancelled", "expired")
+            ]
+            if ended:
+                await self._write_ended(ended)
+
+    async def _write_ended(self, ended: list[tuple[int, str]]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for _, job_id in ended:
+                pipe.hgetall(self.keys.job(job_id))
+            stored = await pipe.execute()
+        out: dict[int, str] = {}
+        err: dict[int, str] = {}
+        for (number, job_id), data in zip(ended, stored, strict=True):
+            line = self.lines[number]
+            if not data:
+                err[number] = line_not_run(
+                    line, ErrorCode.INTERNAL_ERROR.value, f"the record of job {job_id} is gone"
+                )
+                continue
+            succeeded, text = line_of_result(line, Job.from_redis_hash(data))
+            (out if succeeded else err)[number] = text
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if out:
+                pipe.hset(self.keys.batch_outputs(self.batch_id), mapping=out)
+            if err:
+                pipe.hset(self.keys.batch_errors(self.batch_id), mapping=err)
+            await pipe.execute()
+        for number, _ in ended:
+            self.outstanding.pop(number, None)
+
+    async def _publish_counts(self) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hlen(self.keys.batch_outputs(self.batch_id))
+            pipe.hlen(self.keys.batch_errors(self.batch_id))
+            completed, failed = await pipe.execute()
+        await self.redis.hset(
+            self.keys.batch(self.batch_id),
+            mapping={BatchField.COMPLETED: completed, BatchField.FAILED: failed},
+        )
+
+    async def _stop(self, code: str, message: str) -> None:
+        """Cancel the jobs still out (results already in stay), collect, and mark the lines
+        never enqueued as not run. Jobs that finish meanwhile keep their output."""
+        for job_id in list(self.outstanding.values()):
+            with contextlib.suppress(queue.JobNotFoundError):
+                await queue.cancel_job(self.redis, self.keys, job_id, reason=message)
+        await self._collect()
+        never_run = {
+            line.number: line_not_run(line, code, message) for line in self.valid[self.submitted :]
+        }
+        never_run.update({n: line_not_run(self.lines[n], code, message) for n in self.outstanding})
+        if never_run:
+            await self.redis.hset(self.keys.batch_errors(self.batch_id), mapping=never_run)
+        self.outstanding.clear()
+
+    async def _fail(self, code: str, message: str, details: list | None = None) -> bool:
+        errors = {"object": "list", "data": details or [{"code": code, "message": message}]}
+        await self.redis.hset(self.keys.batch(self.batch_id), BatchField.ERRORS, json.dumps(errors))
+        return await self._finalize(BatchStatus.FAILED)
+
+    async def _finalize(self, final: BatchStatus) -> bool:
+        """Write the output and error files, then the final status and counts (one MULTI with
+        the clean-up, so a run killed here finalizes again from the same data)."""
+        if final is BatchStatus.COMPLETED:
+            applied, current = await self.store.set_status(
+                self.batch_id, BatchStatus.FINALIZING, (BatchStatus.IN_PROGRESS,)
+            )
+            if not applied and current is BatchStatus.CANCELLING:
+                return await self._finalize(BatchStatus.CANCELLED)  # every line is in already
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.batch_outputs(self.batch_id))
+            pipe.hgetall(self.keys.batch_errors(self.batch_id))
+            out, err = await pipe.execute()
+        out_id, err_id = output_file_ids(self.batch_id)
+        extra: dict[str, str | int] = {
+            BatchField.COMPLETED: len(out),
+            BatchField.FAILED: sum(
+                1 for text in err.values() if _error_code(text) not in NOT_RUN_CODES
+            ),
+        }
+        if out:
+            await self._save(out_id, "output", out)
+            extra[BatchField.OUTPUT_FILE_ID] = out_id
+        if err:
+            await self._save(err_id, "errors", err)
+            extra[BatchField.ERROR_FILE_ID] = err_id
+        allowed = tuple(s for s in BatchStatus if not s.is_terminal)
+        await self.store.set_status(
+            self.batch_id, final, allowed, **{str(k): v for k, v in extra.items()}
+        )
+        await self._retire()
+        log.info(
+            "batch %s %s: %d succeeded, %d in the error file",
+            self.batch_id,
+            final.value,
+            len(out),
+            len(err),
+        )
+        return True
+
+    async def _retire(self) -> None:
+        """A finished batch leaves the active set, its bookkeeping goes, its record expires.
+        Runs after the final status is stored, so a crash before it only repeats it."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.srem(self.keys.active_batches(), self.batch_id)
+            pipe.expire(self.keys.batch(self.batch_id), self.settings.batch_retention_s)
+            pipe.delete(
+                self.keys.batch_lines(self.batch_id),
+                self.keys.batch_outputs(self.batch_id),
+                self.keys.batch_errors(self.batch_id),
+            )
+            await pipe.execute()
+
+    async def _save(self, file_id: str, kind: str, lines: dict[str, str]) -> None:
+        content = "".join(lines[n] + "\n" for n in sorted(lines, key=int))
+        await self.files.save(
+            owner=self.owner,
+            filename=f"{self.batch_id}_{kind}.jsonl",
+            purpose=OUTPUT_PURPOSE,
+            content=content,
+            created_at=now_s(),
+            ttl_s=self.settings.batch_retention_s,
+            file_id=file_id,
+        )
+
+
+def _error_code(line: str) -> str | None:
+    try:
+        return json.loads(line)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None

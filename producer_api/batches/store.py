@@ -1,0 +1,127 @@
+"""The batch hash `{p}:batch:{id}`: create, read, status changes (compare-and-set), listing."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from redis.asyncio import Redis
+
+from schemas import BatchField, BatchObject, BatchStatus, RedisKeys
+from schemas.batches import STATUS_TIME_FIELD, is_valid_batch_id, new_batch_id
+
+# Move a batch to ARGV[1] (setting the time field ARGV[2] to ARGV[3]) only from one of the
+# statuses ARGV[4..]; extra field/value pairs may follow after the '--' marker.
+# Returns {1, previous} when applied, {0, current} when not (current false: no such batch).
+SET_STATUS_SCRIPT = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return {0, false} end
+local i = 4
+local allowed = false
+while i <= #ARGV and ARGV[i] ~= '--' do
+  if ARGV[i] == current then allowed = true end
+  i = i + 1
+end
+if not allowed then return {0, current} end
+redis.call('HSET', KEYS[1], 'status', ARGV[1])
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
+i = i + 1
+while i < #ARGV do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+return {1, current}
+"""
+
+CANCELLABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class BatchStore:
+    def __init__(self, redis: Redis, keys: RedisKeys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def create(
+        self,
+        *,
+        owner: str | None,
+        endpoint: str,
+        input_file_id: str,
+        completion_window: str,
+        window_s: int,
+        metadata: dict[str, str] | None,
+    ) -> BatchObject:
+        batch_id = new_batch_id()
+        created = now_s()
+        fields = {
+            BatchField.ID: batch_id,
+            BatchField.OWNER: owner or "",
+            BatchField.ENDPOINT: endpoint,
+            BatchField.INPUT_FILE_ID: input_file_id,
+            BatchField.COMPLETION_WINDOW: completion_window,
+            BatchField.STATUS: BatchStatus.VALIDATING.value,
+            BatchField.CREATED_AT: created,
+            BatchField.EXPIRES_AT: created + window_s,
+            BatchField.TOTAL: 0,
+            BatchField.COMPLETED: 0,
+            BatchField.FAILED: 0,
+            BatchField.SUBMITTED: 0,
+        }
+        if metadata:
+            fields[BatchField.METADATA] = json.dumps(metadata)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.batch(batch_id), mapping={str(k): v for k, v in fields.items()})
+            pipe.sadd(self.keys.active_batches(), batch_id)
+            pipe.zadd(self.keys.batches_of(owner), {batch_id: created})
+            await pipe.execute()
+        return await self.get(batch_id)  # type: ignore[return-value]
+
+    async def raw(self, batch_id: str) -> dict[str, str]:
+        if not is_valid_batch_id(batch_id):
+            return {}
+        return await self.redis.hgetall(self.keys.batch(batch_id))
+
+    async def get(self, batch_id: str) -> BatchObject | None:
+        data = await self.raw(batch_id)
+        return BatchObject.from_redis_hash(data) if data else None
+
+    async def owner_of(self, batch_id: str) -> str | None:
+        return (await self.redis.hget(self.keys.batch(batch_id), BatchField.OWNER)) or None
+
+    async def set_status(
+        self,
+        batch_id: str,
+        status: BatchStatus,
+        allowed_from: tuple[BatchStatus, ...],
+        **extra: str | int,
+    ) -> tuple[bool, BatchStatus | None]:
+        """Compare-and-set the status (and its `*_at` time); (applied, previous or current)."""
+        time_field = STATUS_TIME_FIELD.get(status)
+        args: list[str | int] = [status.value, time_field.value if time_field else "", now_s()]
+        args += [s.value for s in allowed_from] + ["--"]
+        for name, value in extra.items():
+            args += [name, value]
+        script = self.redis.register_script(SET_STATUS_SCRIPT)
+        applied, seen = await script(keys=[self.keys.batch(batch_id)], args=args)
+        return bool(applied), BatchStatus(seen) if seen else None
+
+    async def list(
+        self, owner: str | None, *, limit: int, after: str | None
+    ) -> tuple[list[BatchObject], bool]:
+        """Newest first; `after`: a batch id from the previous page. (batches, has_more)."""
+        key = self.keys.batches_of(owner)
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrevrank(key, after)
+            start = 0 if rank is None else rank + 1
+        ids = await self.redis.zrevrange(key, start, start + limit)
+        batches = []
+        for batch_id in ids[:limit]:
+            batch = await self.get(batch_id)
+            if batch is not None:
+                batches.append(batch)
+        return batches, len(ids) > limit

@@ -1,0 +1,175 @@
+"""Files + Batch API end to end on the fake engine: real Redis, the API over HTTP, the arq
+controller and an inference worker in-process. The fake engine's output is a pure function of
+the prompt (worker_fakes.expected_output), so every line's text can be checked."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from redis import Redis
+from worker_fakes import FakeEngine, expected_output
+
+from schemas import RedisKeys
+from tests.api.conftest import BOB_KEY
+from tests.batch.conftest import FAKE_MODEL, BatchStack
+
+KEYS = RedisKeys()
+MAX_TOKENS = 5
+
+
+def completion_line(custom_id: str, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    body = {"model": FAKE_MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return json.dumps(
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+    )
+
+
+def expected_text(prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    return expected_output(FakeEngine().tokenize(prompt), max_tokens)[1]
+
+
+def test_batch_completes_with_each_custom_id_once_and_bad_lines_in_the_error_file(
+    batch_stack: BatchStack,
+):
+    prompts = {f"req-{i}": f"prompt number {i}" for i in range(40)}
+    lines = [completion_line(cid, prompt) for cid, prompt in prompts.items()]
+    lines.insert(3, "{this is not json")
+    lines.insert(
+        10, json.dumps({"custom_id": "no-body", "method": "POST", "url": "/v1/completions"})
+    )
+    lines.append(completion_line("req-0", "a duplicate custom_id"))
+    lines.append(completion_line("too-many-n", "x").replace('"temperature": 0', '"n": 99'))
+    uploaded = batch_stack.upload("\n".join(lines) + "\n")
+    assert uploaded["object"] == "file" and uploaded["purpose"] == "batch"
+    assert "4 of 44 lines are invalid" in uploaded["status_details"]
+    assert batch_stack.http.get(f"/v1/files/{uploaded['id']}").json()["bytes"] == uploaded["bytes"]
+
+    batch_stack.start_worker()
+    batch_stack.start_controller()
+    created = batch_stack.create(uploaded["id"], metadata={"team": "nightly"})
+    assert created["status"] == "validating" and created["metadata"] == {"team": "nightly"}
+    done = batch_stack.wait(created["id"], {"completed", "failed"})
+
+    assert done["status"] == "completed", done
+    assert done["request_counts"] == {"total": 44, "completed": 40, "failed": 4}
+    for stamp in ("in_progress_at", "finalizing_at", "completed_at"):
+        assert done[stamp] >= done["created_at"]
+    output = batch_stack.content(done["output_file_id"])
+    assert sorted(r["custom_id"] for r in output) == sorted(prompts)
+    for record in output:
+        body = record["response"]["body"]
+        assert record["response"]["status_code"] == 200 and record["error"] is None
+        assert body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == expected_text(prompts[record["custom_id"]])
+        assert body["usage"]["completion_tokens"] == MAX_TOKENS
+    errors = batch_stack.content(done["error_file_id"])
+    reasons = {(e["custom_id"], e["error"]["line"]): e["error"]["message"] for e in errors}
+    assert set(reasons) == {(None, 4), ("no-body", 11), ("req-0", 43), ("too-many-n", 44)}
+    assert "not valid JSON" in reasons[(None, 4)]
+    assert "body" in reasons[("no-body", 11)]
+    assert "duplicate custom_id" in reasons[("req-0", 43)]
+    assert "n" in reasons[("too-many-n", 44)]
+
+    listed = batch_stack.http.get("/v1/batches").json()
+    assert [b["id"] for b in listed["data"]] == [created["id"]]
+    # another owner sees nothing of it
+    bob = {"Authorization": f"Bearer {BOB_KEY}"}
+    assert batch_stack.http.get(f"/v1/batches/{created['id']}", headers=bob).status_code == 404
+    assert batch_stack.http.get(f"/v1/files/{uploaded['id']}", headers=bob).status_code == 404
+    assert batch_stack.http.get("/v1/batches", headers=bob).json()["data"] == []
+
+
+def test_chat_batch_gives_chat_completion_bodies(batch_stack: BatchStack):
+    line = {
+        "custom_id": "chat-1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": FAKE_MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 3,
+        },
+    }
+    uploaded = batch_stack.upload(json.dumps(line))
+    batch_stack.start_worker()
+    batch_stack.start_controller()
+    created = batch_stack.create(uploaded["id"], endpoint="/v1/chat/completions")
+    done = batch_stack.wait(created["id"], {"completed", "failed"})
+    (record,) = batch_stack.content(done["output_file_id"])
+    body = record["response"]["body"]
+    assert body["object"] == "chat.completion"
+    prompt_ids = FakeEngine().apply_chat_template([{"role": "user", "content": "hi"}])
+    assert body["choices"][0]["message"]["content"] == expected_output(prompt_ids, 3)[1]
+    assert done["error_file_id"] is None
+
+
+@pytest.mark.parametrize(
+    ("files", "data", "reason"),
+    [
+        ({"file": ("a.jsonl", b"{}\n")}, {"purpose": "fine-tune"}, "purpose"),
+        ({"file": ("a.jsonl", b"nope\n[]\n")}, {"purpose": "batch"}, "no valid request line"),
+        ({"file": ("a.jsonl", b"\n\n")}, {"purpose": "batch"}, "no request lines"),
+        ({"file": ("a.jsonl", b"\xff\xfe")}, {"purpose": "batch"}, "UTF-8"),
+    ],
+)
+def test_bad_uploads_are_400_with_a_reason(batch_stack: BatchStack, files, data, reason):
+    response = batch_stack.http.post("/v1/files", files=files, data=data)
+    assert response.status_code == 400
+    assert reason in response.json()["error"]["message"]
+
+
+def test_bad_batch_requests_are_400(batch_stack: BatchStack):
+    file_id = batch_stack.upload(completion_line("a", "b"))["id"]
+    cases = [
+        ({"input_file_id": file_id, "endpoint": "/v1/embeddings"}, "endpoint"),
+        (
+            {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "1y"},
+            "completion_window",
+        ),
+        (
+            {"input_file_id": "file-nonexistent0000000", "endpoint": "/v1/completions"},
+            "input_file_id",
+        ),
+    ]
+    for body, param in cases:
+        response = batch_stack.http.post("/v1/batches", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+    assert batch_stack.http.get("/v1/batches/batch_nonexistent000000000").status_code == 404
+
+
+def test_cancel_keeps_finished_results_and_runs_nothing_more(batch_stack: BatchStack):
+    prompts = {f"c-{i}": f"cancel me {i}" for i in range(60)}
+    uploaded = batch_stack.upload("\n".join(completion_line(c, p, 20) for c, p in prompts.items()))
+    batch_stack.start_worker(step_seconds=0.02, bulk_max_held=2)
+    batch_stack.start_controller()
+    created = batch_stack.create(uploaded["id"])
+    give_up = time.monotonic() + 60
+    while batch_stack.batch(created["id"])["request_counts"]["completed"] < 3:
+        assert time.monotonic() < give_up
+        time.sleep(0.05)
+    cancelling = batch_stack.http.post(f"/v1/batches/{created['id']}/cancel").json()
+    assert cancelling["status"] in ("cancelling", "cancelled")
+    done = batch_stack.wait(created["id"], {"cancelled"})
+    output = batch_stack.content(done["output_file_id"])
+    errors = batch_stack.content(done["error_file_id"])
+    assert 3 <= len(output) < len(prompts)
+    for record in output:
+        text = record["response"]["body"]["choices"][0]["text"]
+        assert text == expected_text(prompts[record["custom_id"]], 20)
+    # every line is accounted for exactly once: done, or not run because of the cancel
+    assert sorted(r["custom_id"] for r in output + errors) == sorted(prompts)
+    assert {e["error"]["code"] for e in errors} <= {"batch_cancelled", "cancelled"}
+    assert done["request_counts"]["completed"] == len(output)
+    # nothing of the batch is left queued, and no more of its jobs run afterwards
+    redis = Redis.from_url(batch_stack.redis_url, decode_responses=True)
+    assert redis.xlen(KEYS.bulk_stream(FAKE_MODEL)) == 0
+    time.sleep(1.0)
+    succeeded = [
+        k for k in redis.scan_iter(KEYS.job_key_prefix() + "*") if redis.hget(k, "status") == "succeeded"
+    ]
+    assert len(succeeded) == len(output)
+    assert batch_stack.http.post(f"/v1/batches/{created['id']}/cancel").status_code == 200
+    redis.close()
