@@ -18,12 +18,21 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (a container's cpuset, not the host's count)."""
+def _affinity() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+# Read at import: once torch starts with OMP_PROC_BIND set (bench/workload.py's tuning), the
+# main thread is pinned to a single core and would report 1.
+_CORES_AT_IMPORT = _affinity()
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (a container's cpuset, not the host's count)."""
+    return _CORES_AT_IMPORT
 
 
 def memory_gib() -> float | None:

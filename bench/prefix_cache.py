@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from serve import RunReport, arrival_times, run_engine, summarize
-from workload import Request, describe_runtime, shared_prefix_workload, tune_cpu_runtime
+from workload import Request, describe_runtime, shared_prefix_series, tune_cpu_runtime
 
 
 def median_report(reports: list[RunReport]) -> RunReport:
@@ -85,6 +85,19 @@ def measure_prefix_cache(
     return results
 
 
+def make_engine(model: str, dtype: str, seed: int, threads: int | None, prefix_caching: bool):
+    from engine import Engine, EngineConfig
+
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        seed=seed,
+        num_threads=threads,
+        enable_prefix_caching=prefix_caching,
+    )
+    return Engine(config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -101,30 +114,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = parser.parse_args()
     tune_cpu_runtime(args.threads)
-    from engine import Engine, EngineConfig
-
-    def make(enable: bool) -> Engine:
-        config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            seed=args.seed,
-            num_threads=args.threads,
-            enable_prefix_caching=enable,
-        )
-        return Engine(config)
-
-    engine_on, engine_off = make(True), make(False)
-    vocab = engine_on.runner.vocab_size
-
-    def workload(repeat: int) -> list[Request]:
-        return shared_prefix_workload(
-            args.num_prompts,
-            args.prefix_len,
-            args.suffix_len,
-            args.output_len,
-            vocab,
-            args.seed + 15485863 * (repeat + 1),
-        )
+    engine_on = make_engine(args.model, args.dtype, args.seed, args.threads, True)
+    engine_off = make_engine(args.model, args.dtype, args.seed, args.threads, False)
+    workload = shared_prefix_series(vars(args), engine_on.runner.vocab_size, args.seed)
 
     print(f"# prefix cache bench: {describe_runtime()}")
     results = measure_prefix_cache(engine_on, engine_off, workload, args.repeats)

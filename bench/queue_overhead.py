@@ -36,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from figures import median_rates, print_row, quantile, rates
 from throughput import greedy, warm_up
-from workload import Request, add_workload_args, describe_runtime, random_workload, tune_cpu_runtime
+from workload import (
+    Request,
+    add_workload_args,
+    describe_runtime,
+    random_workload,
+    tune_cpu_runtime,
+    workload_series,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,16 +77,7 @@ def main() -> None:
     llm = LLM(args.model, num_threads=args.threads, **engine_args)
     vocab = llm.engine.runner.vocab_size
 
-    def workload(repeat: int) -> list[Request]:
-        return random_workload(
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-            args.range_ratio,
-            vocab,
-            args.seed + 7919 * repeat,
-        )
-
+    workload = workload_series(vars(args), vocab, args.seed)
     requests = workload(0)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     output_tokens = sum(r.output_len for r in requests)

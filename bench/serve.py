@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workload import Request, add_workload_args, describe_runtime, random_workload
+from workload import Request, add_workload_args, describe_runtime, workload_series
 
 
 @dataclass
@@ -196,11 +196,26 @@ def start_system(model: str, data_dir: Path, worker_flags: list[str]):
     """redis-server + API + worker as children (producer_api.up does the spawning)."""
     import os
 
-    import httpx
-
-    from producer_api.up import System, start_redis
+    from producer_api.up import System
 
     system = System()
+    # A tuned benchmark process (bench/workload.py's tune_cpu_runtime) has its main thread
+    # pinned to one core, and children inherit that mask: give them every core back.
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        return _spawn_system(system, model, data_dir, worker_flags)
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+def _spawn_system(system, model: str, data_dir: Path, worker_flags: list[str]):
+    import os
+
+    import httpx
+
+    from producer_api.up import start_redis
+
     redis_url = f"redis://127.0.0.1:{_free_port()}/0"
     start_redis(system, redis_url, data_dir)
     port = _free_port()
@@ -293,23 +308,6 @@ def print_table(reports: list[RunReport]) -> None:
         )
 
 
-def workload_for_rate(args: argparse.Namespace, vocab_size: int) -> Callable[[int], list[Request]]:
-    """A fresh workload of the same sizes for each rate: a repeated one would find its whole
-    prompts in the prefix cache from the rate before and flatter every later rate."""
-
-    def make(rate_index: int) -> list[Request]:
-        return random_workload(
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-            args.range_ratio,
-            vocab_size,
-            args.seed + 104729 * rate_index,
-        )
-
-    return make
-
-
 def measure_serving(
     engine,
     model: str,
@@ -377,7 +375,9 @@ def main() -> None:
     from engine import Engine, EngineConfig
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, seed=args.seed))
-    workload = workload_for_rate(args, engine.runner.vocab_size)
+    # A fresh workload of the same sizes per rate: a repeated one would find its whole
+    # prompts in the prefix cache from the rate before and flatter every later rate.
+    workload = workload_series(vars(args), engine.runner.vocab_size, args.seed, 104729)
     print(
         f"# serve bench: {args.num_prompts} requests per rate, input ~{args.input_len}, output "
         f"~{args.output_len} tokens, rates {rates} req/s; {describe_runtime()}"

@@ -6,8 +6,10 @@ import argparse
 import os
 import random
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _ALLOCATORS = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -108,3 +110,42 @@ def shared_prefix_workload(
         )
         for _ in range(num_prompts)
     ]
+
+
+def workload_series(
+    sizes: Mapping[str, Any], vocab_size: int, seed: int, stride: int = 7919
+) -> Callable[[int], list[Request]]:
+    """round -> a fresh random_workload of `sizes` (num_prompts, input_len, output_len,
+    range_ratio): same sizes every round, new tokens, so no round finds the one before it in
+    the prefix cache."""
+
+    def make(round_index: int) -> list[Request]:
+        return random_workload(
+            sizes["num_prompts"],
+            sizes["input_len"],
+            sizes["output_len"],
+            sizes["range_ratio"],
+            vocab_size,
+            seed + stride * round_index,
+        )
+
+    return make
+
+
+def shared_prefix_series(
+    sizes: Mapping[str, Any], vocab_size: int, seed: int
+) -> Callable[[int], list[Request]]:
+    """round -> a shared_prefix_workload of `sizes` (num_prompts, prefix_len, suffix_len,
+    output_len) with a fresh system prompt each round."""
+
+    def make(round_index: int) -> list[Request]:
+        return shared_prefix_workload(
+            sizes["num_prompts"],
+            sizes["prefix_len"],
+            sizes["suffix_len"],
+            sizes["output_len"],
+            vocab_size,
+            seed + 15485863 * (round_index + 1),
+        )
+
+    return make
