@@ -70,6 +70,10 @@ def _build_parser() -> argparse.ArgumentParser:
     add_status_arguments(status)
     status.set_defaults(handler=_status)
 
+    from worker.batch_cli import add_batch_arguments
+
+    add_batch_arguments(commands)  # inferq batch submit|run|controller (issue 7)
+
     bench = commands.add_parser("bench", help="run a benchmark from bench/ (flags pass through)")
     bench.add_argument("name", help="throughput, queue_overhead, serve, gpu, ...")
     bench.set_defaults(handler=_bench)

@@ -168,7 +168,9 @@ def test_cancel_keeps_finished_results_and_runs_nothing_more(batch_stack: BatchS
     assert redis.xlen(KEYS.bulk_stream(FAKE_MODEL)) == 0
     time.sleep(1.0)
     succeeded = [
-        k for k in redis.scan_iter(KEYS.job_key_prefix() + "*") if redis.hget(k, "status") == "succeeded"
+        k
+        for k in redis.scan_iter(KEYS.job_key_prefix() + "*")
+        if redis.hget(k, "status") == "succeeded"
     ]
     assert len(succeeded) == len(output)
     assert batch_stack.http.post(f"/v1/batches/{created['id']}/cancel").status_code == 200

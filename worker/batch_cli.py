@@ -1,0 +1,183 @@
+"""`inferq batch submit|run|controller`: bulk work from the command line.
+
+`run FILE -o OUT --local` runs the file in this process through `engine.LLM.generate`, writing
+the same output / error line formats as the Batch API. Lines are appended (and flushed) a chunk
+at a time, so after Ctrl-C the same command resumes: it skips every custom_id already in OUT
+or in the error file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+CHUNK_LINES = 16  # lines per generate call: what a Ctrl-C can lose
+
+
+def add_batch_arguments(commands: Any) -> None:
+    """Register `inferq batch ...` on the top-level subparsers."""
+    from producer_api.batches.submit_cli import add_submit_arguments
+
+    batch = commands.add_parser("batch", help="bulk work: OpenAI batch files").add_subparsers(
+        dest="action", required=True
+    )
+    submit = batch.add_parser(
+        "submit", help="submit a batch file to the API (with --wait: follow it)"
+    )
+    add_submit_arguments(submit)
+    submit.set_defaults(handler=_submit)
+
+    run = batch.add_parser("run", help="run a batch file in this process (--local), resumable")
+    run.add_argument("file", type=Path)
+    run.add_argument("-o", "--output", type=Path, required=True)
+    run.add_argument("--errors", type=Path, help="default: OUTPUT.errors.jsonl")
+    run.add_argument("--local", action="store_true", required=True, help="in-process engine")
+    run.add_argument("--model", default=None, help="default: the default model")
+    run.add_argument("--max-model-len", type=int, default=None)
+    run.add_argument("--default-max-tokens", type=int, default=1024)
+    run.set_defaults(handler=_run)
+
+    controller = batch.add_parser("controller", help="run the batch controller (arq worker)")
+    controller.set_defaults(handler=_controller)
+
+
+def _submit(args: argparse.Namespace, _: list[str]) -> int:
+    from producer_api.batches.submit_cli import run_submit
+
+    return run_submit(args)
+
+
+def _controller(args: argparse.Namespace, _: list[str]) -> int:
+    from arq.cli import cli
+
+    return cli.main(["producer_api.batches.controller.WorkerSettings"], standalone_mode=False) or 0
+
+
+def _run(args: argparse.Namespace, _: list[str]) -> int:
+    from producer_api.batches.lines import line_of_error, parse_lines
+
+    errors_path = args.errors or args.output.with_suffix(".errors.jsonl")
+    lines = parse_lines(args.file.read_text(encoding="utf-8"), None, args.default_max_tokens)
+    done = _finished(args.output) | _finished(errors_path)
+    todo = [line for line in lines if not _is_done(line, done)]
+    bad = [line for line in todo if not line.ok]
+    good = [line for line in todo if line.ok]
+    with errors_path.open("a", encoding="utf-8") as errors:
+        for line in bad:
+            errors.write(line_of_error(line) + "\n")
+    if not good:
+        print(f"nothing to run: {len(lines) - len(todo)} lines were done already", file=sys.stderr)
+        return 0
+    from tqdm.auto import tqdm
+
+    from engine import LLM
+    from engine.model_files import DEFAULT_MODEL
+
+    llm = LLM(args.model or DEFAULT_MODEL, **_engine_args(args))
+    progress = tqdm(
+        total=len(lines),
+        initial=len(lines) - len(good),
+        desc="batch",
+        unit="req",
+        dynamic_ncols=True,
+    )
+    try:
+        with args.output.open("a", encoding="utf-8") as out, errors_path.open("a") as errors:
+            for start in range(0, len(good), CHUNK_LINES):
+                chunk = good[start : start + CHUNK_LINES]
+                for ok, text in _generate(llm, chunk):
+                    (out if ok else errors).write(text + "\n")
+                out.flush()
+                errors.flush()
+                progress.update(len(chunk))
+    except KeyboardInterrupt:
+        progress.close()
+        print("\ninterrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    progress.close()
+    return 0
+
+
+def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_model_len": args.max_model_len} if args.max_model_len else {}
+
+
+def _generate(llm: Any, chunk: list[Any]) -> list[tuple[bool, str]]:
+    """Output lines of one chunk, in order; a line the engine refuses goes to the errors."""
+    from producer_api.batches.lines import line_not_run
+
+    prompts, params, kept, results = [], [], [], []
+    for line in chunk:
+        request = line.request
+        try:
+            if request.messages is not None:
+                messages = [m.model_dump(exclude_none=True) for m in request.messages]
+                prompts.append(llm.engine.apply_chat_template(messages))
+            else:
+                prompts.append(
+                    request.prompt if request.prompt is not None else list(request.prompt_token_ids)
+                )
+            params.append(request.sampling)
+            kept.append(line)
+        except Exception as exc:  # a template or tokenizer refusal belongs to this line only
+            results.append((line.number, (False, line_not_run(line, "invalid_request", str(exc)))))
+    if kept:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for line, output in zip(kept, outputs, strict=True):
+            results.append((line.number, (True, _output_line(line, output))))
+    return [item for _, item in sorted(results, key=lambda pair: pair[0])]
+
+
+def _output_line(line: Any, output: Any) -> str:
+    from producer_api.batches.lines import response_body
+    from schemas import ChoiceResult, Job, JobResult, JobStatus, Timings, Usage, utc_now
+    from schemas.batches import output_line
+    from worker.chunking import convert_logprobs
+
+    choices = [
+        ChoiceResult(
+            index=c.index,
+            text=c.text,
+            token_ids=list(c.token_ids),
+            finish_reason=c.finish_reason or "stop",
+            stop_reason=c.stop_reason,
+            logprobs=convert_logprobs(c.logprobs),
+        )
+        for c in sorted(output.outputs, key=lambda c: c.index)
+    ]
+    now = utc_now()
+    usage = Usage.of(len(output.prompt_token_ids), sum(len(c.token_ids) for c in choices))
+    result = JobResult(choices=choices, usage=usage, timings=Timings.from_times(now, now, now, now))
+    job = Job.new(line.request).model_copy(update={"status": JobStatus.SUCCEEDED, "result": result})
+    return output_line(line.custom_id, job.id, response_body(line.openai, job))
+
+
+def _is_done(line: Any, done: set[str]) -> bool:
+    """Output lines count by custom_id; error lines by input line number (a bad line may
+    repeat the custom_id of a good one)."""
+    return f"line:{line.number}" in done or (line.ok and f"id:{line.custom_id}" in done)
+
+
+def _finished(path: Path) -> set[str]:
+    """What `path` holds already: `id:<custom_id>` per output line, `line:<n>` per error line.
+    A last line cut off (the process was killed while writing) is dropped: it runs again."""
+    if not path.exists():
+        return set()
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+        path.write_text(text, encoding="utf-8")
+    keys = set()
+    for raw in text.splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue
+        error = record.get("error")
+        if error and error.get("line") is not None:
+            keys.add(f"line:{error['line']}")
+        elif record.get("custom_id") is not None:
+            keys.add(f"id:{record['custom_id']}")
+    return keys
