@@ -19,6 +19,7 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.models import sliding_window_limit
 from engine.models.llama import head_dim_of
@@ -91,6 +92,10 @@ class ModelRunner:
         )
         self.num_kv_blocks = self._decide_num_kv_blocks()
         self.kv_cache = KVCache(self.kv_spec, self.num_kv_blocks, self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self._wants_cuda_graphs():
+            self.decode_graphs = self.make_decode_graphs()
+            self.decode_graphs.capture(cuda_graph_capture(torch.cuda.graph_pool_handle()))
         logger.info(
             "model runner: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), backend %s",
             type(self.model).__name__,
@@ -120,6 +125,30 @@ class ModelRunner:
         if requested > limit:
             raise ValueError(f"max_model_len {requested} exceeds what the model supports ({limit})")
         return requested
+
+    def _wants_cuda_graphs(self) -> bool:
+        # Only the Triton backend reads every length from device memory; the torch backend
+        # plans each step on the host, which a replayed graph would not redo.
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and isinstance(self.attn_backend, TritonAttentionBackend)
+        )
+
+    def make_decode_graphs(self) -> DecodeGraphs:
+        """Static buffers for decode steps of up to max_num_seqs sequences (not yet captured)."""
+
+        def model_fn(
+            input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        ) -> torch.Tensor:
+            with torch.inference_mode():
+                return self.model(input_ids, positions, self.kv_cache.layers, meta)
+
+        return DecodeGraphs(
+            model_fn, self.config.max_num_seqs, self.max_model_len, self.block_size, self.device
+        )
 
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -194,9 +223,13 @@ class ModelRunner:
             # Only partial prefill chunks: their K/V matter, no logits are needed.
             self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta)
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta
-        )
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(inputs.input_ids, inputs.attn_meta):
+            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
+        else:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta
+            )
         if inputs.sample_rows is not None:
             hidden = hidden.index_select(0, inputs.sample_rows)
         return self.model.compute_logits(hidden)
