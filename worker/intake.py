@@ -277,11 +277,17 @@ class PriorityReader:
         return claimed
 
     async def read_new(
-        self, count: int, block_ms: int | None, bulk_room: int | None = None
+        self,
+        count: int,
+        block_ms: int | None,
+        bulk_room: int | None = None,
+        busy_wait_ms: int | None = None,
     ) -> list[Entry]:
         """Up to `count` new entries, interactive ones first; at most `bulk_room` bulk ones
-        (None: no cap). Only the jobs stream is waited on (`block_ms`): a bulk job that arrives
-        at an idle worker is picked up on the next round, a block later at most."""
+        (None: no cap). Only the jobs stream is waited on: `block_ms` when nothing was found
+        (an idle worker; a bulk job arriving then is picked up a block later at most), and
+        `busy_wait_ms` while a step runs, so an interactive job arriving mid-step joins the
+        next step."""
         entries = await self.interactive.read_new(count, None)
         room = count - len(entries)
         if bulk_room is not None:
@@ -290,6 +296,8 @@ class PriorityReader:
             entries += await self.bulk.read_new(room, None)
         if not entries and block_ms:
             entries = await self.interactive.read_new(count, block_ms)
+        elif busy_wait_ms and count - len(entries) > 0:
+            entries += await self.interactive.read_new(count - len(entries), busy_wait_ms)
         return entries
 
     async def load(self, entries: list[Entry], max_attempts: int, now: datetime) -> list[Verdict]:
