@@ -4,10 +4,14 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-if ! command -v redis-server >/dev/null 2>&1; then
-  # Tests start their own redis-server (they kill and restart it), so the binary must exist.
+# Tests start their own redis-server (they kill and restart it), so the binary must exist; the
+# dashboard test renders the page in headless Chromium (Debian's `chromium` package).
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+if [ "${#missing[@]}" -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 source "$ROOT/scripts/env.sh"
 ruff check --quiet .
