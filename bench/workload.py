@@ -5,19 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-_ALLOCATORS = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
-    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
-)
+from engine.cpu_runtime import describe_cpu_runtime, reexec_with_cpu_runtime
 
 
 @dataclass
@@ -67,28 +59,13 @@ def random_workload(
 
 
 def tune_cpu_runtime(threads: int | None) -> None:
-    """Re-exec once with a faster allocator preloaded and OpenMP threads pinned to cores.
-
-    glibc malloc returns freed activation buffers to the OS and refaults them every step;
-    tcmalloc/jemalloc keep them. Pinned threads stop OpenMP workers from migrating."""
-    if os.environ.get("INFERQ_BENCH_TUNED") or os.environ.get("INFERQ_BENCH_NO_TUNE"):
-        return
-    env = dict(os.environ, INFERQ_BENCH_TUNED="1")
-    allocator = next((path for path in _ALLOCATORS if Path(path).exists()), None)
-    if allocator:
-        env["LD_PRELOAD"] = f"{allocator} {env.get('LD_PRELOAD', '')}".strip()
-    cores = threads or os.cpu_count() or 1
-    env.setdefault("OMP_NUM_THREADS", str(cores))
-    env.setdefault("OMP_PROC_BIND", "close")
-    env.setdefault("OMP_PLACES", "cores")
-    env.setdefault("KMP_AFFINITY", "granularity=fine,compact,1,0")
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    """Re-exec once with a caching allocator preloaded and OpenMP threads pinned to cores (a
+    benchmark owns the machine); INFERQ_CPU_TUNE=0 runs untuned."""
+    reexec_with_cpu_runtime(threads or os.cpu_count(), bind_threads=True)
 
 
 def describe_runtime() -> str:
-    preload = os.environ.get("LD_PRELOAD", "")
-    allocator = Path(preload.split()[0]).name if preload else "glibc malloc"
-    return f"allocator={allocator} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}"
+    return describe_cpu_runtime()
 
 
 def shared_prefix_workload(

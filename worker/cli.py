@@ -119,6 +119,9 @@ def _model_pull(args: argparse.Namespace, _: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, _: list[str]) -> int:
+    from worker.main import tune_cpu_process
+
+    tune_cpu_process("auto", None)
     from engine import LLM, SamplingParams
     from engine.model_files import DEFAULT_MODEL
 

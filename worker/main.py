@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from typing import Any
@@ -77,7 +78,19 @@ def run_from_cli(args: argparse.Namespace) -> int:
         flag: getattr(args, flag) for flag in _FLAGS if getattr(args, flag, None) is not None
     }
     settings = WorkerSettings(**overrides)
+    tune_cpu_process(settings.device, settings.num_threads)
     return asyncio.run(serve(settings))
+
+
+def tune_cpu_process(device: str, num_threads: int | None) -> None:
+    """On the CPU, restart this process once with a caching allocator; pin OpenMP threads too
+    when the worker uses every core (several workers sharing a host must not pin to the same
+    cores). See engine.cpu_runtime."""
+    from engine.cpu_runtime import no_gpu_visible, reexec_with_cpu_runtime
+
+    if device == "cpu" or (device == "auto" and no_gpu_visible()):
+        owns_cores = num_threads is None or num_threads >= (os.cpu_count() or 1)
+        reexec_with_cpu_runtime(num_threads, bind_threads=owns_cores)
 
 
 async def serve(settings: Any) -> int:

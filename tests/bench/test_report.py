@@ -23,7 +23,7 @@ HAND_WRITTEN = "## GPU (H100, by hand)\n\nKeep me: 1234 tok/s.\n"
 
 
 def _run_report(out: Path, *flags: str) -> dict:
-    env = dict(os.environ, INFERQ_BENCH_NO_TUNE="1", OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, INFERQ_CPU_TUNE="0", OMP_WAIT_POLICY="PASSIVE")
     done = subprocess.run(
         [sys.executable, str(REPO / "bench" / "report.py"), "--tiny", "--out", str(out), *flags],
         cwd=REPO,
