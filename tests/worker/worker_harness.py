@@ -9,6 +9,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -69,13 +70,19 @@ def start_worker_process(
     for name, value in values.items():
         env[f"INFERQ_{name.upper()}"] = str(value)
     env.update(extra_env or {})
-    return subprocess.Popen(
-        [sys.executable, "-m", "worker", "--log-level", "info"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    # Output goes to a file, not a pipe: nobody reads the pipe while the test runs, and a worker
+    # blocked on a full pipe buffer (64 KiB of log lines) would stall mid-test.
+    log = tempfile.NamedTemporaryFile(prefix="inferq-worker-", suffix=".log", delete=False)
+    with log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--log-level", "info"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    process.log_path = Path(log.name)  # type: ignore[attr-defined]  # read it when debugging
+    return process
 
 
 def stop_process(
