@@ -72,8 +72,7 @@ def start_worker_process(
     env.update(extra_env or {})
     # Output goes to a file, not a pipe: nobody reads the pipe while the test runs, and a worker
     # blocked on a full pipe buffer (64 KiB of log lines) would stall mid-test.
-    log = tempfile.NamedTemporaryFile(prefix="inferq-worker-", suffix=".log", delete=False)
-    with log:
+    with tempfile.NamedTemporaryFile(prefix="inferq-worker-", suffix=".log", delete=False) as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "worker", "--log-level", "info"],
             cwd=REPO,
