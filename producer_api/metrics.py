@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from schemas import RedisKeys
@@ -98,15 +97,34 @@ async def known_models(redis: Redis, keys: RedisKeys) -> list[str]:
 
 
 async def queue_stats(redis: Redis, keys: RedisKeys, model: str) -> QueueStats:
-    stream = keys.jobs_stream(model)
+    """A model's backlog over both of its streams (interactive and bulk)."""
+    streams = (keys.jobs_stream(model), keys.bulk_stream(model))
     async with redis.pipeline(transaction=False) as pipe:
-        pipe.xlen(stream)
-        pipe.xinfo_groups(stream)
-        length, groups = await pipe.execute(raise_on_error=False)
-    if isinstance(length, ResponseError):
-        length = 0
+        for stream in streams:
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+        replies = await pipe.execute(raise_on_error=False)
+    now = time.time()
+    backlogs = [
+        await stream_backlog(redis, keys, stream, *replies[2 * i : 2 * i + 2], now)
+        for i, stream in enumerate(streams)
+    ]
+    return QueueStats(
+        model,
+        length=sum(b[0] for b in backlogs),
+        pending=sum(b[1] for b in backlogs),
+        oldest_queued_age_s=max(b[2] for b in backlogs),
+    )
+
+
+async def stream_backlog(
+    redis: Redis, keys: RedisKeys, stream: str, length: object, groups: object, now: float
+) -> tuple[int, int, float]:
+    """(entries, pending, age of the oldest never-delivered entry) of a jobs stream, from its
+    XLEN and XINFO GROUPS replies (errors there mean the stream does not exist yet)."""
+    length = 0 if isinstance(length, Exception) else int(length)
     pending, last_delivered = 0, None
-    if not isinstance(groups, ResponseError):
+    if not isinstance(groups, Exception):
         for group in groups:
             if _text(group.get("name", "")) == keys.group:
                 pending = int(group.get("pending", 0))
@@ -117,8 +135,8 @@ async def queue_stats(redis: Redis, keys: RedisKeys, model: str) -> QueueStats:
     age = 0.0
     if oldest:
         millis = int(_text(oldest[0][0]).partition("-")[0])
-        age = max(time.time() - millis / 1000.0, 0.0)
-    return QueueStats(model, int(length), pending, age)
+        age = max(now - millis / 1000.0, 0.0)
+    return length, pending, age
 
 
 class RequestMetricsMiddleware:

@@ -18,6 +18,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from producer_api.metrics import stream_backlog
 from producer_api.workers import parse_heartbeat
 from schemas import RedisKeys
 from schemas.keys import decode_segment
@@ -284,21 +285,8 @@ async def _queue_view(
     groups: Any,
     now: float,
 ) -> QueueView:
-    length = 0 if isinstance(length, Exception) else int(length)
-    pending, last_delivered = 0, None
-    if not isinstance(groups, Exception):
-        for group in groups:
-            if _text(group.get("name", "")) == keys.group:
-                pending = int(group.get("pending", 0))
-                last_delivered = _text(group.get("last-delivered-id", "0-0"))
-    # Entries after the group's last-delivered id were never handed to a worker.
-    start = "-" if last_delivered in (None, "0-0") else f"({last_delivered}"
-    oldest = await redis.xrange(stream, min=start, max="+", count=1)
-    age = 0.0
-    if oldest:
-        millis = int(_text(oldest[0][0]).partition("-")[0])
-        age = max(now - millis / 1000.0, 0.0)
-    return QueueView(model, kind, stream, length, pending, age)
+    backlog = await stream_backlog(redis, keys, stream, length, groups, now)
+    return QueueView(model, kind, stream, *backlog)
 
 
 def _model_view(

@@ -7,6 +7,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from schemas.jobs import PRIORITY_BULK
 from tests.api.conftest import MODEL, auth
 from tests.api.test_jobs_api import job_body, sse_events
 
@@ -49,10 +50,12 @@ def test_metrics(stack):
     with httpx.Client(base_url=api.url, headers=auth(), timeout=20) as http:
         for _ in range(2):
             http.post("/v1/jobs", json=job_body())
+        bulk = http.post("/v1/jobs", json={**job_body(), "priority": PRIORITY_BULK}).json()
         http.get("/v1/jobs/job_doesnotexist000000000")
         time.sleep(0.05)
         before = samples(http.get("/metrics").text)
-        assert before[("inferq_queue_length", (("model", MODEL),))] == 2
+        assert before[("inferq_queue_length", (("model", MODEL),))] == 3  # bulk stream counted
+        assert http.delete(f"/v1/jobs/{bulk['id']}").status_code == 200
         assert before[("inferq_queue_pending", (("model", MODEL),))] == 0
         assert before[("inferq_queue_oldest_queued_age_seconds", (("model", MODEL),))] > 0
         created = (
@@ -63,7 +66,7 @@ def test_metrics(stack):
             "inferq_api_requests_total",
             (("method", "GET"), ("route", "/v1/jobs/{job_id}"), ("status", "404")),
         )
-        assert before[created] == 2 and before[missing] == 1
+        assert before[created] == 3 and before[missing] == 1
         stack.worker(step_delay_s=0.1)
         job = http.post("/v1/jobs", json=job_body("a b c d e f g h")).json()
         with http.stream("GET", job["links"]["stream"]) as response:
