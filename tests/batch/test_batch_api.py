@@ -175,3 +175,19 @@ def test_cancel_keeps_finished_results_and_runs_nothing_more(batch_stack: BatchS
     assert len(succeeded) == len(output)
     assert batch_stack.http.post(f"/v1/batches/{created['id']}/cancel").status_code == 200
     redis.close()
+
+
+def test_completion_window_expiry_keeps_nothing_running(batch_stack: BatchStack):
+    uploaded = batch_stack.upload("\n".join(completion_line(f"e-{i}", f"p {i}") for i in range(5)))
+    batch_stack.start_controller()  # no inference worker: nothing can finish in time
+    created = batch_stack.create(uploaded["id"], completion_window="2s")
+    done = batch_stack.wait(created["id"], {"expired"}, timeout=30)
+    assert done["expired_at"] >= done["expires_at"]
+    assert done["output_file_id"] is None
+    errors = batch_stack.content(done["error_file_id"])
+    assert sorted(e["custom_id"] for e in errors) == [f"e-{i}" for i in range(5)]
+    assert {e["error"]["code"] for e in errors} <= {"batch_expired", "cancelled"}
+    redis = Redis.from_url(batch_stack.redis_url, decode_responses=True)
+    assert redis.xlen(KEYS.bulk_stream(FAKE_MODEL)) == 0
+    assert not redis.smembers(KEYS.active_batches())
+    redis.close()
