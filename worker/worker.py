@@ -34,17 +34,15 @@ from worker.engine_api import EngineLike, build_engine
 from worker.finish_recorder import RecordingOutbox
 from worker.handback import hand_back
 from worker.heartbeat import beat
-from worker.intake import Admit, Entry, Expire, PriorityReader, Reject, Skip, Verdict
+from worker.intake import Admit, Entry, Expire, Reject, Skip, Verdict
 from worker.janitor import renew_leases
 from worker.logs import log_event
 from worker.metrics import WorkerMetrics
+from worker.priority import PriorityReader, ReadPacing
 from worker.settings import WorkerSettings
 from worker.tracing import ChunkTracer
 
 logger = logging.getLogger(__name__)
-
-_STEP_EMA_WEIGHT = 0.2
-_BUSY_WAIT_SHARE = 0.8  # of a step: the read returns before the step ends, not after
 
 
 class Worker:
@@ -75,6 +73,7 @@ class Worker:
         )
         # interactive jobs stream first, the bulk stream with the room left (issue 7)
         self.reader = PriorityReader(self.redis, self.keys, self.model, self.name)
+        self.pacing = ReadPacing(settings.bulk_max_held, self.reader.bulk_stream)
         self.outbox = RecordingOutbox(self.keys, self.jobs_stream, self.name)
         self.metrics = metrics or WorkerMetrics(self.model)
         self.tracer = ChunkTracer(settings.chunk_trace_path)
@@ -96,7 +95,6 @@ class Worker:
         self._drain_deadline = float("inf")
         self._next_janitor = 0.0
         self._recover_pending = True  # read our own pending entries first
-        self._step_ema_s = 0.0  # recent engine step time (how long a busy read may wait)
         # One thread runs every step: the engine is not thread-safe, and torch keeps one OpenMP
         # team (with its CPU binding) per calling thread.
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -216,7 +214,7 @@ class Worker:
             return [], exc, time.time()
         took = time.perf_counter() - started
         self.metrics.step_time.labels(self.model).observe(took)
-        self._step_ema_s += _STEP_EMA_WEIGHT * (took - self._step_ema_s)
+        self.pacing.observe_step(took)
         return deltas, None, time.time()
 
     async def _redis_round(self, budget: int, *, block: bool) -> None:
@@ -287,31 +285,15 @@ class Worker:
         if budget - len(entries) > 0:
             wait_ms = self.settings.block_ms if block and not entries else None
             entries += await self.reader.read_new(
-                budget - len(entries), wait_ms, self._bulk_room(), self._busy_wait_ms(block)
+                budget - len(entries),
+                wait_ms,
+                self.pacing.bulk_room(self.batch.all_jobs()),
+                self.pacing.busy_wait_ms(block),
             )
         elif block and not entries:
             await asyncio.sleep(self.settings.block_ms / 1000)
         if entries:
             self._take(await self.reader.load(entries, self.settings.max_attempts, utc_now()))
-
-    def _busy_wait_ms(self, block: bool) -> int | None:
-        """While a step runs, wait on the interactive stream for most of the step's expected
-        length: a job arriving mid-step is then read in time to join the next step instead of
-        the one after (a step of TTFT saved under load)."""
-        if block:
-            return None
-        wait_ms = int(self._step_ema_s * 1000 * _BUSY_WAIT_SHARE)
-        return wait_ms if wait_ms >= 2 else None
-
-    def _bulk_room(self) -> int | None:
-        """How many more bulk jobs may be held (None: no cap beyond KV admission). The cap keeps
-        sequence slots free for interactive jobs, which then start without waiting for bulk ones
-        to finish."""
-        cap = self.settings.bulk_max_held
-        if cap is None:
-            return None
-        bulk = self.reader.bulk_stream
-        return max(0, cap - sum(1 for h in self.batch.all_jobs() if h.queue_stream == bulk))
 
     def _not_held(self, entries: list[Entry]) -> list[Entry]:
         mine = {h.entry_id for h in self.batch.all_jobs()} | self.outbox.entries_being_acked()
