@@ -12,7 +12,7 @@ from redis import Redis
 from worker_fakes import FakeEngine, expected_output
 
 from schemas import RedisKeys
-from tests.api.conftest import BOB_KEY
+from tests.api.conftest import ALICE_KEY, BOB_KEY
 from tests.batch.conftest import FAKE_MODEL, BatchStack
 
 KEYS = RedisKeys()
@@ -191,3 +191,33 @@ def test_completion_window_expiry_keeps_nothing_running(batch_stack: BatchStack)
     assert redis.xlen(KEYS.bulk_stream(FAKE_MODEL)) == 0
     assert not redis.smembers(KEYS.active_batches())
     redis.close()
+
+
+def test_the_official_openai_client_runs_a_batch(batch_stack: BatchStack):
+    import openai
+
+    prompts = {f"sdk-{i}": f"sdk prompt {i}" for i in range(5)}
+    text = "\n".join(completion_line(c, p) for c, p in prompts.items())
+    batch_stack.start_worker()
+    batch_stack.start_controller()
+    with openai.OpenAI(
+        base_url=batch_stack.api.url + "/v1", api_key=ALICE_KEY, max_retries=0
+    ) as client:
+        uploaded = client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
+        assert client.files.retrieve(uploaded.id).bytes == len(text.encode())
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        give_up = time.monotonic() + 60
+        while batch.status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < give_up
+            time.sleep(0.1)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 5
+        output = client.files.content(batch.output_file_id).text
+        assert [b.id for b in client.batches.list().data] == [batch.id]
+    texts = {
+        r["custom_id"]: r["response"]["body"]["choices"][0]["text"]
+        for r in map(json.loads, output.splitlines())
+    }
+    assert texts == {c: expected_text(p) for c, p in prompts.items()}
