@@ -26,6 +26,7 @@ from schemas import ErrorBody, ErrorCode, RedisKeys
 log = logging.getLogger(__name__)
 
 API_VERSION = "0.1.0"
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
 def create_app(settings: ApiSettings | None = None) -> FastAPI:
@@ -74,6 +75,11 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(batches_routes.router)  # Files + Batch API (issue 7)
     app.include_router(dashboard.router)
     # Outermost first: count every response, the body-size refusals included.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        # A batch file upload: the file plus its multipart envelope.
+        path_limits={"/v1/files": settings.max_file_bytes + MULTIPART_OVERHEAD_BYTES},
+    )
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app

@@ -25,7 +25,13 @@ from schemas.errors import field_path
 
 log = logging.getLogger(__name__)
 
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+OPENAI_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/files",
+    "/v1/batches",
+)
 
 _ERROR_TYPES = {
     401: "authentication_error",

@@ -12,19 +12,24 @@ class BodySizeLimitMiddleware:
     """Refuses request bodies over `max_bytes` with 413 before any route parses them.
 
     The body is read here (it is small by construction) and handed on whole, so an oversized
-    chunked upload is caught as well as an honest Content-Length."""
+    chunked upload is caught as well as an honest Content-Length. `path_limits` gives exact
+    paths their own limit (file uploads are far larger than any JSON request)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope.get("headers", ())).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, send, limit)
             return
         body = bytearray()
         while True:
@@ -32,8 +37,8 @@ class BodySizeLimitMiddleware:
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                await self._refuse(scope, send)
+            if len(body) > limit:
+                await self._refuse(scope, send, limit)
                 return
             if not message.get("more_body", False):
                 break
@@ -48,10 +53,9 @@ class BodySizeLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, send: Send) -> None:
+    async def _refuse(self, scope: Scope, send: Send, limit: int) -> None:
         body = ErrorBody.of(
-            ErrorCode.INVALID_REQUEST,
-            f"the request body is larger than {self.max_bytes} bytes",
+            ErrorCode.INVALID_REQUEST, f"the request body is larger than {limit} bytes"
         )
         response = error_response(body, scope.get("path", ""), status=413)
         await response(scope, _no_receive, send)

@@ -57,8 +57,7 @@ class ApiSettings(BaseSettings):
         1024, ge=1, description="chat max_tokens when neither the request nor a context caps it"
     )
 
-    # bulk work (Files and Batch API): files live in Redis memory, so they are capped; an
-    # upload is also bounded by max_body_bytes (raise both for big files)
+    # bulk work (Files and Batch API): files live in Redis memory, so they are capped
     max_file_bytes: int = Field(100 * 1024 * 1024, ge=1024, description="largest batch file")
     max_batch_lines: int = Field(50_000, ge=1, description="requests in one batch input file")
     file_retention_s: int = Field(7 * 24 * 3600, ge=60, description="lifetime of uploaded files")

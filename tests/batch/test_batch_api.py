@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import pytest
 from redis import Redis
 from worker_fakes import FakeEngine, expected_output
@@ -221,3 +222,29 @@ def test_the_official_openai_client_runs_a_batch(batch_stack: BatchStack):
         for r in map(json.loads, output.splitlines())
     }
     assert texts == {c: expected_text(p) for c, p in prompts.items()}
+
+
+def test_file_uploads_have_their_own_size_limit(batch_stack: BatchStack):
+    """A batch file may be far larger than any JSON request; the file cap bounds it, not the
+    body limit of the other routes."""
+    api = batch_stack.stack.api(models=[FAKE_MODEL], max_body_bytes=2048, max_file_bytes=64_000)
+    lines = "\n".join(completion_line(f"r{i}", "x" * 50) for i in range(100)).encode()
+    assert 2048 < len(lines) < 64_000
+    headers = {"Authorization": f"Bearer {ALICE_KEY}"}
+    with httpx.Client(base_url=api.url, headers=headers, timeout=30) as http:
+        upload = http.post(
+            "/v1/files", files={"file": ("a.jsonl", lines)}, data={"purpose": "batch"}
+        )
+        assert upload.status_code == 200, upload.text
+        too_big = http.post(
+            "/v1/files", files={"file": ("a.jsonl", lines * 20)}, data={"purpose": "batch"}
+        )
+        assert too_big.status_code == 413
+        job = http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "x" * 4096})
+        assert job.status_code == 413  # other routes keep the body limit
+
+
+def test_malformed_batch_bodies_are_openai_400s(batch_stack: BatchStack):
+    response = batch_stack.http.post("/v1/batches", json={"endpoint": 7})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] is not None
