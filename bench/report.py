@@ -213,14 +213,15 @@ def write_readme_summary(data: dict, readme: Path) -> None:
 
 
 def _flags_without_out(argv: list[str]) -> list[str]:
-    """The command line as the report quotes it: --out names a local folder, not a setting."""
+    """The command line as the report quotes it: --out names a local folder, not a setting,
+    and --note is printed under the machine table already."""
     shown, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--out":
+        elif arg in ("--out", "--note"):
             skip = True
-        elif not arg.startswith("--out="):
+        elif not arg.startswith(("--out=", "--note=")):
             shown.append(arg)
     return shown
 

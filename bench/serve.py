@@ -335,6 +335,10 @@ def measure_serving(
         if url is None:
             system, url = start_system(model, Path(tmp), worker_flags)
         try:
+            # One untimed request first: the worker's first batch pays one-time costs (lazy
+            # initialisation, allocator growth) that the in-process engine already paid.
+            warm = [Request(workload(0)[0].prompt_token_ids[:16], 2)]
+            asyncio.run(run_http(url, api_key, model, warm, [0.0]))
             for index, rate in enumerate(rates):
                 requests = workload(index)
                 arrivals = arrival_times(len(requests), rate, seed)
