@@ -11,12 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.layers.activation import silu_and_mul
-from engine.layers.linear import MergedLinear
+from engine.layers.linear import Linear, MergedLinear, linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -34,7 +33,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -59,7 +58,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             hf_config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
         self.backend = backend
 
@@ -189,4 +188,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 logits [S, vocab]."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight).float()
