@@ -1,6 +1,7 @@
 """Interactive before bulk (issue 7): a worker reads its model's jobs stream first and the
-bulk stream (`RedisKeys.bulk_stream`) only with the room left, and paces its reads so that an
-interactive job that arrives while a step runs joins the very next step."""
+bulk stream (`RedisKeys.bulk_stream`) only with the room left, and reads the jobs stream once
+more between long steps so that an interactive job that arrives while a step runs joins the
+very next step."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from schemas import RedisKeys
 from worker.held import HeldJob
 from worker.intake import Entry, StreamReader, Verdict
 
-_STEP_EMA_WEIGHT = 0.2
-_BUSY_WAIT_SHARE = 0.8  # of a step: the read returns before the step ends, not after
+# Steps at least this long get a second, non-blocking read of the interactive stream before
+# the next step (a round trip is well under a millisecond; shorter steps cost a new job less).
+CATCH_UP_MIN_STEP_S = 0.02
 
 
 class PriorityReader:
@@ -50,17 +52,11 @@ class PriorityReader:
         return claimed
 
     async def read_new(
-        self,
-        count: int,
-        block_ms: int | None,
-        bulk_room: int | None = None,
-        busy_wait_ms: int | None = None,
+        self, count: int, block_ms: int | None, bulk_room: int | None = None
     ) -> list[Entry]:
         """Up to `count` new entries, interactive ones first; at most `bulk_room` bulk ones
-        (None: no cap). Only the jobs stream is waited on: `block_ms` when nothing was found
-        (an idle worker; a bulk job arriving then is picked up a block later at most), and
-        `busy_wait_ms` while a step runs, so an interactive job arriving mid-step joins the
-        next step."""
+        (None: no cap). Only the jobs stream is waited on, for `block_ms` when nothing was
+        found (an idle worker; a bulk job arriving then is picked up a block later at most)."""
         entries = await self.interactive.read_new(count, None)
         room = count - len(entries)
         if bulk_room is not None:
@@ -69,9 +65,11 @@ class PriorityReader:
             entries += await self.bulk.read_new(room, None)
         if not entries and block_ms:
             entries = await self.interactive.read_new(count, block_ms)
-        elif busy_wait_ms and count - len(entries) > 0:
-            entries += await self.interactive.read_new(count - len(entries), busy_wait_ms)
         return entries
+
+    async def read_interactive(self, count: int) -> list[Entry]:
+        """New interactive entries only, without waiting."""
+        return await self.interactive.read_new(count, None)
 
     async def load(self, entries: list[Entry], max_attempts: int, now: datetime) -> list[Verdict]:
         return await self.interactive.load(entries, max_attempts, now)
@@ -79,16 +77,12 @@ class PriorityReader:
 
 class ReadPacing:
     """How much a worker reads beyond what KV admission allows: a cap on bulk jobs held at once
-    (keeps sequence slots free for interactive jobs), and how long a read made while a step
-    runs may wait on the interactive stream."""
+    (keeps sequence slots free for interactive jobs), and whether to look for interactive jobs
+    once more between two steps."""
 
     def __init__(self, bulk_max_held: int | None, bulk_stream: str) -> None:
         self.bulk_max_held = bulk_max_held
         self.bulk_stream = bulk_stream
-        self.step_ema_s = 0.0  # recent engine step time
-
-    def observe_step(self, seconds: float) -> None:
-        self.step_ema_s += _STEP_EMA_WEIGHT * (seconds - self.step_ema_s)
 
     def bulk_room(self, held: Iterable[HeldJob]) -> int | None:
         """How many more bulk jobs may be held (None: no cap beyond KV admission)."""
@@ -97,11 +91,11 @@ class ReadPacing:
         bulk = sum(1 for h in held if h.queue_stream == self.bulk_stream)
         return max(0, self.bulk_max_held - bulk)
 
-    def busy_wait_ms(self, block: bool) -> int | None:
-        """While a step runs, wait on the interactive stream for most of the step's expected
-        length: a job arriving mid-step is then read in time to join the next step instead of
-        the one after (a step of TTFT saved under load)."""
-        if block:
-            return None
-        wait_ms = int(self.step_ema_s * 1000 * _BUSY_WAIT_SHARE)
-        return wait_ms if wait_ms >= 2 else None
+    @staticmethod
+    def catch_up_after(step_seconds: float) -> bool:
+        """Read the interactive stream again between two steps? The read made at the start
+        of a step misses jobs that arrive while it runs, which would then wait a whole extra
+        step; after a long step that is worth one more round trip. (A read that *waits* during
+        the step would not do: Redis answers a timed-out blocked read only at its next tick,
+        up to 100 ms late, and the engine would idle meanwhile.)"""
+        return step_seconds >= CATCH_UP_MIN_STEP_S

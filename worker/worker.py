@@ -74,6 +74,7 @@ class Worker:
         # interactive jobs stream first, the bulk stream with the room left (issue 7)
         self.reader = PriorityReader(self.redis, self.keys, self.model, self.name)
         self.pacing = ReadPacing(settings.bulk_max_held, self.reader.bulk_stream)
+        self._last_step_s = 0.0
         self.outbox = RecordingOutbox(self.keys, self.jobs_stream, self.name)
         self.metrics = metrics or WorkerMetrics(self.model)
         self.tracer = ChunkTracer(settings.chunk_trace_path)
@@ -202,6 +203,8 @@ class Worker:
                 finally:
                     deltas, error, emitted_at = await step
                 self.batch.collect(deltas, error, emitted_at)
+                if not self._stop_requested and self.pacing.catch_up_after(self._last_step_s):
+                    await self._catch_up()
             else:  # idle: wait for work (the outbox goes out meanwhile)
                 await self._redis_round(budget, block=True)
 
@@ -212,9 +215,8 @@ class Worker:
             deltas = await loop.run_in_executor(self._engine_thread, self.engine.step)
         except Exception as exc:  # an engine bug: the batch fails, the worker serves on
             return [], exc, time.time()
-        took = time.perf_counter() - started
+        took = self._last_step_s = time.perf_counter() - started
         self.metrics.step_time.labels(self.model).observe(took)
-        self.pacing.observe_step(took)
         return deltas, None, time.time()
 
     async def _redis_round(self, budget: int, *, block: bool) -> None:
@@ -288,12 +290,24 @@ class Worker:
                 budget - len(entries),
                 wait_ms,
                 self.pacing.bulk_room(self.batch.all_jobs()),
-                self.pacing.busy_wait_ms(block),
             )
         elif block and not entries:
             await asyncio.sleep(self.settings.block_ms / 1000)
         if entries:
             self._take(await self.reader.load(entries, self.settings.max_attempts, utc_now()))
+
+    async def _catch_up(self) -> None:
+        """Interactive jobs that arrived while the step ran, read now so they join the next
+        step (see ReadPacing.catch_up_after)."""
+        budget = self.batch.pull_budget(self.settings.max_pull)
+        if budget <= 0 or not self._redis.ready():
+            return
+        try:
+            entries = self._not_held(await self.reader.read_interactive(budget))
+            if entries:
+                self._take(await self.reader.load(entries, self.settings.max_attempts, utc_now()))
+        except REDIS_DOWN as exc:
+            await self._redis_failed(exc)
 
     def _not_held(self, entries: list[Entry]) -> list[Entry]:
         mine = {h.entry_id for h in self.batch.all_jobs()} | self.outbox.entries_being_acked()

@@ -13,6 +13,7 @@ from worker_harness import KEYS, running_worker, wait_for
 
 from producer_api import queue
 from schemas import PRIORITY_BULK, JobRequest, JobStatus
+from worker.priority import ReadPacing
 
 pytestmark = pytest.mark.anyio
 MODEL = "fake-model"
@@ -106,3 +107,11 @@ async def test_a_stopping_worker_hands_bulk_jobs_back_to_the_bulk_stream(redis_u
     assert await redis.xlen(KEYS.jobs_stream(MODEL)) == 0
     await asyncio.sleep(0)
     await redis.aclose()
+
+
+def test_only_long_steps_get_a_second_read_and_none_waits():
+    """A job arriving mid-step is read right after a long step (so it joins the next one);
+    nothing ever blocks on Redis while the engine could run: a timed-out blocked read comes
+    back only at Redis' next tick, up to 100 ms late."""
+    assert not ReadPacing.catch_up_after(0.005)
+    assert ReadPacing.catch_up_after(0.250)
