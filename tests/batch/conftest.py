@@ -15,6 +15,7 @@ import httpx
 import pytest
 from arq.connections import RedisSettings
 from arq.worker import Worker as ArqWorker
+from redis import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))  # worker_fakes
 
@@ -160,3 +161,11 @@ def batch_stack(controller_env: str) -> Iterator[BatchStack]:
 
 def run_async(coroutine: Any) -> Any:
     return asyncio.run(coroutine)
+
+
+@pytest.fixture
+def redis(system) -> Iterator[Redis]:
+    """A client of the module's real system (modules that run one define `system`)."""
+    client = Redis.from_url(system.server.url, decode_responses=True)
+    yield client
+    client.close()

@@ -9,13 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, _started_server
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
@@ -130,3 +132,21 @@ class RealSystem:
         response = self.http.get(f"/v1/files/{file_id}/content")
         assert response.status_code == 200, response.text
         return [json.loads(line) for line in response.text.splitlines()]
+
+
+@contextmanager
+def running_system(data_dir: Path, **worker_settings: Any) -> Iterator[RealSystem]:
+    """A fresh redis-server in data_dir, a real worker, then the RealSystem on top; all stopped
+    at the end (the worker alone when the system never came up)."""
+    server = _started_server(data_dir)
+    worker = start_worker(server.url, **worker_settings)
+    real = None
+    try:
+        real = RealSystem(server, worker)
+        yield real
+    finally:
+        if real is not None:
+            real.close()
+        else:
+            stop(worker)
+        server.kill()

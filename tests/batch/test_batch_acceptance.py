@@ -20,11 +20,10 @@ from tests.batch.real_system import (
     MODEL,
     RealSystem,
     completion_line,
+    running_system,
     start_controller,
-    start_worker,
     stop,
 )
-from tests.conftest import _started_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -50,25 +49,10 @@ def reference() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> Iterator[RealSystem]:
-    server = _started_server(tmp_path_factory.mktemp("redis-batch"))
-    worker = start_worker(server.url, bulk_max_held=BULK_MAX_HELD)
-    real = None
-    try:
-        real = RealSystem(server, worker)
+    with running_system(
+        tmp_path_factory.mktemp("redis-batch"), bulk_max_held=BULK_MAX_HELD
+    ) as real:
         yield real
-    finally:
-        if real is not None:
-            real.close()
-        else:
-            stop(worker)
-        server.kill()
-
-
-@pytest.fixture
-def redis(system: RealSystem) -> Iterator[Redis]:
-    client = Redis.from_url(system.server.url, decode_responses=True)
-    yield client
-    client.close()
 
 
 def lines_for(count: int) -> list[str]:

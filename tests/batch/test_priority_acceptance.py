@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from redis import Redis
 
 from schemas import RedisKeys
 from tests.api.conftest import ALICE_KEY
@@ -22,11 +21,10 @@ from tests.batch.real_system import (
     MODEL,
     RealSystem,
     completion_line,
+    running_system,
     start_controller,
-    start_worker,
     stop,
 )
-from tests.conftest import _started_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -35,25 +33,8 @@ KEYS = RedisKeys()
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> Iterator[RealSystem]:
-    server = _started_server(tmp_path_factory.mktemp("redis-priority"))
-    worker = start_worker(server.url, bulk_max_held=1)
-    real = None
-    try:
-        real = RealSystem(server, worker)
+    with running_system(tmp_path_factory.mktemp("redis-priority"), bulk_max_held=1) as real:
         yield real
-    finally:
-        if real is not None:
-            real.close()
-        else:
-            stop(worker)
-        server.kill()
-
-
-@pytest.fixture
-def redis(system: RealSystem) -> Iterator[Redis]:
-    client = Redis.from_url(system.server.url, decode_responses=True)
-    yield client
-    client.close()
 
 
 def _ttft(sdk: openai.OpenAI, prompt: str) -> float:
