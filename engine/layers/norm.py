@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -22,7 +23,12 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             residual = x + residual
-            return rms_norm_reference(residual, self.weight, self.eps), residual
+            return self._normalize(residual), residual
+        return self._normalize(x)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; in fp32 it is HF's arithmetic exactly
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return rms_norm_reference(x, self.weight, self.eps)
 
 
