@@ -94,8 +94,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.kv_spec, self.num_kv_blocks, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         if self._wants_cuda_graphs():
-            self.decode_graphs = self.make_decode_graphs()
-            self.decode_graphs.capture(cuda_graph_capture(torch.cuda.graph_pool_handle()))
+            self.decode_graphs = self._capture_decode_graphs()
         logger.info(
             "model runner: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), backend %s",
             type(self.model).__name__,
@@ -136,6 +135,17 @@ class ModelRunner:
             and not self.config.enforce_eager
             and isinstance(self.attn_backend, TritonAttentionBackend)
         )
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """Graphs are an optimisation: a capture that fails (a driver or Triton limitation)
+        leaves the runner eager, loudly, rather than taking the worker down."""
+        graphs = self.make_decode_graphs()
+        try:
+            graphs.capture(cuda_graph_capture(torch.cuda.graph_pool_handle()))
+        except Exception:
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return None
+        return graphs
 
     def make_decode_graphs(self) -> DecodeGraphs:
         """Static buffers for decode steps of up to max_num_seqs sequences (not yet captured)."""
