@@ -80,3 +80,24 @@ def test_graph_decode_steps_match_eager_steps(tiny_model_factory, kind: str) -> 
     assert graphed.keys() == eager.keys()
     for key, row in eager.items():
         torch.testing.assert_close(graphed[key], row, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_capture_leaves_the_runner_eager(tiny_model_factory, monkeypatch, caplog) -> None:
+    """A driver or kernel that cannot be captured costs speed, never the worker."""
+    import engine.model_runner as model_runner
+
+    def failing_capture(pool: object) -> object:
+        def capture(step: StepFn) -> None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        return capture
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_wants_cuda_graphs", lambda self: True)
+    monkeypatch.setattr(model_runner, "cuda_graph_capture", failing_capture)
+    monkeypatch.setattr(model_runner.torch.cuda, "graph_pool_handle", lambda: None)
+    runner = _make_runner(tiny_model_factory("llama"), backend="triton")
+    assert runner.decode_graphs is None
+    assert "CUDA graph capture failed" in caplog.text
+    prompts = [[3, 4, 5], [6]]
+    logits = _run_schedule(runner, prompts, [[(0, 3), (1, 1)], [(0, 1), (1, 1)]])
+    assert len(logits) == 4  # both steps ran eagerly
