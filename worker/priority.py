@@ -92,10 +92,10 @@ class ReadPacing:
         return max(0, self.bulk_max_held - bulk)
 
     @staticmethod
-    def catch_up_after(step_seconds: float) -> bool:
+    def catch_up_after(turn_seconds: float) -> bool:
         """Read the interactive stream again between two steps? The read made at the start
         of a step misses jobs that arrive while it runs, which would then wait a whole extra
         step; after a long step that is worth one more round trip. (A read that *waits* during
         the step would not do: Redis answers a timed-out blocked read only at its next tick,
         up to 100 ms late, and the engine would idle meanwhile.)"""
-        return step_seconds >= CATCH_UP_MIN_STEP_S
+        return turn_seconds >= CATCH_UP_MIN_STEP_S

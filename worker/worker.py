@@ -74,7 +74,6 @@ class Worker:
         # interactive jobs stream first, the bulk stream with the room left (issue 7)
         self.reader = PriorityReader(self.redis, self.keys, self.model, self.name)
         self.pacing = ReadPacing(settings.bulk_max_held, self.reader.bulk_stream)
-        self._last_step_s = 0.0
         self.outbox = RecordingOutbox(self.keys, self.jobs_stream, self.name)
         self.metrics = metrics or WorkerMetrics(self.model)
         self.tracer = ChunkTracer(settings.chunk_trace_path)
@@ -197,13 +196,15 @@ class Worker:
                 return
             budget = 0 if self._stop_requested else self.batch.pull_budget(self.settings.max_pull)
             if busy:
+                turn_started = time.perf_counter()
                 step = asyncio.create_task(self._step())
                 try:
                     await self._redis_round(budget, block=False)
                 finally:
                     deltas, error, emitted_at = await step
                 self.batch.collect(deltas, error, emitted_at)
-                if not self._stop_requested and self.pacing.catch_up_after(self._last_step_s):
+                turn_s = time.perf_counter() - turn_started  # how long new jobs went unread
+                if not self._stop_requested and self.pacing.catch_up_after(turn_s):
                     await self._catch_up()
             else:  # idle: wait for work (the outbox goes out meanwhile)
                 await self._redis_round(budget, block=True)
@@ -215,7 +216,7 @@ class Worker:
             deltas = await loop.run_in_executor(self._engine_thread, self.engine.step)
         except Exception as exc:  # an engine bug: the batch fails, the worker serves on
             return [], exc, time.time()
-        took = self._last_step_s = time.perf_counter() - started
+        took = time.perf_counter() - started
         self.metrics.step_time.labels(self.model).observe(took)
         return deltas, None, time.time()
 
