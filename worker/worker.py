@@ -63,7 +63,19 @@ class Worker:
         self.model = settings.queue_model
         self.keys = RedisKeys(settings.prefix)
         self.jobs_stream = self.keys.jobs_stream(self.model)
-        self.engine = engine if engine is not None else build_engine(settings)
+        # One thread builds the engine and runs every step: the engine is not thread-safe, and
+        # libgomp gives each thread that runs torch ops its own OpenMP team. Two teams (say, one
+        # from loading the model on this thread, one stepping) hold more OpenMP threads than
+        # there are cores, and libgomp then all but stops spin-waiting: every parallel region
+        # of a step wakes its threads through the kernel, ~7-10% of step time on 2 cores.
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        if engine is None:
+            try:
+                engine = self._engine_thread.submit(build_engine, settings).result()
+            except BaseException:
+                self._engine_thread.shutdown(wait=False)
+                raise
+        self.engine = engine
         self._owns_redis = redis is None
         self.redis = redis or Redis.from_url(
             settings.redis_url,
@@ -95,9 +107,6 @@ class Worker:
         self._drain_deadline = float("inf")
         self._next_janitor = 0.0
         self._recover_pending = True  # read our own pending entries first
-        # One thread runs every step: the engine is not thread-safe, and torch keeps one OpenMP
-        # team (with its CPU binding) per calling thread.
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     @property
     def outcomes(self) -> dict[str, int]:

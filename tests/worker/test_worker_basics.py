@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from redis.asyncio import Redis
 from worker_fakes import FakeEngine, expected_output
@@ -128,3 +130,39 @@ async def test_a_job_finished_elsewhere_is_acked_without_running(redis_url):
 
             await wait_for(backlog_empty, 10)
             assert engine.steps == 0 and not worker.outcomes
+
+
+class ThreadRecordingEngine(FakeEngine):
+    """Notes the thread of its construction and of every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.built_on = threading.get_ident()
+        self.stepped_on: set[int] = set()
+
+    def step(self):
+        self.stepped_on.add(threading.get_ident())
+        return super().step()
+
+
+def build_thread_recording_engine(settings) -> ThreadRecordingEngine:
+    return ThreadRecordingEngine()
+
+
+async def test_engine_is_built_and_stepped_on_one_thread_off_the_event_loop(redis_url):
+    # torch gives each calling thread its own OpenMP team; a second team makes libgomp stop
+    # spin-waiting and slows every step (see Worker.__init__), so loading and steps share one.
+    factory = f"{__name__}:build_thread_recording_engine"
+    async with (
+        AsyncRedisClient(redis_url) as client,
+        running_worker(redis_url, None, model=MODEL, engine_factory=factory) as worker,
+    ):
+        jobs = [
+            await client.enqueue(model=MODEL, prompt_token_ids=[5, 6], sampling={"max_tokens": 3})
+            for _ in range(3)
+        ]
+        for job in jobs:
+            assert (await client.wait(job.id, timeout=20)).status is JobStatus.SUCCEEDED
+    engine = worker.engine
+    assert engine.stepped_on == {engine.built_on}
+    assert engine.built_on != threading.get_ident()
