@@ -45,6 +45,7 @@ class EngineBenchConfig:
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = False
     seed: int = 0
+    device: str = "cuda"  # "cpu" only for smoke tests: the numbers mean nothing there
 
 
 def write_model_dir(cfg: EngineBenchConfig) -> Path:
@@ -61,19 +62,37 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     ]
 
 
-def measure_copy_bandwidth(num_bytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (each copied byte is read once, written once)."""
+def _synchronize(device: str) -> None:
+    # CPU work is done when the call returns; only CUDA queues kernels behind the host's back.
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _cuda_copy_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
     import triton.testing
 
-    def copy_ms(src: torch.Tensor, dst: torch.Tensor) -> float:
-        return triton.testing.do_bench(
-            lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median"
-        )
+    return triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
 
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    ms = copy_ms(src, torch.empty_like(src))
+
+def _cpu_copy_ms(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5) -> float:
+    # do_bench needs a GPU; on the CPU a median of a few timed copies is enough for a smoke test.
+    dst.copy_(src)  # warm-up: fault in the destination pages
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def measure_copy_bandwidth(num_bytes: int = 2 << 30, device: str = "cuda") -> float:
+    """Device-to-device copy bandwidth in bytes/s (each copied byte is read once, written once)."""
+    on_cuda = torch.device(device).type == "cuda"
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    ms = (_cuda_copy_ms if on_cuda else _cpu_copy_ms)(src, torch.empty_like(src))
     del src
-    torch.cuda.empty_cache()
+    if on_cuda:
+        torch.cuda.empty_cache()
     return 2 * num_bytes / (ms * 1e-3)
 
 
@@ -84,7 +103,7 @@ def make_llm(cfg: EngineBenchConfig):
         model=str(write_model_dir(cfg)),
         load_format="dummy",
         dtype="bfloat16",
-        device="cuda",
+        device=cfg.device,
         seed=cfg.seed,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         max_num_seqs=cfg.max_num_seqs,
@@ -99,11 +118,13 @@ def _greedy(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    torch.cuda.synchronize()
+def _timed_generate(
+    llm, prompts: list[list[int]], max_tokens: int, device: str
+) -> tuple[float, int]:
+    _synchronize(device)
     started = time.perf_counter()
     outputs = llm.generate(prompts, _greedy(max_tokens), use_tqdm=False)
-    torch.cuda.synchronize()
+    _synchronize(device)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     return time.perf_counter() - started, produced
 
@@ -112,15 +133,19 @@ def bench_decode(cfg: EngineBenchConfig, llm) -> str:
     """Batch-1 ms/token = (time for N tokens - time for 1 token) / (N - 1): prefill cancels out."""
     counts = llama_param_counts(cfg.model_config)
     weight_bytes = counts.streamed_bytes_per_token(bytes_per_param=2)
-    bandwidth = measure_copy_bandwidth()
+    # 2 GiB swamps launch overhead on a GPU; 16 MiB keeps a CPU smoke test quick.
+    copy_bytes = 2 << 30 if torch.device(cfg.device).type == "cuda" else 16 << 20
+    bandwidth = measure_copy_bandwidth(copy_bytes, cfg.device)
     floor_ms = bandwidth_floor_ms(weight_bytes, bandwidth)
 
     vocab = cfg.model_config["vocab_size"]
     n = cfg.decode_tokens
     fresh = iter(random_prompts(16, cfg.decode_prompt_len, vocab, cfg.seed + 1))  # no prefix hits
-    _timed_generate(llm, [next(fresh)], 8)  # warm-up
-    one = statistics.median(_timed_generate(llm, [next(fresh)], 1)[0] for _ in range(3))
-    full = statistics.median(_timed_generate(llm, [next(fresh)], n)[0] for _ in range(3))
+    _timed_generate(llm, [next(fresh)], 8, cfg.device)  # warm-up
+    one = statistics.median(_timed_generate(llm, [next(fresh)], 1, cfg.device)[0] for _ in range(3))
+    full = statistics.median(
+        _timed_generate(llm, [next(fresh)], n, cfg.device)[0] for _ in range(3)
+    )
     ms_per_token = (full - one) / (n - 1) * 1e3
     achieved = weight_bytes / (ms_per_token * 1e-3)
     rows = [[
@@ -141,8 +166,8 @@ def bench_decode(cfg: EngineBenchConfig, llm) -> str:
 def bench_throughput(cfg: EngineBenchConfig, llm, hf_rates: dict | None) -> str:
     vocab = cfg.model_config["vocab_size"]
     prompts = random_prompts(cfg.num_prompts, cfg.input_len, vocab, cfg.seed + 2)
-    _timed_generate(llm, random_prompts(8, 64, vocab, cfg.seed + 3), 8)  # warm-up
-    seconds, produced = _timed_generate(llm, prompts, cfg.output_len)
+    _timed_generate(llm, random_prompts(8, 64, vocab, cfg.seed + 3), 8, cfg.device)  # warm-up
+    seconds, produced = _timed_generate(llm, prompts, cfg.output_len, cfg.device)
     expected = cfg.num_prompts * cfg.output_len
     if produced != expected:
         logger.warning("engine produced %d tokens, expected %d", produced, expected)
@@ -180,7 +205,7 @@ def bench_transformers(cfg: EngineBenchConfig) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(write_model_dir(cfg))
-    with torch.device("cuda"):
+    with torch.device(cfg.device):
         try:
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
         except TypeError:  # transformers < 4.56 spells it torch_dtype
@@ -190,7 +215,7 @@ def bench_transformers(cfg: EngineBenchConfig) -> dict:
     prompts = random_prompts(cfg.hf_prompts, cfg.input_len, vocab, cfg.seed + 4)
 
     def generate(model: torch.nn.Module, batch: list[list[int]], new_tokens: int) -> None:
-        ids = torch.tensor(batch, device="cuda")
+        ids = torch.tensor(batch, device=cfg.device)
         with torch.inference_mode():
             model.generate(
                 input_ids=ids,
@@ -202,15 +227,16 @@ def bench_transformers(cfg: EngineBenchConfig) -> dict:
             )
 
     generate(model, prompts[:2], 4)  # warm-up
-    torch.cuda.synchronize()
+    _synchronize(cfg.device)
     started = time.perf_counter()
     for start in range(0, len(prompts), cfg.hf_batch_size):
         generate(model, prompts[start : start + cfg.hf_batch_size], cfg.output_len)
-    torch.cuda.synchronize()
+    _synchronize(cfg.device)
     seconds = time.perf_counter() - started
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.device(cfg.device).type == "cuda":
+        torch.cuda.empty_cache()
     produced = len(prompts) * cfg.output_len
     return {
         "seconds": seconds,

@@ -121,3 +121,57 @@ def test_engine_bench_module_imports_without_a_gpu():
     import gpu_engine
 
     assert callable(gpu_engine.bench_decode) and callable(gpu_engine.bench_throughput)
+
+
+def _table_rows(block: str) -> list[list[str]]:
+    """The markdown table at the end of a bench block: header first, separator dropped."""
+    lines = [line for line in block.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+
+
+def test_engine_bench_parts_run_on_cpu_with_a_tiny_llama(tmp_path, caplog):
+    """Parts (b) and (c) end to end on the CPU: engine args, transformers API, both tables."""
+    import logging
+    import math
+
+    import gpu_engine
+
+    tiny = {
+        **LLAMA3_8B_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+        "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    cfg = gpu_engine.EngineBenchConfig(
+        model_config=tiny,
+        model_dir=tmp_path / "tiny-llama",
+        decode_prompt_len=8,
+        decode_tokens=4,
+        num_prompts=4,
+        input_len=16,
+        output_len=4,
+        hf_prompts=2,
+        hf_batch_size=2,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        device="cpu",
+    )
+    with caplog.at_level(logging.WARNING, logger="bench.gpu"):
+        hf_rates = gpu_engine.bench_transformers(cfg)
+        llm = gpu_engine.make_llm(cfg)
+        decode = gpu_engine.bench_decode(cfg, llm)
+        throughput = gpu_engine.bench_throughput(cfg, llm, hf_rates)
+    assert not [r for r in caplog.records if "expected" in r.getMessage()]  # all tokens produced
+
+    decode_rows = _table_rows(decode)
+    assert len(decode_rows) == 2 and decode_rows[0][0] == "params"
+    # params and GB/token print as "0.00" for a model this small; floor, ms/token and the ratios
+    # are the measured numbers, so a bad timing (ms/token <= 0) shows up there
+    assert all(math.isfinite(float(v)) for v in decode_rows[1][1:])
+    assert all(float(v) > 0 for v in decode_rows[1][3:])
+
+    throughput_rows = _table_rows(throughput)
+    assert len(throughput_rows) == 3 and throughput_rows[0][0] == "system"
+    ours, theirs = throughput_rows[1], throughput_rows[2]
+    assert ours[0].startswith("inferq") and theirs[0].startswith("transformers")
+    assert all(math.isfinite(float(v)) and float(v) > 0 for v in ours[1:5] + theirs[1:])
+    assert all(math.isfinite(v) and v > 0 for v in hf_rates.values())
