@@ -1,23 +1,43 @@
 """Linear layers: one matmul entry point, and fused projections (QKV, gate-up).
 
-On the CPU, fp32 matmuls go through oneDNN instead of torch's default (MKL sgemm): on the AMD
-EPYC we develop on, MKL runs about half as fast at every batch size and worst at the small
-ones decode steps have (measured per layer shape in bench/RESULTS.md, "CPU matmul"); oneDNN
-reaches the memory bandwidth for one row and twice MKL's FLOP/s for prefill-sized ones.
+On CPUs other than Intel's, fp32 matmuls go through oneDNN instead of torch's default (MKL
+sgemm): MKL takes slow code paths there. On an AMD EPYC it ran about half as fast at every
+batch size and worst at the small ones decode steps have, while oneDNN reached the memory
+bandwidth for one row; on an Intel Xeon (Sapphire Rapids) MKL matched oneDNN for prefill and
+decoded a single stream 18% faster (bench/RESULTS.md, "CPU matmul").
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+def cpu_vendor() -> str:
+    """The CPU vendor id from /proc/cpuinfo (e.g. GenuineIntel, AuthenticAMD); "" if unknown."""
+    try:
+        with Path("/proc/cpuinfo").open() as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def prefers_onednn(vendor: str) -> bool:
+    """Whether fp32 matmuls on this CPU vendor should bypass MKL for oneDNN."""
+    return vendor != "GenuineIntel"
+
+
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-_ONEDNN = _onednn_available()
+_ONEDNN = _onednn_available() and prefers_onednn(cpu_vendor())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
