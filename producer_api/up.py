@@ -1,10 +1,11 @@
-"""`inferq up`: the whole system on one machine: Redis, the API and one worker.
+"""`inferq up`: the whole system on one machine: Redis, the API, the batch controller and one
+worker.
 
 Redis: used as it is when something answers at the configured URL; otherwise, for a local URL,
-a `redis-server` is started with its data (AOF) in `--data-dir`. Then the API (uvicorn) and one
-worker on `--model` start as child processes; once /ready answers, the URLs and a curl example
-are printed. Ctrl-C (or SIGTERM) stops the worker (it drains), the API, then the Redis server
-this command started, in that order. Nothing here imports the engine: the worker is a child.
+a `redis-server` is started with its data (AOF) in `--data-dir`. Then the API (uvicorn), the
+Batch API's controller (arq) and one worker on `--model` start as child processes; once /ready
+answers, the URLs and a curl example are printed. Ctrl-C (or SIGTERM) stops the worker (it
+drains), the controller, the API, then the Redis server this command started, in that order. Nothing here imports the engine: the worker is a child.
 
 Without INFERQ_API_KEYS the API runs without authentication, which is only allowed when it
 listens on a loopback address (and is printed loudly).
@@ -103,7 +104,8 @@ class System:
         return [c for c in self.children if not c.alive()]
 
     def stop(self) -> None:
-        """Newest first: worker (drains its jobs), API, then the Redis server we started."""
+        """Newest first: worker (drains its jobs), batch controller, API, then the Redis server
+        we started."""
         for child in reversed(self.children):
             timeout = STOP_TIMEOUT_S if child.name == "worker" else 10.0
             code = child.stop(timeout)
@@ -266,6 +268,12 @@ def run_up(args: argparse.Namespace) -> int:
             ],
             env,
         )  # fmt: skip
+        # the Batch API's controller: without it a batch waits in `validating` forever
+        system.spawn(
+            "batch-controller",
+            [sys.executable, "-m", "worker.cli", "--log-level", log_level, "batch", "controller"],
+            env,
+        )
         if not args.no_worker:
             worker_env = {**env, "INFERQ_MODEL": args.model}
             worker_args = [sys.executable, "-m", "worker", "--model", args.model]

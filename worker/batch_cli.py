@@ -50,9 +50,14 @@ def _submit(args: argparse.Namespace, _: list[str]) -> int:
 
 
 def _controller(args: argparse.Namespace, _: list[str]) -> int:
-    from arq.cli import cli
+    # arq's own CLI would add a handler to the `arq` logger on top of the root one `inferq`
+    # configured, printing every line twice; run_worker leaves logging to us.
+    from arq import run_worker
 
-    return cli.main(["producer_api.batches.controller.WorkerSettings"], standalone_mode=False) or 0
+    from producer_api.batches.controller import WorkerSettings
+
+    run_worker(WorkerSettings)
+    return 0
 
 
 def _run(args: argparse.Namespace, _: list[str]) -> int:

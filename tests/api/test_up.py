@@ -1,9 +1,10 @@
-"""`inferq up` (producer_api.up): starts Redis, the API and a worker, answers a completion,
-and stops all three on Ctrl-C."""
+"""`inferq up` (producer_api.up): starts Redis, the API, the batch controller and a worker,
+answers a completion and a batch, and stops them all on Ctrl-C."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -101,11 +102,44 @@ def test_up_answers_a_completion_and_stops_cleanly(tmp_path):
         )
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] >= 1
+        assert _batch_output(f"http://127.0.0.1:{api_port}") == ["only-line"]
         process.send_signal(signal.SIGINT)
         rest, _ = process.communicate(timeout=90)
     finally:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 0, "".join(output) + rest
-    assert "worker stopped cleanly" in rest and "redis stopped cleanly" in rest
+    for child in ("worker", "batch-controller", "api", "redis"):
+        assert f"{child} stopped cleanly" in rest, rest
     assert not answers(api_port) and not answers(redis_port)
+
+
+def _batch_output(base_url: str) -> list[str]:
+    """Run a one-line batch through the Batch API; the custom_ids of its output lines."""
+    line = {
+        "custom_id": "only-line",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": MODEL, "prompt": "One, two,", "max_tokens": 2},
+    }
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        uploaded = http.post(
+            "/v1/files",
+            files={"file": ("in.jsonl", json.dumps(line) + "\n")},
+            data={"purpose": "batch"},
+        )
+        assert uploaded.status_code == 200, uploaded.text
+        body = {
+            "input_file_id": uploaded.json()["id"],
+            "endpoint": "/v1/completions",
+            "completion_window": "24h",
+        }
+        batch = http.post("/v1/batches", json=body).json()
+        give_up = time.monotonic() + 120
+        while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < give_up, f"batch stuck: {batch}"
+            time.sleep(0.5)
+            batch = http.get(f"/v1/batches/{batch['id']}").json()
+        assert batch["status"] == "completed", batch
+        output = http.get(f"/v1/files/{batch['output_file_id']}/content").text
+    return [json.loads(row)["custom_id"] for row in output.splitlines() if row.strip()]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from producer_api.batches.settings import BatchControllerSettings
 from producer_api.settings import ApiSettings
 from worker.cli import _build_parser
 from worker.settings import WorkerSettings
@@ -72,9 +73,10 @@ def _inferq_commands(compose: dict[str, Any]) -> list[list[str]]:
 
 def test_services_and_profiles(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "api", "worker-gpu", "worker-cpu"}
+    assert set(services) == {"redis", "api", "batch-controller", "worker-gpu", "worker-cpu"}
     assert services["worker-cpu"]["profiles"] == ["cpu"]
-    assert all("profiles" not in services[s] for s in ("redis", "api", "worker-gpu"))
+    always = ("redis", "api", "batch-controller", "worker-gpu")
+    assert all("profiles" not in services[s] for s in always)
     assert set(compose["volumes"]) == {"redis-data", "model-cache"}
 
 
@@ -133,9 +135,19 @@ def test_cpu_worker_runs_on_the_cpu_image(compose):
     assert "model-cache:/models" in worker["volumes"]
 
 
+def test_batch_controller_runs_off_the_gpu_against_the_same_redis(compose):
+    controller = compose["services"]["batch-controller"]
+    assert controller["command"] == ["inferq", "batch", "controller"]
+    assert controller["image"] == compose["services"]["api"]["image"]
+    assert "deploy" not in controller  # no GPU reservation
+    api_env = compose["services"]["api"]["environment"]
+    for variable in ("INFERQ_REDIS_URL", "INFERQ_PREFIX"):
+        assert controller["environment"][variable] == api_env[variable]
+
+
 def test_every_inferq_command_exists_in_the_cli(compose):
     commands = _inferq_commands(compose)
-    assert {c[1] for c in commands} == {"api", "worker", "status"}
+    assert {c[1] for c in commands} == {"api", "worker", "status", "batch"}
     parser = _build_parser()
     for command in commands:
         args = parser.parse_args(command[1:])  # argparse exits (fails the test) on a bad flag
@@ -146,6 +158,7 @@ def test_every_inferq_variable_is_a_setting(compose):
     """A misspelt INFERQ_* variable would be ignored silently by the settings classes."""
     known = {f"INFERQ_{name.upper()}" for name in ApiSettings.model_fields}
     known |= {f"INFERQ_{name.upper()}" for name in WorkerSettings.model_fields}
+    known |= {f"INFERQ_{name.upper()}" for name in BatchControllerSettings.model_fields}
     known |= {"INFERQ_HOME"}  # the model cache folder (engine.model_files)
     for name, service in compose["services"].items():
         for variable in service.get("environment", {}):
