@@ -20,6 +20,19 @@ OUTPUT_PURPOSE = "batch_output"
 _META_FIELDS = ("id", "filename", "purpose", "bytes", "created_at", "owner")
 
 
+_LIST_PAGE = 100  # metadata reads per round trip when listing
+
+
+def _file_object(meta: dict) -> FileObject:
+    return FileObject(
+        id=meta["id"],
+        bytes=int(meta["bytes"]),
+        created_at=int(meta["created_at"]),
+        filename=meta["filename"],
+        purpose=meta["purpose"],
+    )
+
+
 class UploadError(ValueError):
     """Why an upload was refused (the API answers 400 with this message)."""
 
@@ -78,14 +91,50 @@ class FileStore:
         meta = dict(zip(_META_FIELDS, values, strict=True))
         if meta["id"] is None:
             return None
-        info = FileObject(
-            id=meta["id"],
-            bytes=int(meta["bytes"]),
-            created_at=int(meta["created_at"]),
-            filename=meta["filename"],
-            purpose=meta["purpose"],
-        )
-        return StoredFile(info, meta["owner"] or None)
+        return StoredFile(_file_object(meta), meta["owner"] or None)
+
+    async def list(
+        self,
+        owner: str | None,
+        *,
+        limit: int,
+        purpose: str | None = None,
+        after: str | None = None,
+        newest_first: bool = True,
+    ) -> tuple[list[FileObject], bool]:
+        """The owner's live files in created_at order; `after`: the last id of the previous
+        page. Ids whose file expired are dropped from the listing index on the way."""
+        key = self.keys.files_of(owner)
+        ids = await (self.redis.zrevrange if newest_first else self.redis.zrange)(key, 0, -1)
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        found: list[FileObject] = []
+        expired: list[str] = []
+        for start in range(0, len(ids), _LIST_PAGE):
+            page = ids[start : start + _LIST_PAGE]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for file_id in page:
+                    pipe.hmget(self.keys.file(file_id), _META_FIELDS)
+                rows = await pipe.execute()
+            for file_id, values in zip(page, rows, strict=True):
+                meta = dict(zip(_META_FIELDS, values, strict=True))
+                if meta["id"] is None:
+                    expired.append(file_id)
+                elif purpose is None or meta["purpose"] == purpose:
+                    found.append(_file_object(meta))
+            if len(found) > limit:
+                break
+        if expired:
+            await self.redis.zrem(key, *expired)
+        return found[:limit], len(found) > limit
+
+    async def delete(self, file_id: str, owner: str | None) -> bool:
+        """Remove a file and its listing entry; False when there was none."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.file(file_id))
+            pipe.zrem(self.keys.files_of(owner), file_id)
+            deleted, _ = await pipe.execute()
+        return bool(deleted)
 
     async def content(self, file_id: str) -> str | None:
         if not is_valid_file_id(file_id):

@@ -5,6 +5,7 @@ Invalid requests are 400 with OpenAI's error body, as OpenAI answers them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
@@ -44,6 +45,18 @@ class CreateBatch(BaseModel):
 
 def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(ErrorCode.INVALID_REQUEST, message, param, status=400)
+
+
+def _page(items: Sequence[BaseModel], has_more: bool) -> dict[str, Any]:
+    """OpenAI's list envelope (cursor pagination by id)."""
+    data = [item.model_dump(mode="json") for item in items]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 def _not_found(what: str, ident: str) -> ApiError:
@@ -98,6 +111,40 @@ async def upload_file(
             f"file (first: line {first.number}: {reason})"
         )
     return body
+
+
+@router.get("/files")
+async def list_files(
+    state: State,
+    caller: Caller,
+    purpose: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+    after: str | None = None,
+) -> dict[str, Any]:
+    """The caller's files (uploads and batch outputs) until their retention ends."""
+    files, has_more = await FileStore(state.redis, state.keys).list(
+        caller.owner, limit=limit, purpose=purpose, after=after, newest_first=order == "desc"
+    )
+    return _page(files, has_more)
+
+
+@router.delete("/files/{file_id}")
+async def delete_file(file_id: str, state: State, caller: Caller) -> dict[str, Any]:
+    """Free a file's Redis memory before its retention ends. Refused (409) while a batch
+    still reads it as its input."""
+    await _visible_file(state, file_id, caller)
+    running = await BatchStore(state.redis, state.keys).running_on(file_id)
+    if running is not None:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST,
+            f"the file is the input of batch {running!r}, which is still running",
+            "file_id",
+            status=409,
+        )
+    if not await FileStore(state.redis, state.keys).delete(file_id, caller.owner):
+        raise _not_found("file", file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
 
 
 @router.get("/files/{file_id}")
@@ -179,11 +226,4 @@ async def list_batches(
     batches, has_more = await BatchStore(state.redis, state.keys).list(
         caller.owner, limit=limit, after=after
     )
-    data = [b.model_dump(mode="json") for b in batches]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return _page(batches, has_more)

@@ -89,6 +89,17 @@ class BatchStore:
         data = await self.raw(batch_id)
         return BatchObject.from_redis_hash(data) if data else None
 
+    async def running_on(self, input_file_id: str) -> str | None:
+        """A batch still running on this input file (it re-reads the file as it goes)."""
+        for batch_id in await self.redis.smembers(self.keys.active_batches()):
+            values = await self.redis.hmget(
+                self.keys.batch(batch_id), [BatchField.INPUT_FILE_ID, BatchField.STATUS]
+            )
+            file_id, status = values
+            if file_id == input_file_id and status and not BatchStatus(status).is_terminal:
+                return batch_id
+        return None
+
     async def owner_of(self, batch_id: str) -> str | None:
         return (await self.redis.hget(self.keys.batch(batch_id), BatchField.OWNER)) or None
 

@@ -217,6 +217,10 @@ def test_the_official_openai_client_runs_a_batch(batch_stack: BatchStack):
         assert batch.status == "completed" and batch.request_counts.completed == 5
         output = client.files.content(batch.output_file_id).text
         assert [b.id for b in client.batches.list().data] == [batch.id]
+        listed = {f.id for f in client.files.list()}
+        assert listed == {uploaded.id, batch.output_file_id}
+        assert client.files.delete(uploaded.id).deleted
+        assert [f.id for f in client.files.list()] == [batch.output_file_id]
     texts = {
         r["custom_id"]: r["response"]["body"]["choices"][0]["text"]
         for r in map(json.loads, output.splitlines())
@@ -248,3 +252,48 @@ def test_malformed_batch_bodies_are_openai_400s(batch_stack: BatchStack):
     response = batch_stack.http.post("/v1/batches", json={"endpoint": 7})
     assert response.status_code == 400
     assert response.json()["error"]["param"] is not None
+
+
+def test_files_are_listed_and_deleted_but_not_while_a_batch_reads_them(batch_stack: BatchStack):
+    http = batch_stack.http
+    bob = {"Authorization": f"Bearer {BOB_KEY}"}
+    first = batch_stack.upload(completion_line("a", "first file") + "\n")
+    second = batch_stack.upload(completion_line("b", "second file") + "\n")
+    bobs = http.post(
+        "/v1/files",
+        files={"file": ("b.jsonl", completion_line("c", "bob's").encode())},
+        data={"purpose": "batch"},
+        headers=bob,
+    ).json()
+
+    listed = http.get("/v1/files").json()
+    assert listed["object"] == "list" and not listed["has_more"]
+    assert {f["id"] for f in listed["data"]} == {first["id"], second["id"]}
+    assert [f["id"] for f in http.get("/v1/files", headers=bob).json()["data"]] == [bobs["id"]]
+    assert http.get("/v1/files", params={"purpose": "batch_output"}).json()["data"] == []
+    page = http.get("/v1/files", params={"limit": 1}).json()
+    rest = http.get("/v1/files", params={"limit": 1, "after": page["last_id"]}).json()
+    assert page["has_more"] and not rest["has_more"]
+    assert {page["last_id"], rest["last_id"]} == {first["id"], second["id"]}
+    assert http.get("/v1/files", params={"order": "sideways"}).status_code == 400
+
+    created = batch_stack.create(first["id"])  # no controller yet: it stays validating
+    refused = http.delete(f"/v1/files/{first['id']}")
+    assert refused.status_code == 409 and created["id"] in refused.json()["error"]["message"]
+    assert http.delete(f"/v1/files/{first['id']}", headers=bob).status_code == 404
+    deleted = http.delete(f"/v1/files/{second['id']}")
+    assert deleted.json() == {"id": second["id"], "object": "file", "deleted": True}
+    assert http.get(f"/v1/files/{second['id']}").status_code == 404
+    assert http.delete(f"/v1/files/{second['id']}").status_code == 404
+    assert [f["id"] for f in http.get("/v1/files").json()["data"]] == [first["id"]]
+
+    batch_stack.start_worker()
+    batch_stack.start_controller()
+    done = batch_stack.wait(created["id"], {"completed", "failed"})
+    assert done["status"] == "completed", done
+    outputs = http.get("/v1/files", params={"purpose": "batch_output"}).json()["data"]
+    assert [f["id"] for f in outputs] == [done["output_file_id"]]
+    for file_id in (first["id"], done["output_file_id"]):  # a finished batch holds nothing
+        assert http.delete(f"/v1/files/{file_id}").json()["deleted"] is True
+    assert http.get("/v1/files").json()["data"] == []
+    assert http.get(f"/v1/batches/{created['id']}").json()["status"] == "completed"
