@@ -185,9 +185,10 @@ async def cancel_job(
             pipe.publish(
                 keys.control_channel(), ControlMessage(op="cancel", job_id=job_id).to_json()
             )
-            if previous is JobStatus.QUEUED and job.entry_id:
-                # Shrinks the backlog at once; a worker that already read the entry finds the
-                # job cancelled when it tries to start it.
+            if previous in (JobStatus.QUEUED, JobStatus.RUNNING) and job.entry_id:
+                # Shrinks the backlog (XLEN, which batch fan-out is throttled by) at once. A
+                # worker that read the entry finds the job cancelled when it tries to start it,
+                # or aborts it on the broadcast; its XACK of the entry still clears its PEL.
                 pipe.xdel(keys.queue_stream(job.model, job.request.priority), job.entry_id)
             await pipe.execute()
     return await get_job(redis, keys, job_id)

@@ -126,6 +126,7 @@ async def test_cancel_mid_generation_frees_blocks_within_one_step(redis_url):
         assert engine.stats().num_blocks_free < engine.num_kv_blocks
         cancelled = await client.cancel(job.id)
         assert cancelled.status is JobStatus.CANCELLED
+        assert await redis.xlen(KEYS.jobs_stream(MODEL)) == 0  # off the backlog at once
         await wait_for(lambda: job.id in engine.aborted_at_step, 5)
         assert engine.aborted_at_step[job.id] - steps_at_cancel <= 1
         assert engine.stats().num_blocks_free == engine.num_kv_blocks
