@@ -62,9 +62,13 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     ]
 
 
+def _is_cuda(device: str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
 def _synchronize(device: str) -> None:
     # CPU work is done when the call returns; only CUDA queues kernels behind the host's back.
-    if torch.device(device).type == "cuda":
+    if _is_cuda(device):
         torch.cuda.synchronize()
 
 
@@ -87,7 +91,7 @@ def _cpu_copy_ms(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5) -> floa
 
 def measure_copy_bandwidth(num_bytes: int = 2 << 30, device: str = "cuda") -> float:
     """Device-to-device copy bandwidth in bytes/s (each copied byte is read once, written once)."""
-    on_cuda = torch.device(device).type == "cuda"
+    on_cuda = _is_cuda(device)
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     ms = (_cuda_copy_ms if on_cuda else _cpu_copy_ms)(src, torch.empty_like(src))
     del src
@@ -134,7 +138,7 @@ def bench_decode(cfg: EngineBenchConfig, llm) -> str:
     counts = llama_param_counts(cfg.model_config)
     weight_bytes = counts.streamed_bytes_per_token(bytes_per_param=2)
     # 2 GiB swamps launch overhead on a GPU; 16 MiB keeps a CPU smoke test quick.
-    copy_bytes = 2 << 30 if torch.device(cfg.device).type == "cuda" else 16 << 20
+    copy_bytes = 2 << 30 if _is_cuda(cfg.device) else 16 << 20
     bandwidth = measure_copy_bandwidth(copy_bytes, cfg.device)
     floor_ms = bandwidth_floor_ms(weight_bytes, bandwidth)
 
@@ -235,7 +239,7 @@ def bench_transformers(cfg: EngineBenchConfig) -> dict:
     seconds = time.perf_counter() - started
     del model
     gc.collect()
-    if torch.device(cfg.device).type == "cuda":
+    if _is_cuda(cfg.device):
         torch.cuda.empty_cache()
     produced = len(prompts) * cfg.output_len
     return {

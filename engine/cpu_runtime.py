@@ -3,9 +3,9 @@
 Freed multi-MB activation buffers must stay with the process: glibc malloc and jemalloc's
 defaults hand (some of) them back to the OS and page-fault them in again every step (jemalloc:
 every page of each buffer over 8 MiB; 1M faults and ~15% of the time of a 24-prompt run).
-tcmalloc keeps them; jemalloc does once told never to purge. OpenMP threads that migrate between cores lose
-their caches. Both are environment settings that must be in place when the process starts, so
-the launcher re-executes itself once with them (`reexec_with_cpu_runtime`).
+tcmalloc keeps them; jemalloc does once told never to purge. OpenMP threads that migrate
+between cores lose their caches. Both are environment settings that must be in place when the
+process starts, so the launcher re-executes itself once with them (`reexec_with_cpu_runtime`).
 """
 
 from __future__ import annotations

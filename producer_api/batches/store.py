@@ -91,11 +91,12 @@ class BatchStore:
 
     async def running_on(self, input_file_id: str) -> str | None:
         """A batch still running on this input file (it re-reads the file as it goes)."""
-        for batch_id in await self.redis.smembers(self.keys.active_batches()):
-            values = await self.redis.hmget(
-                self.keys.batch(batch_id), [BatchField.INPUT_FILE_ID, BatchField.STATUS]
-            )
-            file_id, status = values
+        batch_ids = list(await self.redis.smembers(self.keys.active_batches()))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for batch_id in batch_ids:
+                pipe.hmget(self.keys.batch(batch_id), [BatchField.INPUT_FILE_ID, BatchField.STATUS])
+            rows = await pipe.execute()
+        for batch_id, (file_id, status) in zip(batch_ids, rows, strict=True):
             if file_id == input_file_id and status and not BatchStatus(status).is_terminal:
                 return batch_id
         return None
