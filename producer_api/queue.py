@@ -38,38 +38,12 @@ from schemas import (
 )
 from schemas.chunks import REPLAY_FIELD, chunk_stream_id
 from schemas.jobs import JobField
+from schemas.redis_scripts import ENQUEUE_SCRIPT, EnqueueOutcome
 
 log = logging.getLogger(__name__)
 
 DEFAULT_POLL_INTERVAL_S = 1.0
 SUBSCRIBE_TIMEOUT_S = 5.0
-
-# Idempotency lookup, backlog limit, stream entry, job hash and idempotency key in one atomic
-# step. The literal 'job' and 'entry_id' are schemas.keys.JOB_ENTRY_FIELD and JobField.ENTRY_ID.
-ENQUEUE_SCRIPT = """
--- KEYS[1] job hash, KEYS[2] jobs stream, KEYS[3] idempotency key (only when one is given)
--- ARGV[1] job id, ARGV[2] backlog limit (0: none), ARGV[3] idempotency TTL seconds,
--- ARGV[4] job key prefix, ARGV[5..] job hash field/value pairs
--- returns {'existing', job id} | {'full', backlog} | {'created', stream entry id}
-if #KEYS >= 3 then
-  local existing = redis.call('GET', KEYS[3])
-  if existing and redis.call('EXISTS', ARGV[4] .. existing) == 1 then
-    return {'existing', existing}
-  end
-end
-local limit = tonumber(ARGV[2])
-if limit > 0 then
-  local backlog = redis.call('XLEN', KEYS[2])
-  if backlog >= limit then return {'full', tostring(backlog)} end
-end
-local entry = redis.call('XADD', KEYS[2], '*', 'job', ARGV[1])
-for i = 5, #ARGV - 1, 2 do
-  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-end
-redis.call('HSET', KEYS[1], 'entry_id', entry)
-if #KEYS >= 3 then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[3]) end
-return {'created', entry}
-"""
 
 
 class QueueError(Exception):
@@ -136,10 +110,10 @@ async def enqueue(
     for name, value in job.to_redis_hash().items():
         args += [name, value]
     outcome, value = await redis.register_script(ENQUEUE_SCRIPT)(keys=script_keys, args=args)
-    outcome, value = _text(outcome), _text(value)
-    if outcome == "created":
+    outcome, value = EnqueueOutcome(_text(outcome)), _text(value)
+    if outcome is EnqueueOutcome.CREATED:
         return job.model_copy(update={"entry_id": value})
-    if outcome == "existing":
+    if outcome is EnqueueOutcome.EXISTING:
         return await get_job(redis, keys, value)
     raise QueueFullError(request.model, int(value), max_queue_len or 0)
 

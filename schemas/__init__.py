@@ -45,11 +45,11 @@ from schemas.keys import (
     WORKER_GROUP,
     RedisKeys,
 )
+from schemas.redis_scripts import TRANSITION_SCRIPT
 from schemas.results import ChoiceResult, JobResult, Timings, Usage
 from schemas.sampling import SamplingParams
 from schemas.transitions import (
     ALLOWED_FROM,
-    TRANSITION_SCRIPT,
     can_transition,
     transition_applied,
     transition_call,

@@ -10,7 +10,7 @@ import time
 from enum import Enum
 from typing import Any
 
-from schemas import ErrorBody, ErrorCode, JobRequest, JobResult, JobStatus, utc_now
+from schemas import ErrorBody, ErrorCode, JobField, JobRequest, JobResult, JobStatus, utc_now
 from worker.chunking import ChunkPolicy, absorb, take_chunks
 from worker.engine_api import EngineLike
 from worker.held import HeldJob
@@ -176,9 +176,12 @@ class Batch:
         self._max_tokens_estimate += w * (max_tokens - self._max_tokens_estimate)
 
     def _start(self, held: HeldJob) -> None:
-        fields: dict[str, object] = {"worker": self.worker_name, "attempts": held.job.attempts + 1}
+        fields: dict[str, object] = {
+            JobField.WORKER: self.worker_name,
+            JobField.ATTEMPTS: held.job.attempts + 1,
+        }
         if held.job.started_at is None:
-            fields["started_at"] = held.started_at  # queue wait counts from the first start
+            fields[JobField.STARTED_AT] = held.started_at  # queue wait counts from the first start
 
         def started(applied: bool, current: JobStatus | None) -> None:
             held.start_confirmed = applied
@@ -222,7 +225,7 @@ class Batch:
                     job_id,
                     held.entry_id,
                     JobStatus.EXPIRED,
-                    {"error": error},
+                    {JobField.ERROR: error},
                     stream=held.queue_stream,
                 )
                 self.count("expired")
@@ -288,7 +291,7 @@ class Batch:
                 held.job_id,
                 held.entry_id,
                 JobStatus.FAILED,
-                {"error": error},
+                {JobField.ERROR: error},
                 stream=held.queue_stream,
             )
             self.count("failed")
@@ -302,7 +305,7 @@ class Batch:
             held.job_id,
             held.entry_id,
             JobStatus.SUCCEEDED,
-            {"result": result},
+            {JobField.RESULT: result},
             stored,
             stream=held.queue_stream,
         )
@@ -339,7 +342,7 @@ class Batch:
                 held.job_id,
                 held.entry_id,
                 JobStatus.FAILED,
-                {"error": body},
+                {JobField.ERROR: body},
                 stream=held.queue_stream,
             )
             self.count("failed")

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from schemas import ControlMessage, JobStatus, RedisKeys
+from schemas import ControlMessage, JobField, JobStatus, RedisKeys
 from worker.backoff import Backoff
 from worker.logs import log_event
 
@@ -70,7 +70,7 @@ async def ended_jobs(
         return {}
     async with redis.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
-            pipe.hget(keys.job(job_id), "status")
+            pipe.hget(keys.job(job_id), JobField.STATUS)
         statuses = await pipe.execute()
     out: dict[str, JobStatus | None] = {}
     for job_id, status in zip(job_ids, statuses, strict=True):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from schemas import JobStatus
+from schemas import JobField, JobStatus
 from worker.heartbeat import TtftBuffer
 from worker.publisher import Outbox
 
@@ -26,7 +26,7 @@ class RecordingOutbox(Outbox):
         on_done: Callable[[bool, JobStatus | None], None] | None = None,
         stream: str | None = None,
     ) -> None:
-        timings = getattr(fields.get("result"), "timings", None)
+        timings = getattr(fields.get(JobField.RESULT), "timings", None)
         ttft_s = getattr(timings, "ttft_s", None)
         if status is JobStatus.SUCCEEDED and ttft_s is not None:
             self.ttfts.add(job_id, ttft_s)

@@ -16,6 +16,7 @@ from schemas import (
     ErrorBody,
     ErrorCode,
     Job,
+    JobField,
     JobStatus,
     RedisKeys,
     TokenChunk,
@@ -102,14 +103,14 @@ def _classify(
         return Reject(entry.entry_id, None, error, entry.fields)
     if not stored:
         return Skip(entry.entry_id, job_id, "job hash missing")
-    status = stored.get("status")
+    status = stored.get(JobField.STATUS)
     if status in TERMINAL_STATUSES:
         return Skip(entry.entry_id, job_id, f"job already {status}")
     try:
         job = Job.from_redis_hash(stored)
     except ValidationError as exc:
-        attempts = _int(stored.get("attempts"))
-        if any(error["loc"] and error["loc"][0] == "request" for error in exc.errors()):
+        attempts = _int(stored.get(JobField.ATTEMPTS))
+        if any(error["loc"] and error["loc"][0] == JobField.REQUEST for error in exc.errors()):
             error = error_from_validation(exc, ErrorCode.INVALID_REQUEST)
         else:
             error = error_from_validation(exc, ErrorCode.UNPARSEABLE_JOB)

@@ -20,6 +20,7 @@ from schemas import (
     OUT_STREAM_TTL_S,
     TRANSITION_SCRIPT,
     ErrorBody,
+    JobField,
     JobStatus,
     RedisKeys,
     TokenChunk,
@@ -31,38 +32,12 @@ from schemas import (
 )
 from schemas.chunks import REPLAY_FIELD
 from schemas.keys import DEAD_LETTER_MAXLEN, JOB_ENTRY_FIELD
+from schemas.redis_scripts import CHUNKS_SCRIPT
 from worker.logs import log_event
 
 logger = logging.getLogger(__name__)
 
 Reply = Callable[[list[Any]], None]
-
-
-# A run of chunks in one command, in order: per chunk XADD to its replay stream (a repeated
-# index is refused, and skipped), then PUBLISH, then (re)set the stream's TTL if asked. Same
-# writes as one XADD + PUBLISH pair per chunk, with one reply to parse instead of two per chunk.
-CHUNKS_SCRIPT = """
--- KEYS[i]: replay stream of chunk i
--- ARGV[1] MAXLEN ~, ARGV[2] TTL seconds, ARGV[3] entry field,
--- then per chunk 4 values: channel, entry id, payload, '1' to set the TTL
--- returns {chunks written, {errors other than a refused repeat}}
-local written, errors = 0, {}
-for i = 1, #KEYS do
-  local at = 4 + (i - 1) * 4
-  local payload = ARGV[at + 2]
-  local added = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[at + 1], ARGV[3], payload)
-  if type(added) == 'table' and added.err then
-    if not string.find(added.err, 'equal or smaller', 1, true) then
-      table.insert(errors, added.err)
-    end
-  else
-    written = written + 1
-  end
-  redis.call('PUBLISH', ARGV[at], payload)
-  if ARGV[at + 3] == '1' then redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-end
-return {written, errors}
-"""
 
 
 @dataclass(frozen=True)
@@ -157,7 +132,7 @@ class Outbox:
         stream: str | None = None,
     ) -> None:
         """End a job: its status (and result or error) first, then the entry's XACK + XDEL."""
-        fields = {"finished_at": utc_now(), **fields}
+        fields = {JobField.FINISHED_AT: utc_now(), **fields}
         self.transition(job_id, status, fields, on_done)
         self.ack(entry_id, stream)
 
@@ -177,7 +152,9 @@ class Outbox:
         if dead_letter:
             self.dead_letter(job_id, error, entry_fields or {}, attempts)
         if job_id is not None:
-            self.finish(job_id, entry_id, JobStatus.FAILED, {"error": error}, on_done, stream)
+            self.finish(
+                job_id, entry_id, JobStatus.FAILED, {JobField.ERROR: error}, on_done, stream
+            )
         else:
             self.ack(entry_id, stream)
 

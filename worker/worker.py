@@ -25,7 +25,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from schemas import ErrorBody, ErrorCode, JobStatus, RedisKeys, utc_now
+from schemas import ErrorBody, ErrorCode, JobField, JobStatus, RedisKeys, utc_now
 from worker.backoff import Backoff
 from worker.batch import AbortReason, Batch
 from worker.chunking import ChunkPolicy
@@ -345,7 +345,7 @@ class Worker:
                     verdict.job_id,
                     verdict.entry_id,
                     JobStatus.EXPIRED,
-                    {"error": error},
+                    {JobField.ERROR: error},
                     stream=verdict.stream,
                 )
                 self.batch.count("expired")

@@ -26,7 +26,15 @@ from producer_api.openai_convert import (
     completion_prompts,
 )
 from producer_api.openai_models import ChatCompletionRequest, CompletionRequest
-from schemas import PRIORITY_BULK, BatchInputLine, ErrorBody, ErrorCode, Job, JobRequest
+from schemas import (
+    PRIORITY_BULK,
+    BatchInputLine,
+    ErrorBody,
+    ErrorCode,
+    Job,
+    JobRequest,
+    JobStatus,
+)
 from schemas.batches import error_line, output_line
 from schemas.errors import error_from_validation
 
@@ -154,7 +162,7 @@ def response_body(openai: OpenAIRequest, job: Job) -> dict[str, Any]:
 def line_of_result(line: ParsedLine, job: Job) -> tuple[bool, str]:
     """(succeeded, the output or error line) for a job that reached a terminal status."""
     assert line.custom_id is not None and line.openai is not None
-    if job.result is not None and job.status.value == "succeeded":
+    if job.result is not None and job.status is JobStatus.SUCCEEDED:
         return True, output_line(line.custom_id, job.id, response_body(line.openai, job))
     error = job.error or ErrorBody.of(ErrorCode.INTERNAL_ERROR, f"the job ended {job.status.value}")
     status = 400 if error.code.http_status == 422 else error.code.http_status

@@ -35,8 +35,9 @@ from producer_api.batches.lines import (
 )
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.batches.store import BatchStore, now_s
-from schemas import BatchField, BatchStatus, ErrorCode, Job, RedisKeys
+from schemas import TERMINAL_STATUSES, BatchField, BatchStatus, ErrorCode, Job, JobField, RedisKeys
 from schemas.batches import BATCH_ID_PREFIX
+from schemas.redis_scripts import LEASE_RELEASE_SCRIPT, LEASE_RENEW_SCRIPT
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,6 @@ CANCELLED_CODE = "batch_cancelled"
 EXPIRED_CODE = "batch_expired"
 NOT_RUN_CODES = (CANCELLED_CODE, EXPIRED_CODE)
 _COLLECT_CHUNK = 500
-
-_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-)
 
 
 class Lease:
@@ -64,10 +60,10 @@ class Lease:
         return bool(await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms))
 
     async def renew(self) -> bool:
-        return bool(await self.redis.eval(_RENEW, 1, self.key, self.token, self.ttl_ms))
+        return bool(await self.redis.eval(LEASE_RENEW_SCRIPT, 1, self.key, self.token, self.ttl_ms))
 
     async def release(self) -> None:
-        await self.redis.eval(_RELEASE, 1, self.key, self.token)
+        await self.redis.eval(LEASE_RELEASE_SCRIPT, 1, self.key, self.token)
 
 
 def output_file_ids(batch_id: str) -> tuple[str, str]:
@@ -220,12 +216,12 @@ class BatchRunner:
             part = items[start : start + _COLLECT_CHUNK]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for _, job_id in part:
-                    pipe.hget(self.keys.job(job_id), "status")
+                    pipe.hget(self.keys.job(job_id), JobField.STATUS)
                 statuses = await pipe.execute()
             ended = [
                 (n, job_id)
                 for (n, job_id), status in zip(part, statuses, strict=True)
-                if status is None or status in ("succeeded", "failed", "cancelled", "expired")
+                if status is None or status in TERMINAL_STATUSES
             ]
             if ended:
                 await self._write_ended(ended)

@@ -9,29 +9,7 @@ from redis.asyncio import Redis
 
 from schemas import BatchField, BatchObject, BatchStatus, RedisKeys
 from schemas.batches import STATUS_TIME_FIELD, is_valid_batch_id, new_batch_id
-
-# Move a batch to ARGV[1] (setting the time field ARGV[2] to ARGV[3]) only from one of the
-# statuses ARGV[4..]; extra field/value pairs may follow after the '--' marker.
-# Returns {1, previous} when applied, {0, current} when not (current false: no such batch).
-SET_STATUS_SCRIPT = """
-local current = redis.call('HGET', KEYS[1], 'status')
-if not current then return {0, false} end
-local i = 4
-local allowed = false
-while i <= #ARGV and ARGV[i] ~= '--' do
-  if ARGV[i] == current then allowed = true end
-  i = i + 1
-end
-if not allowed then return {0, current} end
-redis.call('HSET', KEYS[1], 'status', ARGV[1])
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
-i = i + 1
-while i < #ARGV do
-  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-  i = i + 2
-end
-return {1, current}
-"""
+from schemas.redis_scripts import BATCH_SET_STATUS_SCRIPT, BATCH_STATUS_ARGS_END
 
 CANCELLABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 
@@ -114,10 +92,10 @@ class BatchStore:
         """Compare-and-set the status (and its `*_at` time); (applied, previous or current)."""
         time_field = STATUS_TIME_FIELD.get(status)
         args: list[str | int] = [status.value, time_field.value if time_field else "", now_s()]
-        args += [s.value for s in allowed_from] + ["--"]
+        args += [s.value for s in allowed_from] + [BATCH_STATUS_ARGS_END]
         for name, value in extra.items():
             args += [name, value]
-        script = self.redis.register_script(SET_STATUS_SCRIPT)
+        script = self.redis.register_script(BATCH_SET_STATUS_SCRIPT)
         applied, seen = await script(keys=[self.keys.batch(batch_id)], args=args)
         return bool(applied), BatchStatus(seen) if seen else None
 

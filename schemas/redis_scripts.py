@@ -1,0 +1,204 @@
+"""The Lua scripts inferq runs inside Redis, as plain text: `schemas` holds no Redis client, so
+each caller registers the script it needs (`redis.register_script(TEXT)`, `EVAL TEXT ...`).
+
+Scripts are written with `$NAME` placeholders for every hash field name, status and reply tag
+(`PLACEHOLDERS` fills them in from the enums the Python code uses), so each is spelled once. The
+text is built once at import; only these constants are ever formatted into Lua, never user data,
+which travels in KEYS and ARGV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from string import Template
+
+from schemas.batches import BatchField
+from schemas.jobs import JobField, JobStatus
+from schemas.keys import JOB_ENTRY_FIELD
+
+
+class EnqueueOutcome(StrEnum):
+    """The tag `ENQUEUE_SCRIPT` replies with, first of its pair."""
+
+    CREATED = "created"  # with the new stream entry id
+    EXISTING = "existing"  # with the job id already stored under the idempotency key
+    FULL = "full"  # with the backlog that reached the limit
+
+
+BATCH_STATUS_ARGS_END = "--"
+"""Ends the allowed statuses in `BATCH_SET_STATUS_SCRIPT`'s ARGV; extra field/value pairs follow."""
+
+PLACEHOLDERS: Mapping[str, str] = {
+    **{f"JOB_{field.name}": field.value for field in JobField},
+    **{f"STATUS_{status.name}": status.value for status in JobStatus},
+    **{f"BATCH_{field.name}": field.value for field in BatchField},
+    **{f"ENQUEUE_{outcome.name}": outcome.value for outcome in EnqueueOutcome},
+    "ENTRY_FIELD": JOB_ENTRY_FIELD,
+    "BATCH_STATUS_ARGS_END": BATCH_STATUS_ARGS_END,
+}
+"""`$NAME` -> text, for every name a script may use."""
+
+
+def _render(template: str, **snippets: str) -> str:
+    return Template(template).substitute(PLACEHOLDERS, **snippets)
+
+
+def _hset_argv_pairs(first: str) -> str:
+    """Lua: HSET on KEYS[1] each field, value pair of ARGV from index `first` (a Lua expression)."""
+    return (
+        f"for n = {first}, #ARGV - 1, 2 do\n"
+        "  redis.call('HSET', KEYS[1], ARGV[n], ARGV[n + 1])\n"
+        "end"
+    )
+
+
+def _if_lease_holder(command: str) -> str:
+    """Lua: run `command` on the lease KEYS[1] only while it holds the token ARGV[1]."""
+    return f"if redis.call('GET', KEYS[1]) == ARGV[1] then return {command} end return 0"
+
+
+# Compare-and-set of a job's status (see schemas.transitions, which builds KEYS and ARGV).
+# KEYS[1] job hash, KEYS[2] job channel
+# ARGV[1] new status
+# ARGV[2] statuses the job may be in now, separated by spaces
+# ARGV[3] TTL in seconds to set on the hash when applied (0: leave as is)
+# ARGV[4] message to PUBLISH on KEYS[2] when applied ('': none)
+# ARGV[5..] field, value pairs written together with the status
+# returns {1, previous status} when applied, else {0, current status or '' if no such job}
+TRANSITION_SCRIPT = _render(
+    """
+local current = redis.call('HGET', KEYS[1], '$JOB_STATUS')
+if not current then return {0, ''} end
+local allowed = false
+for s in string.gmatch(ARGV[2], '%S+') do
+  if s == current then allowed = true break end
+end
+if not allowed then return {0, current} end
+redis.call('HSET', KEYS[1], '$JOB_STATUS', ARGV[1])
+$SET_FIELDS
+if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+if ARGV[4] ~= '' then redis.call('PUBLISH', KEYS[2], ARGV[4]) end
+return {1, current}
+""",
+    SET_FIELDS=_hset_argv_pairs("5"),
+)
+
+# Enqueue: idempotency lookup, backlog limit, stream entry, job hash and idempotency key in one
+# atomic step (see producer_api.queue.enqueue).
+# KEYS[1] job hash, KEYS[2] jobs stream, KEYS[3] idempotency key (only when one is given)
+# ARGV[1] job id, ARGV[2] backlog limit (0: none), ARGV[3] idempotency TTL seconds,
+# ARGV[4] job key prefix, ARGV[5..] job hash field, value pairs
+# returns an EnqueueOutcome and its value: {existing, job id} | {full, backlog} |
+# {created, stream entry id}
+ENQUEUE_SCRIPT = _render(
+    """
+if #KEYS >= 3 then
+  local existing = redis.call('GET', KEYS[3])
+  if existing and redis.call('EXISTS', ARGV[4] .. existing) == 1 then
+    return {'$ENQUEUE_EXISTING', existing}
+  end
+end
+local limit = tonumber(ARGV[2])
+if limit > 0 then
+  local backlog = redis.call('XLEN', KEYS[2])
+  if backlog >= limit then return {'$ENQUEUE_FULL', tostring(backlog)} end
+end
+local entry = redis.call('XADD', KEYS[2], '*', '$ENTRY_FIELD', ARGV[1])
+$SET_FIELDS
+redis.call('HSET', KEYS[1], '$JOB_ENTRY_ID', entry)
+if #KEYS >= 3 then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[3]) end
+return {'$ENQUEUE_CREATED', entry}
+""",
+    SET_FIELDS=_hset_argv_pairs("5"),
+)
+
+# A run of token chunks in one command, in order: per chunk XADD to its replay stream (a
+# repeated index is refused, and skipped), then PUBLISH, then (re)set the stream's TTL if asked.
+# Same writes as one XADD + PUBLISH pair per chunk, with one reply to parse instead of two.
+# KEYS[i]: replay stream of chunk i
+# ARGV[1] MAXLEN ~, ARGV[2] TTL seconds, ARGV[3] entry field,
+# then per chunk 4 values: channel, entry id, payload, '1' to set the TTL
+# returns {chunks written, {errors other than a refused repeat}}
+CHUNKS_SCRIPT = _render(
+    """
+local written, errors = 0, {}
+for i = 1, #KEYS do
+  local at = 4 + (i - 1) * 4
+  local payload = ARGV[at + 2]
+  local added = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], ARGV[at + 1], ARGV[3], payload)
+  if type(added) == 'table' and added.err then
+    if not string.find(added.err, 'equal or smaller', 1, true) then
+      table.insert(errors, added.err)
+    end
+  else
+    written = written + 1
+  end
+  redis.call('PUBLISH', ARGV[at], payload)
+  if ARGV[at + 3] == '1' then redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+end
+return {written, errors}
+"""
+)
+
+# Hand a job back to its queue (worker shutdown), atomic per job: retire the old entry and queue
+# a fresh one for the same job, unless the job ended meanwhile. A graceful hand-back is no
+# failed attempt, so the attempt counted when the job was started is given back.
+# KEYS[1] jobs stream, KEYS[2] job hash
+# ARGV[1] group, ARGV[2] entry id held, ARGV[3] job id, ARGV[4] '1': return our attempt
+# returns the new entry id, or false when the job is over (entry just retired)
+HANDBACK_SCRIPT = _render(
+    """
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+local status = redis.call('HGET', KEYS[2], '$JOB_STATUS')
+if status ~= '$STATUS_QUEUED' and status ~= '$STATUS_RUNNING' then return false end
+local entry = redis.call('XADD', KEYS[1], '*', '$ENTRY_FIELD', ARGV[3])
+redis.call('HSET', KEYS[2], '$JOB_ENTRY_ID', entry)
+if ARGV[4] == '1' and tonumber(redis.call('HGET', KEYS[2], '$JOB_ATTEMPTS') or '0') > 0 then
+  redis.call('HINCRBY', KEYS[2], '$JOB_ATTEMPTS', -1)
+end
+return entry
+"""
+)
+
+# Compare-and-set of a batch's status.
+# KEYS[1] batch hash
+# ARGV[1] new status, ARGV[2] time field to set ('': none), ARGV[3] its value,
+# ARGV[4..] statuses the batch may be in now, then BATCH_STATUS_ARGS_END and field, value pairs
+# returns {1, previous} when applied, {0, current} when not (current false: no such batch)
+BATCH_SET_STATUS_SCRIPT = _render(
+    """
+local current = redis.call('HGET', KEYS[1], '$BATCH_STATUS')
+if not current then return {0, false} end
+local i = 4
+local allowed = false
+while i <= #ARGV and ARGV[i] ~= '$BATCH_STATUS_ARGS_END' do
+  if ARGV[i] == current then allowed = true end
+  i = i + 1
+end
+if not allowed then return {0, current} end
+redis.call('HSET', KEYS[1], '$BATCH_STATUS', ARGV[1])
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
+$SET_EXTRA
+return {1, current}
+""",
+    SET_EXTRA=_hset_argv_pairs("i + 1"),
+)
+
+# The batch controller's lease (KEYS[1], a string holding its holder's token ARGV[1]).
+# LEASE_RENEW: ARGV[2] new TTL in ms; returns 1 when renewed, 0 when the lease is not ours.
+LEASE_RENEW_SCRIPT = _if_lease_holder("redis.call('PEXPIRE', KEYS[1], ARGV[2])")
+# LEASE_RELEASE: returns 1 when deleted, 0 when the lease is not ours.
+LEASE_RELEASE_SCRIPT = _if_lease_holder("redis.call('DEL', KEYS[1])")
+
+ALL_SCRIPTS: Mapping[str, str] = {
+    "TRANSITION_SCRIPT": TRANSITION_SCRIPT,
+    "ENQUEUE_SCRIPT": ENQUEUE_SCRIPT,
+    "CHUNKS_SCRIPT": CHUNKS_SCRIPT,
+    "HANDBACK_SCRIPT": HANDBACK_SCRIPT,
+    "BATCH_SET_STATUS_SCRIPT": BATCH_SET_STATUS_SCRIPT,
+    "LEASE_RENEW_SCRIPT": LEASE_RENEW_SCRIPT,
+    "LEASE_RELEASE_SCRIPT": LEASE_RELEASE_SCRIPT,
+}
+"""Every script by its constant's name (for tests and tools that check them all)."""
