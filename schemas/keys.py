@@ -48,6 +48,9 @@ this contract.
 Job hash `{p}:job:{id}`: fields in `schemas.jobs.JobField`, string forms in
 `schemas.jobs.encode_hash_value`; no TTL while queued or running, `RESULT_TTL_S` once terminal.
 
+The Lua scripts that change these keys atomically (status compare-and-set, enqueue, chunk
+writes, hand-back, batch status, batch lease) are in `schemas.redis_scripts`.
+
 Replay stream `{p}:out:{id}` and channel `{p}:chan:{id}`: see `schemas.chunks` and
 `schemas.events`. Replay stream capped with `MAXLEN ~ OUT_STREAM_MAXLEN`, TTL `OUT_STREAM_TTL_S`.
 

@@ -83,7 +83,7 @@ class Worker:
             socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
             socket_connect_timeout=min(settings.socket_timeout_s, 5.0),
         )
-        # interactive jobs stream first, the bulk stream with the room left (issue 7)
+        # interactive jobs stream first, the bulk stream with the room left
         self.reader = PriorityReader(self.redis, self.keys, self.model, self.name)
         self.pacing = ReadPacing(settings.bulk_max_held, self.reader.bulk_stream)
         self.outbox = RecordingOutbox(self.keys, self.jobs_stream, self.name)
