@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
+from cli.main import build_parser
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.settings import ApiSettings
-from worker.cli import _build_parser
 from worker.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,7 +148,7 @@ def test_batch_controller_runs_off_the_gpu_against_the_same_redis(compose):
 def test_every_inferq_command_exists_in_the_cli(compose):
     commands = _inferq_commands(compose)
     assert {c[1] for c in commands} == {"api", "worker", "status", "batch"}
-    parser = _build_parser()
+    parser = build_parser()
     for command in commands:
         args = parser.parse_args(command[1:])  # argparse exits (fails the test) on a bad flag
         assert args.handler is not None
