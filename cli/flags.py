@@ -48,18 +48,17 @@ class SettingsFlags(Generic[S]):
 
 
 def add_settings_arguments(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    parser: argparse.ArgumentParser,
     model: type[S],
     *,
-    only: Collection[str] | None = None,
     exclude: Collection[str] = (),
     sections: Mapping[str, Collection[str]] | None = None,
     environment: bool = True,
 ) -> SettingsFlags[S]:
-    """Add a flag for each field of `model` (all, or `only` these, minus `exclude`); the fields
-    named in a section are listed under that title in `--help`. `environment`: the command
-    builds the model (`SettingsFlags.settings`), so the help names each flag's variable; a
-    command that passes on only the flags given (`SettingsFlags.given`) says False."""
+    """Add a flag for each field of `model` but those in `exclude`; the fields named in a
+    section are listed under that title in `--help`. `environment`: the command builds the
+    model (`SettingsFlags.settings`), so the help names each flag's variable; a command that
+    passes on only the flags given (`SettingsFlags.given`) says False."""
     prefix = model.model_config.get("env_prefix", "")
     groups = {}
     for title, members in (sections or {}).items():
@@ -67,7 +66,7 @@ def add_settings_arguments(
         groups.update(dict.fromkeys(members, group))
     names = []
     for name, field in model.model_fields.items():
-        if (only is not None and name not in only) or name in exclude:
+        if name in exclude:
             continue
         flag = "--" + name.replace("_", "-")
         help_text = _help(field, f"{prefix}{name}".upper() if environment else None)
@@ -85,7 +84,7 @@ def _help(field: FieldInfo, env_name: str | None) -> str:
     return " ".join(part for part in parts if part).replace("%", "%%")
 
 
-def _parsing(name: str, field: FieldInfo) -> dict[str, object]:
+def _parsing(name: str, field: FieldInfo) -> dict[str, Any]:
     """argparse keywords that read the field's type from the command line."""
     annotation = _without_none(field.annotation)
     origin = typing.get_origin(annotation)

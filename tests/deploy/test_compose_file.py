@@ -4,6 +4,7 @@ README says, and every `inferq ...` command they run exists in the CLI with thos
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,15 @@ def test_dockerfile_installs_like_the_readme_and_matches_the_volumes(compose):
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
     assert compose["services"]["worker-gpu"]["build"]["context"] == "."
+
+
+def test_dockerfile_copies_every_package_the_project_installs():
+    """The image's editable install needs each package folder (a missing one breaks `inferq`)."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    dockerfile = (REPO / "Dockerfile").read_text()
+    for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        package = pattern.rstrip("*")
+        assert f"COPY --chown=inferq:inferq {package} {package}" in dockerfile, package
 
 
 def test_interpolation_helper_matches_compose_rules():
