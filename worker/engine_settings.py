@@ -29,22 +29,37 @@ class InferqSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
 
-def _optional_setting(field: dataclasses.Field[Any], annotation: Any) -> tuple[Any, FieldInfo]:
-    """`(T | None, Field(None, ...))` carrying the bounds and help of `Annotated[T, Field]`."""
+_HINTS = typing.get_type_hints(EngineConfig, include_extras=True)
+
+
+def _declared(name: str) -> tuple[Any, FieldInfo]:
+    """The type of engine argument `name` and its `Field(...)` (bounds, description)."""
+    annotation = _HINTS[name]
     declared = [m for m in typing.get_args(annotation)[1:] if isinstance(m, FieldInfo)]
-    base = typing.get_args(annotation)[0] if declared else annotation
-    info = FieldInfo.merge_field_infos(*declared) if declared else FieldInfo()
+    if not declared:
+        return annotation, FieldInfo()
+    return typing.get_args(annotation)[0], FieldInfo.merge_field_infos(*declared)
+
+
+def _optional_setting(field: dataclasses.Field[Any]) -> tuple[Any, FieldInfo]:
+    """`(T | None, Field(None, ...))`: the argument's bounds and help, and its engine default."""
+    kind, info = _declared(field.name)
     description = info.description or ""
     if field.default is not None:
         description += f"{'; ' if description else ''}engine default: {field.default}"
     setting = FieldInfo.merge_field_infos(info, default=None, description=description or None)
-    return base | None, setting
+    return kind | None, setting
+
+
+def engine_setting(name: str, default: Any) -> Any:
+    """Engine argument `name` as a settings field with its bounds and help and this default
+    (for a setting a worker declares itself, as the model). Typed Any, as `Field()` is."""
+    return FieldInfo.merge_field_infos(_declared(name)[1], default=default)
 
 
 def _engine_settings_model() -> type[InferqSettings]:
-    hints = typing.get_type_hints(EngineConfig, include_extras=True)
     definitions: dict[str, Any] = {
-        f.name: _optional_setting(f, hints[f.name])
+        f.name: _optional_setting(f)
         for f in dataclasses.fields(EngineConfig)
         if f.name in ENGINE_SETTINGS
     }

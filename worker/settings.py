@@ -22,7 +22,7 @@ from schemas.keys import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
 )
-from worker.engine_settings import EngineSettings, engine_config_of
+from worker.engine_settings import EngineSettings, engine_config_of, engine_setting
 
 
 def default_worker_name() -> str:
@@ -34,9 +34,7 @@ class WorkerSettings(EngineSettings):
     """Worker configuration; each field can be set as `INFERQ_<FIELD>` in the environment."""
 
     # what to serve, and where
-    model: str = Field(
-        DEFAULT_MODEL, description="model to load: registry name, HF folder or hub id"
-    )
+    model: str = engine_setting("model", DEFAULT_MODEL)
     served_model_name: str | None = Field(
         None, description="queue name to serve (default: `model`); jobs name this model"
     )
