@@ -43,6 +43,7 @@ COPY --chown=inferq:inferq kernels kernels
 COPY --chown=inferq:inferq engine engine
 COPY --chown=inferq:inferq worker worker
 COPY --chown=inferq:inferq producer_api producer_api
+COPY --chown=inferq:inferq cli cli
 COPY --chown=inferq:inferq bench bench
 RUN if [ -n "$TORCH_INDEX_URL" ]; then export PIP_EXTRA_INDEX_URL="$TORCH_INDEX_URL"; fi \
  && INFERQ_EXTRAS="$INFERQ_EXTRAS" INFERQ_TORCH_SPEC="$INFERQ_TORCH_SPEC" bash scripts/env.sh \

@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workload import describe_runtime, tune_cpu_runtime
 
+from schemas.defaults import DEFAULT_MODEL
+
 
 def layer_shapes(hf_config) -> list[tuple[int, int]]:
     """(out, in) of each linear layer of one decoder layer, fused as our models fuse them."""
@@ -40,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--rows", default="1,4,16,96,512")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=5)

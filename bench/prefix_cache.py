@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serve import RunReport, arrival_times, run_engine, summarize
 from workload import Request, describe_runtime, shared_prefix_series, tune_cpu_runtime
 
+from schemas.defaults import DEFAULT_MODEL
+
 
 def median_report(reports: list[RunReport]) -> RunReport:
     """Field-wise median of several runs of one mode."""
@@ -102,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--prefix-len", type=int, default=384)
     parser.add_argument("--suffix-len", type=int, default=32)

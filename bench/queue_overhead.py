@@ -4,7 +4,7 @@
 
 Same random workload as bench/throughput.py (greedy, ignore_eos). In one run it starts its own
 redis-server on a free port, measures `LLM.generate` in this process, then the same requests
-enqueued at once into Redis and served by a `python -m worker` subprocess (streaming jobs, one
+enqueued at once into Redis and served by an `inferq worker` subprocess (streaming jobs, one
 chunk per step unless --chunk-tokens says otherwise), timed from the first enqueue to the last
 final chunk seen by a live subscriber. Reports both throughputs, their ratio, and chunk delivery
 latency (the worker's engine step returned -> the subscriber received the chunk) p50 / p99.
@@ -103,7 +103,7 @@ def main() -> None:
 
 @dataclass
 class WorkerOptions:
-    """How to start the `python -m worker` that serves the queue path."""
+    """How to start the `inferq worker` that serves the queue path."""
 
     model: str
     dtype: str = "auto"
@@ -258,9 +258,10 @@ def _start_worker(options: WorkerOptions, redis_url: str, trace: Path) -> subpro
     command = [
         sys.executable,
         "-m",
-        "worker",
+        "cli",
         "--log-level",
         os.environ.get("INFERQ_BENCH_WORKER_LOG", "warning"),
+        "worker",
         "--model",
         options.model,
         "--redis-url",

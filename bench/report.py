@@ -32,6 +32,8 @@ from machine import describe_machine, machine_one_liner
 from markdown_blocks import replace_block
 from workload import random_workload, shared_prefix_series, tune_cpu_runtime, workload_series
 
+from schemas.defaults import DEFAULT_MODEL
+
 _BENCH_DIR = Path(__file__).resolve().parent
 SECTIONS = ("offline", "queue", "serving", "prefix_cache")
 REPORT_BLOCK = "bench-report"
@@ -78,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", help="small sizes (a few minutes)")
     size.add_argument("--tiny", action="store_true", help="seconds; for tests, figures are noise")
     parser.add_argument("--out", type=Path, default=_BENCH_DIR, help="folder for RESULTS.md etc.")
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma list of sections")
     parser.add_argument("--rates", default=None, help="serving request rates, e.g. 0.5,1,2")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default all)")

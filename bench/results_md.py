@@ -102,7 +102,7 @@ def _queue(data: dict) -> str:
     ]
     return (
         f"{w['num_prompts']} prompts (input ~{w['input_len']}, output ~{w['output_len']}) enqueued "
-        "at once into a fresh redis-server and served by one `python -m worker`, timed to the last "
+        "at once into a fresh redis-server and served by one `inferq worker`, timed to the last "
         "final chunk a subscriber saw; alternated with the same requests in-process for "
         f"{w['repeats']} rounds, medians. Reuses `bench/queue_overhead.py`.\n\n"
         + markdown_table(["path", "seconds", "output tok/s", "total tok/s"], rows)

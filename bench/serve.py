@@ -10,7 +10,7 @@ TTFT, time per output token (TPOT = (end - first token) / (tokens - 1)), inter-t
 (ITL, gaps between chunks), p50 / p99, and request and output-token throughput.
 
 Without --url it starts its own system (a redis-server on a free port, the API via uvicorn and
-one `python -m worker`), like `inferq up`; with --url it measures that deployment instead.
+one `inferq worker`), like `inferq up`; with --url it measures that deployment instead.
 """
 
 from __future__ import annotations
@@ -193,10 +193,10 @@ def _free_port() -> int:
 
 
 def start_system(model: str, data_dir: Path, worker_flags: list[str]):
-    """redis-server + API + worker as children (producer_api.up does the spawning)."""
+    """redis-server + API + worker as children (cli.up does the spawning)."""
     import os
 
-    from producer_api.up import System
+    from cli.up import System
 
     system = System()
     # A tuned benchmark process (bench/workload.py's tune_cpu_runtime) has its main thread
@@ -214,7 +214,7 @@ def _spawn_system(system, model: str, data_dir: Path, worker_flags: list[str]):
 
     import httpx
 
-    from producer_api.up import start_redis
+    from cli.up import start_redis
 
     redis_url = f"redis://127.0.0.1:{_free_port()}/0"
     start_redis(system, redis_url, data_dir)
@@ -231,8 +231,8 @@ def _spawn_system(system, model: str, data_dir: Path, worker_flags: list[str]):
     )  # fmt: skip
     system.spawn(
         "worker",
-        [sys.executable, "-m", "worker", "--model", model, "--redis-url", redis_url,
-         "--log-level", "warning", *worker_flags],
+        [sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", model,
+         "--redis-url", redis_url, *worker_flags],
         env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -366,7 +366,7 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true", help="no in-process reference")
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument(
-        "--worker-flag", action="append", default=[], help="extra `python -m worker` flag"
+        "--worker-flag", action="append", default=[], help="extra `inferq worker` flag"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the reports as JSON")
     args = parser.parse_args()

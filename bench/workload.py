@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.cpu_runtime import describe_cpu_runtime, reexec_with_cpu_runtime
+from schemas.defaults import DEFAULT_MODEL
 
 
 @dataclass
@@ -19,7 +20,7 @@ class Request:
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--num-prompts", type=int, default=96)
     parser.add_argument("--input-len", type=int, default=160)
     parser.add_argument("--output-len", type=int, default=72)

@@ -1,29 +1,65 @@
-"""Engine configuration: one dataclass that every engine part reads."""
+"""Engine configuration: one dataclass that every engine part reads.
+
+Each field is one engine argument, declared here only: `LLM(model, **kwargs)` takes it as a
+keyword, and a worker derives its `INFERQ_<FIELD>` setting and `inferq worker --<field>` flag
+from it (see worker.engine_settings). The `Field(...)` inside `Annotated` gives the setting its
+bounds and help text; pydantic reads it, the dataclass ignores it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 
 @dataclass
 class EngineConfig:
-    model: str  # registry name, local HF folder, or HF hub id
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 CPU, bf16 CUDA
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights of the config
-    seed: int = 0
+    model: Annotated[str, Field(description="model to load: registry name, HF folder or hub id")]
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Field(description="weights and activations; auto: float32 on the CPU, bfloat16 on CUDA"),
+    ] = "auto"
+    device: Annotated[Literal["auto", "cpu", "cuda"], Field(description="where the model runs")] = (
+        "auto"
+    )
+    load_format: Annotated[
+        Literal["auto", "dummy"],
+        Field(description="dummy: random weights of the model's config (benchmarks)"),
+    ] = "auto"
+    seed: Annotated[int, Field(description="seed of the random weights of load_format dummy")] = 0
     # KV cache
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit count wins over the memory budget
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache on the CPU
-    gpu_memory_utilization: float = 0.90  # fraction of GPU memory for weights + activations + KV
-    enable_prefix_caching: bool = True
+    block_size: Annotated[int, Field(ge=1, description="tokens per KV-cache block")] = 16
+    num_kv_blocks: Annotated[
+        int | None,
+        Field(ge=1, description="KV-cache blocks; an explicit count wins over the memory budget"),
+    ] = None
+    kv_cache_memory: Annotated[int, Field(ge=1, description="bytes of KV cache on the CPU")] = (
+        1 << 30
+    )
+    gpu_memory_utilization: Annotated[
+        float,
+        Field(gt=0, le=1, description="fraction of GPU memory for weights, activations and KV"),
+    ] = 0.90
+    enable_prefix_caching: Annotated[
+        bool, Field(description="reuse the KV blocks of prompt prefixes seen before")
+    ] = True
     # Scheduler
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: Annotated[int, Field(ge=1, description="most sequences in one step")] = 256
+    max_num_batched_tokens: Annotated[
+        int, Field(ge=1, description="token budget of one step (decodes and prefill chunks)")
+    ] = 2048
+    max_model_len: Annotated[
+        int | None,
+        Field(ge=2, description="longest prompt + output; default: the model's context length"),
+    ] = None
     # Execution
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    enforce_eager: bool = False  # disable CUDA graphs / torch.compile
-    num_threads: int | None = None  # torch intra-op threads on the CPU
+    attention_backend: Annotated[
+        Literal["auto", "torch", "triton"],
+        Field(description="auto: triton on CUDA, torch elsewhere"),
+    ] = "auto"
+    enforce_eager: Annotated[
+        bool, Field(description="no CUDA graphs or torch.compile (debugging, quick starts)")
+    ] = False
+    num_threads: Annotated[int | None, Field(ge=1, description="torch threads on the CPU")] = None

@@ -15,9 +15,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas.defaults import DEFAULT_MODEL
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _READY_MARKER = ".inferq-ready"
 
 

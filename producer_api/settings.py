@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer_api.auth import KeyTable, hash_api_key, is_key_hash
 from schemas import DEFAULT_PREFIX
+from schemas.defaults import DEFAULT_REDIS_URL
 from schemas.sampling import MAX_N
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class ApiSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = DEFAULT_REDIS_URL
     prefix: str = DEFAULT_PREFIX
     host: str = "127.0.0.1"
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)

@@ -4,10 +4,11 @@
     python scripts/config_reference.py --write   # refresh README.md between the markers
     python scripts/config_reference.py --check   # exit 1 when README.md is out of date
 
-Every field of `worker.settings.WorkerSettings` and `producer_api.settings.ApiSettings` becomes
-a row: its environment variable, type (with bounds), default and description. The comment
-block above a group of fields in the class source becomes a heading row, so the reference
-carries the same explanations as the code without anyone copying them by hand.
+Every field of the worker's engine settings (derived from `engine.config.EngineConfig`),
+`worker.settings.WorkerSettings` and `producer_api.settings.ApiSettings` becomes a row: its
+environment variable, type (with bounds), default and description. The comment block above a
+group of fields in the class source becomes a heading row, so the reference carries the same
+explanations as the code without anyone copying them by hand.
 """
 
 from __future__ import annotations
@@ -32,10 +33,26 @@ REGENERATE = "python scripts/config_reference.py --write"
 
 
 def settings_classes() -> list[tuple[str, type]]:
+    """Each table: a title and the settings class whose own fields it lists (a class's fields
+    inherited from another settings class are that class's table)."""
     from producer_api.settings import ApiSettings
+    from worker.engine_settings import EngineSettings
     from worker.settings import WorkerSettings
 
-    return [("Worker (`inferq worker`)", WorkerSettings), ("API (`inferq api`)", ApiSettings)]
+    return [
+        ("Engine (`inferq worker`)", EngineSettings),
+        ("Worker (`inferq worker`)", WorkerSettings),
+        ("API (`inferq api`)", ApiSettings),
+    ]
+
+
+def declared_in(cls: type) -> type:
+    """The class whose source declares `cls`'s fields, with the group comments: the engine
+    settings are made at run time from `EngineConfig`."""
+    from engine.config import EngineConfig
+    from worker.engine_settings import EngineSettings
+
+    return EngineConfig if cls is EngineSettings else cls
 
 
 def type_name(annotation: object) -> str:
@@ -100,10 +117,13 @@ def _cell(text: str) -> str:
 
 def render_class(title: str, cls: type) -> str:
     prefix = cls.model_config.get("env_prefix", "")
-    groups = group_comments(cls)
+    groups = group_comments(declared_in(cls))
     doc = " ".join((cls.__doc__ or "").split())
     rows = ["| variable | type | default | description |", "|---|---|---|---|"]
+    own = inspect.get_annotations(cls)
     for name, field in cls.model_fields.items():
+        if name not in own:
+            continue
         if name in groups:
             rows.append(f"| **{_cell(groups[name])}** | | | |")
         kind = type_name(field.annotation)

@@ -21,7 +21,7 @@ def _pull(home: Path) -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "INFERQ_HOME": str(home)}
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "--log-level", "warning", "model", "pull"],
+        [sys.executable, "-m", "cli", "--log-level", "warning", "model", "pull"],
         env=env,
         capture_output=True,
         text=True,

@@ -1,7 +1,7 @@
 """The worker: joins a model's Redis job stream to an engine (see worker.worker).
 
 `from worker import Worker, WorkerSettings`; heavy modules load on first use, so the `inferq`
-CLI (worker.cli) stays cheap to start."""
+command line stays cheap to start."""
 
 from typing import TYPE_CHECKING, Any
 

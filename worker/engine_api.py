@@ -45,28 +45,13 @@ class EngineLike(Protocol):
     def stats(self) -> Any: ...
 
 
-_ENGINE_FIELDS = (
-    "num_kv_blocks",
-    "kv_cache_memory",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "num_threads",
-)
-
-
 def build_engine(settings: WorkerSettings) -> EngineLike:
-    """The engine the settings describe: `engine_factory` if given, else `engine.Engine`."""
+    """The engine the settings describe: `engine_factory` if given, else `engine.Engine` with
+    every engine setting passed through."""
     if settings.engine_factory:
         module_name, _, function_name = settings.engine_factory.partition(":")
         factory = getattr(importlib.import_module(module_name), function_name or "build_engine")
         return factory(settings)
-    from engine import Engine, EngineConfig
+    from engine import Engine
 
-    overrides: dict[str, Any] = {
-        name: getattr(settings, name) for name in _ENGINE_FIELDS if getattr(settings, name)
-    }
-    config = EngineConfig(
-        model=settings.model, dtype=settings.dtype, device=settings.device, **overrides
-    )
-    return Engine(config)
+    return Engine(settings.engine_config())

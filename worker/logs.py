@@ -19,11 +19,3 @@ def log_event(logger: logging.Logger, level: int, event: str, **fields: Any) -> 
     logger.log(
         level, f"{event} {pairs}" if pairs else event, extra={"event": event, "fields": fields}
     )
-
-
-def configure_logging(level: str = "info") -> None:
-    """Process-wide logging for `python -m worker` (libraries never call this)."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )

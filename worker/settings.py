@@ -1,4 +1,8 @@
-"""Every knob of a worker in one pydantic settings class (environment prefix `INFERQ_`)."""
+"""Every knob of a worker in one pydantic settings class (environment prefix `INFERQ_`).
+
+The engine's arguments are not repeated here: `WorkerSettings` inherits one optional setting
+per `engine.config.EngineConfig` field (see worker.engine_settings).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,19 @@ import os
 import secrets
 import socket
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.config import EngineConfig
 from schemas import DEFAULT_PREFIX
+from schemas.defaults import DEFAULT_MODEL, DEFAULT_REDIS_URL
 from schemas.keys import (
     DEFAULT_CLAIM_MIN_IDLE_MS,
     DEFAULT_MAX_ATTEMPTS,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
 )
-
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # engine.model_files.DEFAULT_MODEL, without importing it
+from worker.engine_settings import EngineSettings, engine_config_of, engine_setting
 
 
 def default_worker_name() -> str:
@@ -27,29 +30,19 @@ def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(EngineSettings):
     """Worker configuration; each field can be set as `INFERQ_<FIELD>` in the environment."""
 
-    model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
-
     # what to serve, and where
-    model: str = DEFAULT_MODEL
+    model: str = engine_setting("model", DEFAULT_MODEL)
     served_model_name: str | None = Field(
         None, description="queue name to serve (default: `model`); jobs name this model"
     )
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = DEFAULT_REDIS_URL
     prefix: str = DEFAULT_PREFIX
     name: str = Field(default_factory=default_worker_name, min_length=1)
 
-    # engine (None: the engine's own default)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory: int | None = Field(None, ge=1)
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: int | None = Field(None, ge=1)
+    # how the engine is made (its arguments: the engine settings, inherited)
     engine_factory: str | None = Field(
         None, description="'module:function' taking these settings and returning an engine"
     )
@@ -98,6 +91,10 @@ class WorkerSettings(BaseSettings):
         if self.reconnect_max_s < self.reconnect_min_s:
             raise ValueError("reconnect_max_s must be at least reconnect_min_s")
         return self
+
+    def engine_config(self) -> EngineConfig:
+        """The engine this worker runs: its model, with the engine settings given."""
+        return engine_config_of(self, self.model)
 
     @property
     def queue_model(self) -> str:

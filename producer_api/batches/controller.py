@@ -1,7 +1,7 @@
 """The batch controller: an arq worker, off the GPU path (it only enqueues jobs and reads
 results through Redis).
 
-    arq producer_api.batches.controller.WorkerSettings      # or: inferq batch-controller
+    arq producer_api.batches.controller.WorkerSettings      # or: inferq batch controller
 
 Each arq job `advance_batch(batch_id)` holds the batch's lease and advances it for at most
 `batch_tick_s`, then queues its successor, so no arq job runs long (a killed arq worker's job

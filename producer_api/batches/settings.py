@@ -9,12 +9,13 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import DEFAULT_PREFIX
+from schemas.defaults import DEFAULT_REDIS_URL
 
 
 class BatchControllerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = DEFAULT_REDIS_URL
     prefix: str = DEFAULT_PREFIX
     default_max_tokens: int = Field(
         1024, ge=1, description="chat max_tokens when a batch line gives none"

@@ -1,5 +1,5 @@
 """Acceptance against the real system: uvicorn on a free port, a real Redis, and a real worker
-process (`python -m worker`) on the default model, driven by the official `openai` package.
+process (`inferq worker`) on the default model, driven by the official `openai` package.
 Greedy outputs must equal the offline `engine.LLM`'s, and usage must count the same tokens."""
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def system(tmp_path_factory) -> Iterator[Stack]:
     server = _started_server(tmp_path_factory.mktemp("redis-real"))
     worker = subprocess.Popen(
         [
-            sys.executable, "-m", "worker", "--model", MODEL, "--redis-url", server.url,
-            "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning",
+            sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", MODEL,
+            "--redis-url", server.url, "--max-model-len", str(MAX_MODEL_LEN),
         ],
         env={**os.environ, "INFERQ_NUM_THREADS": os.environ.get("INFERQ_NUM_THREADS", "2")},
     )  # fmt: skip

@@ -42,8 +42,8 @@ def start_worker(redis_url: str, **settings: Any) -> subprocess.Popen[bytes]:
     env.update({f"INFERQ_{k.upper()}": str(v) for k, v in settings.items()})
     return subprocess.Popen(
         [
-            sys.executable, "-m", "worker", "--model", MODEL, "--redis-url", redis_url,
-            "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning",
+            sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", MODEL,
+            "--redis-url", redis_url, "--max-model-len", str(MAX_MODEL_LEN),
         ],
         env=env,
     )  # fmt: skip

@@ -33,7 +33,7 @@ def start_api(redis_url: str, port: int, extra_env: dict[str, str] | None = None
         **(extra_env or {}),
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "--log-level", "warning", "api",
+        [sys.executable, "-m", "cli", "--log-level", "warning", "api",
          "--host", "127.0.0.1", "--port", str(port)],
         cwd=REPO, env=env,
     )  # fmt: skip

@@ -4,15 +4,16 @@ README says, and every `inferq ...` command they run exists in the CLI with thos
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from cli.main import build_parser
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.settings import ApiSettings
-from worker.cli import _build_parser
 from worker.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,7 +149,7 @@ def test_batch_controller_runs_off_the_gpu_against_the_same_redis(compose):
 def test_every_inferq_command_exists_in_the_cli(compose):
     commands = _inferq_commands(compose)
     assert {c[1] for c in commands} == {"api", "worker", "status", "batch"}
-    parser = _build_parser()
+    parser = build_parser()
     for command in commands:
         args = parser.parse_args(command[1:])  # argparse exits (fails the test) on a bad flag
         assert args.handler is not None
@@ -174,6 +175,15 @@ def test_dockerfile_installs_like_the_readme_and_matches_the_volumes(compose):
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
     assert compose["services"]["worker-gpu"]["build"]["context"] == "."
+
+
+def test_dockerfile_copies_every_package_the_project_installs():
+    """The image's editable install needs each package folder (a missing one breaks `inferq`)."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    dockerfile = (REPO / "Dockerfile").read_text()
+    for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        package = pattern.rstrip("*")
+        assert f"COPY --chown=inferq:inferq {package} {package}" in dockerfile, package
 
 
 def test_interpolation_helper_matches_compose_rules():

@@ -14,13 +14,13 @@ import pytest
 from fastapi.testclient import TestClient
 from redis.asyncio import Redis
 
+from cli.main import main as inferq
+from cli.status import redacted
 from producer_api.app import create_app
 from producer_api.settings import ApiSettings
 from producer_api.status import percentile, read_snapshot, token_rates
-from producer_api.status_cli import redacted
 from schemas import RedisKeys
 from schemas.workers import TokenSample, TtftSample
-from worker.cli import main as inferq
 from worker.heartbeat import TtftBuffer, beat
 
 MODEL = "org/Model v1"  # needs percent-encoding in keys

@@ -61,7 +61,7 @@ async def running_worker(
 def start_worker_process(
     redis_url: str, *, fake: bool, extra_env: dict[str, str] | None = None, **settings: Any
 ) -> subprocess.Popen[bytes]:
-    """`python -m worker` as a child process; with `fake`, it runs tests/worker's FakeEngine."""
+    """`inferq worker` as a child process; with `fake`, it runs tests/worker's FakeEngine."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
     values = {**FAST, "redis_url": redis_url, **settings}
@@ -74,7 +74,7 @@ def start_worker_process(
     # blocked on a full pipe buffer (64 KiB of log lines) would stall mid-test.
     with tempfile.NamedTemporaryFile(prefix="inferq-worker-", suffix=".log", delete=False) as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--log-level", "info"],
+            [sys.executable, "-m", "cli", "--log-level", "info", "worker"],
             cwd=REPO,
             env=env,
             stdout=log,

@@ -10,16 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from cli.batch_submit import add_submit_arguments, run_submit
+from cli.flags import ENGINE_SECTION, SettingsFlags, add_settings_arguments
+from producer_api.batches.settings import BatchControllerSettings
+from schemas.defaults import DEFAULT_MODEL
+from worker.engine_settings import ENGINE_SETTINGS, EngineSettings
 
 CHUNK_LINES = 16  # lines per generate call: what a Ctrl-C can lose
 
 
-def add_batch_arguments(commands: Any) -> None:
+def add_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `inferq batch ...` on the top-level subparsers."""
-    from producer_api.batches.submit_cli import add_submit_arguments
-
     batch = commands.add_parser("batch", help="bulk work: OpenAI batch files").add_subparsers(
         dest="action", required=True
     )
@@ -34,18 +39,24 @@ def add_batch_arguments(commands: Any) -> None:
     run.add_argument("-o", "--output", type=Path, required=True)
     run.add_argument("--errors", type=Path, help="default: OUTPUT.errors.jsonl")
     run.add_argument("--local", action="store_true", required=True, help="in-process engine")
-    run.add_argument("--model", default=None, help="default: the default model")
-    run.add_argument("--max-model-len", type=int, default=None)
-    run.add_argument("--default-max-tokens", type=int, default=1024)
-    run.set_defaults(handler=_run)
+    run.add_argument("--model", default=DEFAULT_MODEL, help="default: %(default)s")
+    default_max_tokens = BatchControllerSettings.model_fields["default_max_tokens"]
+    run.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=default_max_tokens.default,
+        help=default_max_tokens.description,
+    )
+    engine_flags = add_settings_arguments(
+        run, EngineSettings, sections={ENGINE_SECTION: ENGINE_SETTINGS}, environment=False
+    )
+    run.set_defaults(handler=partial(_run, engine_flags))
 
     controller = batch.add_parser("controller", help="run the batch controller (arq worker)")
     controller.set_defaults(handler=_controller)
 
 
 def _submit(args: argparse.Namespace, _: list[str]) -> int:
-    from producer_api.batches.submit_cli import run_submit
-
     return run_submit(args)
 
 
@@ -60,7 +71,9 @@ def _controller(args: argparse.Namespace, _: list[str]) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace, _: list[str]) -> int:
+def _run(
+    engine_flags: SettingsFlags[EngineSettings], args: argparse.Namespace, _: list[str]
+) -> int:
     from producer_api.batches.lines import line_of_error, parse_lines
 
     errors_path = args.errors or args.output.with_suffix(".errors.jsonl")
@@ -78,9 +91,8 @@ def _run(args: argparse.Namespace, _: list[str]) -> int:
     from tqdm.auto import tqdm
 
     from engine import LLM
-    from engine.model_files import DEFAULT_MODEL
 
-    llm = LLM(args.model or DEFAULT_MODEL, **_engine_args(args))
+    llm = LLM(args.model, **engine_flags.given(args))
     progress = tqdm(
         total=len(lines),
         initial=len(lines) - len(good),
@@ -103,10 +115,6 @@ def _run(args: argparse.Namespace, _: list[str]) -> int:
         return 130
     progress.close()
     return 0
-
-
-def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {"max_model_len": args.max_model_len} if args.max_model_len else {}
 
 
 def _generate(llm: Any, chunk: list[Any]) -> list[tuple[bool, str]]:

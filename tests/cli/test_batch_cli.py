@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from cli.main import main
 from tests.api.conftest import ALICE_KEY
 from tests.batch.conftest import BatchStack
 from tests.batch.real_system import MAX_MODEL_LEN, MODEL, REPO, completion_line
 from tests.batch.test_batch_api import completion_line as fake_line
 from tests.batch.test_batch_api import expected_text
-from worker.cli import main
 
 
 def test_submit_waits_with_a_progress_bar_and_downloads_the_files(
@@ -65,7 +65,7 @@ def test_local_run_shows_progress_and_resumes_after_ctrl_c(tmp_path: Path):
     source.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     command = [
-        sys.executable, "-m", "worker.cli", "--log-level", "warning", "batch", "run", str(source),
+        sys.executable, "-m", "cli", "--log-level", "warning", "batch", "run", str(source),
         "-o", str(out), "--local", "--max-model-len", str(MAX_MODEL_LEN),
     ]  # fmt: skip
     env = {**os.environ, "INFERQ_NUM_THREADS": "2"}

@@ -29,8 +29,8 @@ from redis.exceptions import RedisError
 from producer_api.status import StatusSnapshot, read_snapshot
 from producer_api.workers import parse_heartbeat
 from schemas import DEFAULT_PREFIX, RedisKeys
+from schemas.defaults import DEFAULT_REDIS_URL
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CHECK_TIMEOUT_S = 3.0
 
 

@@ -7,13 +7,24 @@ import logging
 import runpy
 import sys
 import time
+from functools import partial
 from pathlib import Path
+
+from cli.batch import add_batch_arguments
+from cli.flags import ENGINE_SECTION, SettingsCommand, SettingsFlags, add_settings_arguments
+from cli.status import add_status_arguments, run_status
+from cli.up import UpSettings, run_up
+from engine.config import EngineConfig
+from producer_api.settings import ApiSettings
+from schemas.defaults import DEFAULT_MODEL
+from worker.engine_settings import ENGINE_SETTINGS, EngineSettings
+from worker.settings import WorkerSettings
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _build_parser()
+    parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -24,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.handler(args, extra)
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferq", description=__doc__)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
@@ -44,25 +55,30 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--chat", action="store_true", help="apply the chat template")
-    generate.set_defaults(handler=_generate)
-
-    from producer_api.serve import add_api_arguments
-    from producer_api.up import add_up_arguments
+    engine_flags = add_settings_arguments(
+        generate, EngineSettings, sections={ENGINE_SECTION: ENGINE_SETTINGS}, environment=False
+    )
+    generate.set_defaults(handler=partial(_generate, engine_flags))
 
     up = commands.add_parser("up", help="start Redis (if none answers), the API and one worker")
-    add_up_arguments(up)
-    up.set_defaults(handler=_up)
+    up_flags = add_settings_arguments(up, UpSettings)
+    up.set_defaults(handler=SettingsCommand("up", up_flags, run_up))
+
     api = commands.add_parser("api", help="run the HTTP API (uvicorn)")
-    add_api_arguments(api)
-    api.set_defaults(handler=_api)
+    # keys given on a command line would show in `ps`: INFERQ_API_KEYS only
+    api_flags = add_settings_arguments(api, ApiSettings, exclude=("api_keys",))
+    api.set_defaults(handler=SettingsCommand("api", api_flags, _api))
 
-    from worker.main import add_worker_arguments
-
-    worker = commands.add_parser("worker", help="run a worker: the model's job stream -> engine")
-    add_worker_arguments(worker)
-    worker.set_defaults(handler=_worker)
-
-    from producer_api.status_cli import add_status_arguments
+    worker = commands.add_parser(
+        "worker",
+        help="run a worker: the model's job stream -> engine",
+        description="Serve a model's job stream until SIGTERM / SIGINT (then drain and hand "
+        "back). Every flag is also INFERQ_<FLAG> in the environment.",
+    )
+    worker_flags = add_settings_arguments(
+        worker, WorkerSettings, sections={ENGINE_SECTION: ENGINE_SETTINGS}
+    )
+    worker.set_defaults(handler=SettingsCommand("worker", worker_flags, _worker))
 
     status = commands.add_parser(
         "status", help="models, workers, queues and dead letters, read from Redis"
@@ -70,9 +86,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_status_arguments(status)
     status.set_defaults(handler=_status)
 
-    from worker.batch_cli import add_batch_arguments
-
-    add_batch_arguments(commands)  # inferq batch submit|run|controller (issue 7)
+    add_batch_arguments(commands)
 
     bench = commands.add_parser("bench", help="run a benchmark from bench/ (flags pass through)")
     bench.add_argument("name", help="throughput, queue_overhead, serve, gpu, ...")
@@ -80,32 +94,24 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _up(args: argparse.Namespace, _: list[str]) -> int:
-    from producer_api.up import run_up
-
-    return run_up(args)
-
-
-def _api(args: argparse.Namespace, _: list[str]) -> int:
+def _api(settings: ApiSettings, args: argparse.Namespace) -> int:
     from producer_api.serve import run_api
 
-    return run_api(args)
+    return run_api(settings, args.log_level)
 
 
-def _worker(args: argparse.Namespace, _: list[str]) -> int:
-    from worker.main import run_from_cli
+def _worker(settings: WorkerSettings, _: argparse.Namespace) -> int:
+    from worker.main import run_worker
 
-    return run_from_cli(args)
+    return run_worker(settings)
 
 
 def _status(args: argparse.Namespace, _: list[str]) -> int:
-    from producer_api.status_cli import run_status
-
     return run_status(args)
 
 
 def _model_pull(args: argparse.Namespace, _: list[str]) -> int:
-    from engine.model_files import DEFAULT_MODEL, ModelNotFoundError, resolve_model_path
+    from engine.model_files import ModelNotFoundError, resolve_model_path
 
     started = time.perf_counter()
     try:
@@ -118,14 +124,17 @@ def _model_pull(args: argparse.Namespace, _: list[str]) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace, _: list[str]) -> int:
+def _generate(
+    engine_flags: SettingsFlags[EngineSettings], args: argparse.Namespace, _: list[str]
+) -> int:
     from worker.main import tune_cpu_process
 
-    tune_cpu_process("auto", None)
+    engine_args = engine_flags.given(args)
+    config = EngineConfig(model=args.model or DEFAULT_MODEL, **engine_args)
+    tune_cpu_process(config.device, config.num_threads)
     from engine import LLM, SamplingParams
-    from engine.model_files import DEFAULT_MODEL
 
-    llm = LLM(args.model or DEFAULT_MODEL)
+    llm = LLM(config.model, **engine_args)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
@@ -147,7 +156,3 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     sys.argv = [str(script), *extra]
     runpy.run_path(str(script), run_name="__main__")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

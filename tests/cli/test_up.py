@@ -1,9 +1,8 @@
-"""`inferq up` (producer_api.up): starts Redis, the API, the batch controller and a worker,
+"""`inferq up` (cli.up): starts Redis, the API, the batch controller and a worker,
 answers a completion and a batch, and stops them all on Ctrl-C."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from producer_api import up
+from cli import up
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -35,24 +34,15 @@ def answers(port: int) -> bool:
         return False
 
 
-def up_args(**overrides) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    up.add_up_arguments(parser)
-    args = parser.parse_args([])
-    for name, value in overrides.items():
-        setattr(args, name, value)
-    return args
-
-
 def test_no_auth_only_on_loopback(monkeypatch):
     monkeypatch.delenv("INFERQ_API_KEYS", raising=False)
     monkeypatch.delenv("INFERQ_AUTH_DISABLED", raising=False)
-    env, auth_off = up.api_environment(up_args(host="127.0.0.1"))
+    env, auth_off = up.api_environment(up.UpSettings(host="127.0.0.1"))
     assert auth_off and env["INFERQ_AUTH_DISABLED"] == "1"
     with pytest.raises(up.UpError, match="INFERQ_API_KEYS"):
-        up.api_environment(up_args(host="0.0.0.0"))
+        up.api_environment(up.UpSettings(host="0.0.0.0"))
     monkeypatch.setenv("INFERQ_API_KEYS", '{"me": "secret"}')
-    env, auth_off = up.api_environment(up_args(host="0.0.0.0"))
+    env, auth_off = up.api_environment(up.UpSettings(host="0.0.0.0"))
     assert not auth_off and "INFERQ_AUTH_DISABLED" not in env
 
 
@@ -76,8 +66,9 @@ def test_up_answers_a_completion_and_stops_cleanly(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("INFERQ_API_KEYS",)}
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "producer_api", "up", "--port", str(api_port),
-            "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--data-dir", str(tmp_path),
+            sys.executable, "-m", "cli", "--log-level", "warning", "up",
+            "--port", str(api_port), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+            "--data-dir", str(tmp_path),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -11,7 +11,7 @@ import time
 
 def test_controller_logs_each_line_once_and_stops_on_sigint(redis_url):
     process = subprocess.Popen(
-        [sys.executable, "-m", "worker.cli", "batch", "controller"],
+        [sys.executable, "-m", "cli", "batch", "controller"],
         env={**os.environ, "INFERQ_REDIS_URL": redis_url},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

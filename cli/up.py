@@ -5,7 +5,8 @@ Redis: used as it is when something answers at the configured URL; otherwise, fo
 a `redis-server` is started with its data (AOF) in `--data-dir`. Then the API (uvicorn), the
 Batch API's controller (arq) and one worker on `--model` start as child processes; once /ready
 answers, the URLs and a curl example are printed. Ctrl-C (or SIGTERM) stops the worker (it
-drains), the controller, the API, then the Redis server this command started, in that order. Nothing here imports the engine: the worker is a child.
+drains), the controller, the API, then the Redis server this command started, in that order.
+Nothing here loads the engine: the worker is a child.
 
 Without INFERQ_API_KEYS the API runs without authentication, which is only allowed when it
 listens on a loopback address (and is printed loudly).
@@ -30,31 +31,35 @@ from urllib.parse import urlsplit
 
 import httpx
 import redis
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer_api.settings import DEFAULT_PORT
+from cli.flags import same_setting
+from producer_api.settings import ApiSettings
+from worker.settings import WorkerSettings
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # engine.model_files.DEFAULT_MODEL, not imported here
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 READY_TIMEOUT_S = 900.0  # the first start converts the default model
-STOP_TIMEOUT_S = 40.0
-LOG_LEVELS = ["debug", "info", "warning", "error"]  # the worker's default drain is 30 s
+STOP_TIMEOUT_S = 40.0  # the worker's default drain is 30 s
 
 
 class UpError(Exception):
     """A start-up problem the user can fix (message says how)."""
 
 
-def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--model", default=os.environ.get("INFERQ_MODEL", DEFAULT_MODEL), help="worker's model")
-    add("--host", default=os.environ.get("INFERQ_HOST", "127.0.0.1"), help="API listen address")
-    add("--port", type=int, default=int(os.environ.get("INFERQ_PORT", DEFAULT_PORT)))
-    add("--redis-url", default=os.environ.get("INFERQ_REDIS_URL", DEFAULT_REDIS_URL))
-    add("--prefix", default=os.environ.get("INFERQ_PREFIX"), help="Redis key prefix")
-    add("--data-dir", type=Path, default=None, help="Redis data dir (default $INFERQ_HOME/redis)")
-    add("--no-worker", action="store_true", help="start Redis and the API only")
-    add("--ready-timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for /ready")
+class UpSettings(BaseSettings):
+    """What `inferq up` starts; the settings it shares with the API and the worker are theirs."""
+
+    model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
+
+    model: str = same_setting(WorkerSettings, "model")
+    host: str = same_setting(ApiSettings, "host")
+    port: int = same_setting(ApiSettings, "port")
+    redis_url: str = same_setting(ApiSettings, "redis_url")
+    prefix: str = same_setting(ApiSettings, "prefix")
+    data_dir: Path | None = Field(None, description="Redis data dir (default $INFERQ_HOME/redis)")
+    worker: bool = Field(True, description="start a worker (--no-worker: Redis and the API only)")
+    ready_timeout: float = Field(READY_TIMEOUT_S, gt=0, description="seconds to wait for /ready")
 
 
 def default_data_dir() -> Path:
@@ -169,18 +174,17 @@ def start_redis(system: System, url: str, data_dir: Path) -> Child | None:
     return child
 
 
-def api_environment(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
+def api_environment(settings: UpSettings) -> tuple[dict[str, str], bool]:
     """The API's environment, and whether authentication is off."""
     env = dict(os.environ)
-    env["INFERQ_REDIS_URL"] = args.redis_url
-    if args.prefix:
-        env["INFERQ_PREFIX"] = args.prefix
+    env["INFERQ_REDIS_URL"] = settings.redis_url
+    env["INFERQ_PREFIX"] = settings.prefix
     keys_given = bool(env.get("INFERQ_API_KEYS", "").strip())
     auth_off = env.get("INFERQ_AUTH_DISABLED", "").lower() in ("1", "true", "yes")
     if not keys_given and not auth_off:
-        if args.host not in LOOPBACK_HOSTS:
+        if settings.host not in LOOPBACK_HOSTS:
             raise UpError(
-                f"the API would listen on {args.host} without authentication: set "
+                f"the API would listen on {settings.host} without authentication: set "
                 'INFERQ_API_KEYS=\'{"me": "<key>"}\' (or INFERQ_AUTH_DISABLED=1 if you mean it)'
             )
         env["INFERQ_AUTH_DISABLED"] = "1"
@@ -242,7 +246,7 @@ def _banner(base_url: str, model: str, auth_off: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_up(args: argparse.Namespace) -> int:
+def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
     """Start Redis (if needed), the API and a worker; block until Ctrl-C; stop them all."""
     system = System()
     stopping = False
@@ -251,37 +255,37 @@ def run_up(args: argparse.Namespace) -> int:
         nonlocal stopping
         stopping = True
 
-    log_level = getattr(args, "log_level", "warning")  # the children's; `inferq` has its own flag
+    log_level = args.log_level  # `inferq --log-level`, passed on to the children
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    base_url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    base_url = f"http://{'127.0.0.1' if settings.host in ('0.0.0.0', '::') else settings.host}:{settings.port}"
     code = 0
     try:
-        if not _port_free(args.host, args.port):
-            raise UpError(f"port {args.port} on {args.host} is taken: pass --port")
-        start_redis(system, args.redis_url, args.data_dir or default_data_dir())
-        env, auth_off = api_environment(args)
+        if not _port_free(settings.host, settings.port):
+            raise UpError(f"port {settings.port} on {settings.host} is taken: pass --port")
+        start_redis(system, settings.redis_url, settings.data_dir or default_data_dir())
+        env, auth_off = api_environment(settings)
         system.spawn(
             "api",
             [
                 sys.executable, "-m", "uvicorn", "producer_api.app:create_app", "--factory",
-                "--host", args.host, "--port", str(args.port), "--log-level", log_level,
+                "--host", settings.host, "--port", str(settings.port), "--log-level", log_level,
             ],
             env,
         )  # fmt: skip
         # the Batch API's controller: without it a batch waits in `validating` forever
         system.spawn(
             "batch-controller",
-            [sys.executable, "-m", "worker.cli", "--log-level", log_level, "batch", "controller"],
+            [sys.executable, "-m", "cli", "--log-level", log_level, "batch", "controller"],
             env,
         )
-        if not args.no_worker:
-            worker_env = {**env, "INFERQ_MODEL": args.model}
-            worker_args = [sys.executable, "-m", "worker", "--model", args.model]
-            worker_args += ["--redis-url", args.redis_url, "--log-level", log_level]
+        if settings.worker:
+            worker_env = {**env, "INFERQ_MODEL": settings.model}
+            worker_args = [sys.executable, "-m", "cli", "--log-level", log_level, "worker"]
+            worker_args += ["--model", settings.model, "--redis-url", settings.redis_url]
             system.spawn("worker", worker_args, worker_env)
-        _wait_ready(system, base_url, args.ready_timeout, not args.no_worker, lambda: stopping)
+        _wait_ready(system, base_url, settings.ready_timeout, settings.worker, lambda: stopping)
         if not stopping:
-            print(_banner(base_url, args.model, auth_off), flush=True)
+            print(_banner(base_url, settings.model, auth_off), flush=True)
         while not stopping:
             if system.dead():
                 names = ", ".join(c.name for c in system.dead())
@@ -298,14 +302,3 @@ def run_up(args: argparse.Namespace) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="inferq up", description=__doc__)
-    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
-    add_up_arguments(parser)
-    return run_up(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
