@@ -188,7 +188,7 @@ class RedisKeys:
     def control_channel(self) -> str:
         return f"{self.prefix}:control"
 
-    # bulk work (issue 7): priority streams, files and batches
+    # bulk work: priority streams, files and batches
     def bulk_stream(self, model: str) -> str:
         return f"{self.prefix}:bulk:{encode_segment(model)}"
 
