@@ -42,8 +42,8 @@ request and status live in the hash, which is the single source of truth. The co
 (id 0, so jobs enqueued before the first worker started are served; ignore BUSYGROUP). A worker
 that is done with an entry (result stored, or job found cancelled/expired/dead-lettered) sends
 `XACK` then `XDEL` for it, so `XLEN` is the backlog (queued + in flight) that the enqueue
-queue-limit compares with. The queue tests' `fake_worker.py` is a minimal worker following this
-contract.
+queue-limit compares with. `tests/api/fake_worker.py` is a minimal worker following
+this contract.
 
 Job hash `{p}:job:{id}`: fields in `schemas.jobs.JobField`, string forms in
 `schemas.jobs.encode_hash_value`; no TTL while queued or running, `RESULT_TTL_S` once terminal.

@@ -14,24 +14,24 @@
 The transport follows the URL's scheme (http/https or redis/rediss/unix) unless `transport`
 says otherwise. Methods: enqueue, get, wait, stream, cancel, run; errors are
 `producer_api.queue.QueueError` (`JobNotFoundError` for an unknown job) on both transports.
+`Client` runs an `AsyncClient` on a private event-loop thread, so it works inside a running
+event loop too.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal, TypedDict, Unpack
 from urllib.parse import urlsplit
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer_api.client.http_client import AsyncHttpClient, HttpClient, HttpError
+from producer_api.client.base import AsyncJobClient
+from producer_api.client.blocking import BlockingClient
+from producer_api.client.http_client import DEFAULT_BASE_URL, AsyncHttpClient, HttpError
 from producer_api.client.redis_client import AsyncRedisClient, RedisClient
-from producer_api.client.resume import (
-    DEFAULT_MAX_RETRIES,
-    resuming_stream,
-    resuming_stream_sync,
-)
+from producer_api.client.resume import DEFAULT_MAX_RETRIES, resuming_stream
 from producer_api.queue import DEFAULT_POLL_INTERVAL_S, JobNotFoundError, QueueError
 from schemas import DEFAULT_PREFIX, Job, JobRequest, TokenChunk
 
@@ -53,12 +53,12 @@ def transport_of(url: str) -> Transport:
     return _SCHEMES[scheme]
 
 
-class AsyncClient:
+class AsyncClient(AsyncJobClient):
     """asyncio client over HTTP or Redis (see the module docstring)."""
 
     def __init__(
         self,
-        url: str = "http://127.0.0.1:8000",
+        url: str = DEFAULT_BASE_URL,
         *,
         transport: Transport | None = None,
         api_key: str | None = None,
@@ -70,7 +70,7 @@ class AsyncClient:
     ) -> None:
         self.transport: Transport = transport or transport_of(url)
         self.max_retries = max_retries
-        self._impl: AsyncHttpClient | AsyncRedisClient
+        self._impl: AsyncJobClient
         if self.transport == "http":
             self._impl = AsyncHttpClient(
                 url, api_key=api_key, timeout=timeout, max_retries=max_retries
@@ -93,9 +93,9 @@ class AsyncClient:
 
     def stream(self, job_id: str, last_index: int = -1) -> AsyncIterator[TokenChunk]:
         """Chunks after `last_index`, each once and in order, reconnecting after drops."""
-        if isinstance(self._impl, AsyncHttpClient):
-            return self._impl.stream(job_id, last_index)
         impl = self._impl
+        if isinstance(impl, AsyncHttpClient):  # it reconnects by itself
+            return impl.stream(job_id, last_index)
         return resuming_stream(
             lambda after: impl.stream(job_id, after), last_index, _REDIS_RETRY_ON, self.max_retries
         )
@@ -103,89 +103,27 @@ class AsyncClient:
     async def cancel(self, job_id: str) -> Job:
         return await self._impl.cancel(job_id)
 
-    async def run(
-        self,
-        request: JobRequest | Mapping[str, Any] | None = None,
-        /,
-        *,
-        timeout: float | None = None,
-        **fields: Any,
-    ) -> Job:
-        return await self._impl.run(request, timeout=timeout, **fields)
-
     async def aclose(self) -> None:
         await self._impl.aclose()
 
-    async def __aenter__(self) -> AsyncClient:
-        return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+class ClientOptions(TypedDict, total=False):
+    transport: Transport | None
+    api_key: str | None
+    prefix: str
+    owner: str | None
+    timeout: float
+    max_retries: int
+    poll_interval: float
 
 
-class Client:
-    """Blocking client over HTTP or Redis, with AsyncClient's methods."""
+class Client(BlockingClient[AsyncClient]):
+    """Blocking client over HTTP or Redis: AsyncClient's methods and options, for sync code."""
 
-    def __init__(
-        self,
-        url: str = "http://127.0.0.1:8000",
-        *,
-        transport: Transport | None = None,
-        api_key: str | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        owner: str | None = None,
-        timeout: float = 30.0,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
-    ) -> None:
-        self.transport: Transport = transport or transport_of(url)
-        self.max_retries = max_retries
-        self._impl: HttpClient | RedisClient
-        if self.transport == "http":
-            self._impl = HttpClient(url, api_key=api_key, timeout=timeout, max_retries=max_retries)
-        else:
-            self._impl = RedisClient(url, prefix=prefix, owner=owner, poll_interval=poll_interval)
-
-    def enqueue(
-        self, request: JobRequest | Mapping[str, Any] | None = None, /, **fields: Any
-    ) -> Job:
-        return self._impl.enqueue(request, **fields)
-
-    def get(self, job_id: str) -> Job:
-        return self._impl.get(job_id)
-
-    def wait(self, job_id: str, timeout: float | None = None) -> Job:
-        return self._impl.wait(job_id, timeout=timeout)
-
-    def stream(self, job_id: str, last_index: int = -1) -> Iterator[TokenChunk]:
-        if isinstance(self._impl, HttpClient):
-            return self._impl.stream(job_id, last_index)
-        impl = self._impl
-        return resuming_stream_sync(
-            lambda after: impl.stream(job_id, after), last_index, _REDIS_RETRY_ON, self.max_retries
-        )
-
-    def cancel(self, job_id: str) -> Job:
-        return self._impl.cancel(job_id)
-
-    def run(
-        self,
-        request: JobRequest | Mapping[str, Any] | None = None,
-        /,
-        *,
-        timeout: float | None = None,
-        **fields: Any,
-    ) -> Job:
-        return self._impl.run(request, timeout=timeout, **fields)
-
-    def close(self) -> None:
-        self._impl.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __init__(self, url: str = DEFAULT_BASE_URL, **options: Unpack[ClientOptions]) -> None:
+        super().__init__(AsyncClient(url, **options))
+        self.transport: Transport = self.async_client.transport
+        self.max_retries = self.async_client.max_retries
 
 
 __all__ = [
@@ -193,7 +131,7 @@ __all__ = [
     "AsyncHttpClient",
     "AsyncRedisClient",
     "Client",
-    "HttpClient",
+    "ClientOptions",
     "HttpError",
     "JobNotFoundError",
     "QueueError",

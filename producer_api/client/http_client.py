@@ -1,4 +1,4 @@
-"""Clients of the jobs API over HTTP (httpx), with the Redis clients' method names.
+"""The async client of the jobs API over HTTP (httpx), with the Redis client's method names.
 
     async with AsyncHttpClient("http://127.0.0.1:8000", api_key="...") as client:
         job = await client.enqueue(model="SmolLM2-135M-Instruct", prompt="Hi", stream=True)
@@ -6,24 +6,20 @@
             print(chunk.text, end="")
 
 Errors come back as `producer_api.queue.QueueError` (`.code`, `.error`), the same as with the
-Redis clients; an unknown (or someone else's) job raises `JobNotFoundError`.
+Redis client; an unknown (or someone else's) job raises `JobNotFoundError`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from producer_api.client.redis_client import as_request
-from producer_api.client.resume import (
-    DEFAULT_MAX_RETRIES,
-    resuming_stream,
-    resuming_stream_sync,
-)
+from producer_api.client.base import AsyncJobClient, as_request
+from producer_api.client.resume import DEFAULT_MAX_RETRIES, resuming_stream
 from producer_api.queue import JobNotFoundError, QueueError
 from producer_api.views import job_of_view
 from schemas import ErrorBody, ErrorCode, Job, JobRequest, TokenChunk
@@ -130,7 +126,7 @@ _STREAM_TIMEOUT = httpx.Timeout(DEFAULT_TIMEOUT_S, read=STREAM_READ_TIMEOUT_S)
 _RETRY_ON = (httpx.TransportError, StreamInterrupted)
 
 
-class AsyncHttpClient:
+class AsyncHttpClient(AsyncJobClient):
     def __init__(
         self,
         base_url: str = DEFAULT_BASE_URL,
@@ -155,7 +151,6 @@ class AsyncHttpClient:
         return job_of_view(response.json())
 
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:
-        """The job once terminal, or as it stands after `timeout` seconds."""
         give_up = None if timeout is None else time.monotonic() + timeout
         while True:
             left = MAX_WAIT_PER_CALL_S if give_up is None else give_up - time.monotonic()
@@ -203,115 +198,5 @@ class AsyncHttpClient:
         _raise_for(response, job_id)
         return job_of_view(response.json())
 
-    async def run(
-        self,
-        request: JobRequest | Mapping[str, Any] | None = None,
-        /,
-        *,
-        timeout: float | None = None,
-        **fields: Any,
-    ) -> Job:
-        job = await self.enqueue(request, **fields)
-        return await self.wait(job.id, timeout=timeout)
-
     async def aclose(self) -> None:
         await self.http.aclose()
-
-    async def __aenter__(self) -> AsyncHttpClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-
-class HttpClient:
-    """The blocking twin of AsyncHttpClient."""
-
-    def __init__(
-        self,
-        base_url: str = DEFAULT_BASE_URL,
-        *,
-        api_key: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-    ) -> None:
-        self.http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout)
-        self.max_retries = max_retries
-
-    def enqueue(
-        self, request: JobRequest | Mapping[str, Any] | None = None, /, **fields: Any
-    ) -> Job:
-        response = self.http.post("/v1/jobs", json=_body(as_request(request, fields)))
-        _raise_for(response)
-        return job_of_view(response.json())
-
-    def get(self, job_id: str) -> Job:
-        response = self.http.get(f"/v1/jobs/{job_id}")
-        _raise_for(response, job_id)
-        return job_of_view(response.json())
-
-    def wait(self, job_id: str, timeout: float | None = None) -> Job:
-        give_up = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = MAX_WAIT_PER_CALL_S if give_up is None else give_up - time.monotonic()
-            chunk = max(min(left, MAX_WAIT_PER_CALL_S), 0.0)
-            response = self.http.get(
-                f"/v1/jobs/{job_id}/wait",
-                params={"timeout": chunk},
-                timeout=chunk + DEFAULT_TIMEOUT_S,
-            )
-            _raise_for(response, job_id)
-            job = job_of_view(response.json())
-            if job.status.is_terminal or (give_up is not None and time.monotonic() >= give_up):
-                return job
-
-    def stream(self, job_id: str, last_index: int = -1) -> Iterator[TokenChunk]:
-        return resuming_stream_sync(
-            lambda after: self._stream_once(job_id, after), last_index, _RETRY_ON, self.max_retries
-        )
-
-    def _stream_once(self, job_id: str, last_index: int) -> Iterator[TokenChunk]:
-        with self.http.stream(
-            "GET",
-            f"/v1/jobs/{job_id}/stream",
-            headers=_stream_headers(last_index),
-            timeout=_STREAM_TIMEOUT,
-        ) as response:
-            if response.status_code >= 400:
-                response.read()
-                _raise_for(response, job_id)
-            parser = SseParser()
-            for line in response.iter_lines():
-                event = parser.feed(line)
-                if event is None:
-                    continue
-                chunk = _chunk_of_event(event)
-                if chunk is None:
-                    return
-                yield chunk
-        raise StreamInterrupted(f"the stream of {job_id} ended before its done event")
-
-    def cancel(self, job_id: str) -> Job:
-        response = self.http.delete(f"/v1/jobs/{job_id}")
-        _raise_for(response, job_id)
-        return job_of_view(response.json())
-
-    def run(
-        self,
-        request: JobRequest | Mapping[str, Any] | None = None,
-        /,
-        *,
-        timeout: float | None = None,
-        **fields: Any,
-    ) -> Job:
-        job = self.enqueue(request, **fields)
-        return self.wait(job.id, timeout=timeout)
-
-    def close(self) -> None:
-        self.http.close()
-
-    def __enter__(self) -> HttpClient:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

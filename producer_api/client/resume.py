@@ -1,14 +1,14 @@
 """Resuming chunk streams: after a dropped connection, reopen after the last chunk seen.
 
 Both transports number chunks, so a stream reopened with the last index seen continues
-without a gap or a repeat; the helpers here only decide when to retry and how long to wait."""
+without a gap or a repeat; this only decides when to retry and how long to wait."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
+from producer_api.client.base import close_stream
 from schemas import TokenChunk
 
 DEFAULT_MAX_RETRIES = 5
@@ -43,36 +43,5 @@ async def resuming_stream(
             if failures > max_retries:
                 raise
         finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await close_stream(stream)
         await asyncio.sleep(backoff_s(failures - 1))
-
-
-def resuming_stream_sync(
-    open_stream: Callable[[int], Iterator[TokenChunk]],
-    last_index: int,
-    retry_on: tuple[type[BaseException], ...],
-    max_retries: int = DEFAULT_MAX_RETRIES,
-) -> Iterator[TokenChunk]:
-    """`resuming_stream` for blocking iterators."""
-    failures = 0
-    while True:
-        stream = open_stream(last_index)
-        try:
-            for chunk in stream:
-                if chunk.index <= last_index:
-                    continue
-                last_index = chunk.index
-                failures = 0
-                yield chunk
-            return
-        except retry_on:
-            failures += 1
-            if failures > max_retries:
-                raise
-        finally:
-            close = getattr(stream, "close", None)
-            if close is not None:
-                close()
-        time.sleep(backoff_s(failures - 1))

@@ -1,4 +1,4 @@
-"""A contract-following fake worker for the API tests, built on tests/producer_api/fake_worker.py.
+"""A contract-following fake worker for the API tests, built on tests/api/fake_worker.py.
 
 It serves jobs one after another until stopped, beats a heartbeat (optionally advertising
 `max_model_len`), and "generates" by echoing the input's words: `echo_output(request)` computes
@@ -33,7 +33,7 @@ from schemas import (
     utc_now,
 )
 from schemas.chunks import Logprob
-from tests.producer_api.fake_worker import Claimed, FakeWorker
+from tests.api.fake_worker import Claimed, FakeWorker
 
 
 def input_words(request: JobRequest) -> list[str]:

@@ -4,12 +4,15 @@ results; HTTP streams resume after the connection drops."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 
 import pytest
+import redis as sync_redis
 
 from producer_api.client import AsyncClient, Client, JobNotFoundError, QueueError, transport_of
 from schemas import ErrorCode, JobRequest, JobStatus
-from tests.api.conftest import ALICE_KEY, BOB_KEY, MODEL
+from tests.api.conftest import ALICE_KEY, BOB_KEY, KEYS, MODEL
 from tests.api.echo_worker import echo_output
 
 PROMPT = " ".join(f"word{i}" for i in range(12))
@@ -55,6 +58,56 @@ async def test_async_client_run_and_cancel(client_url):
             await client.get("job_" + "A" * 22)
         resumed = [c async for c in client.stream(finished.id, last_index=3)]
         assert resumed[0].index == 4
+
+
+@pytest.mark.anyio
+async def test_sync_client_inside_a_running_event_loop(client_url):
+    with Client(**client_url, poll_interval=0.2) as client:
+        done = client.run(request(), timeout=10)
+        chunks = list(client.stream(done.id))
+    assert done.result.choices[0].text == echo_output(request()).text
+    assert "".join(c.text for c in chunks) == done.result.choices[0].text
+
+
+def client_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name == "inferq-client"}
+
+
+def test_streams_close_when_abandoned_or_with_their_client(stack):
+    stack.worker(step_delay_s=0.2)
+    probe = sync_redis.Redis.from_url(stack.redis_url)
+    others = client_threads()
+    client = Client(stack.redis_url, poll_interval=0.2)
+    job = client.enqueue(request())
+    channel = KEYS.channel(job.id)
+    chunks = client.stream(job.id)
+    next(chunks)
+    assert probe.pubsub_numsub(channel) == [(channel.encode(), 1)]
+    del chunks
+    assert probe.pubsub_numsub(channel) == [(channel.encode(), 0)]
+    kept = client.stream(job.id)
+    next(kept)
+    (thread,) = client_threads() - others
+    client.close()
+    assert probe.pubsub_numsub(channel) == [(channel.encode(), 0)]
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError):
+        next(kept)
+    probe.close()
+
+
+def test_an_unclosed_client_ends_its_thread_once_collected(redis_url):
+    others = client_threads()
+    client = Client(redis_url)
+    client.enqueue(model=MODEL, prompt="fire and forget")
+    (thread,) = client_threads() - others
+    del client
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
+    with pytest.raises(ValueError):
+        Client("ftp://example.com")  # refused before any thread starts
+    assert client_threads() <= others
 
 
 def test_http_client_keys_are_isolated(stack):

@@ -23,7 +23,7 @@ from schemas import (
     new_job_id,
     utc_now,
 )
-from tests.producer_api.fake_worker import FakeWorker, echo_pieces
+from tests.api.fake_worker import FakeWorker, echo_pieces
 
 pytestmark = pytest.mark.anyio
 
