@@ -72,7 +72,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(openai.router)
     app.include_router(ops.router)
-    app.include_router(batches_routes.router)  # Files + Batch API (issue 7)
+    app.include_router(batches_routes.router)  # Files + Batch API
     app.include_router(dashboard.router)
     # Outermost first: count every response, the body-size refusals included.
     app.add_middleware(

@@ -1,4 +1,4 @@
-"""Interactive before bulk (issue 7): a worker reads its model's jobs stream first and the
+"""Interactive before bulk: a worker reads its model's jobs stream first and the
 bulk stream (`RedisKeys.bulk_stream`) only with the room left, and reads the jobs stream once
 more between long steps so that an interactive job that arrives while a step runs joins the
 very next step."""

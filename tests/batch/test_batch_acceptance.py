@@ -1,4 +1,4 @@
-"""Acceptance of issue 7 against the real system: Redis, the API, an arq controller process and
+"""The Batch API against the real system: Redis, the API, an arq controller process and
 an inference worker process on the default model. Texts must equal the offline `engine.LLM`'s.
 
 Run with `pytest tests/batch -m slow -s` (prints the batch durations; the priority acceptance is

@@ -1,4 +1,4 @@
-"""Acceptance of issue 7's priorities on the real system: with 1,000 bulk jobs queued,
+"""Interactive-before-bulk priorities on the real system: with 1,000 bulk jobs queued,
 interactive requests' TTFT p50 stays within 2x of their TTFT on an idle system, and bulk work
 still progresses. Run with `pytest tests/batch -m slow -s` to see the figures.
 
