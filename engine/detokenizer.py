@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.stop import Stop
+from schemas.chunks import FinishReason
 from schemas.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ _INCOMPLETE = "\ufffd"
 @dataclass
 class TextDelta:
     text: str  # new text safe to emit now
-    finish_reason: str | None = None  # "stop" or "length"
+    finish_reason: FinishReason | None = None  # "stop" or "length"
     stop_reason: str | int | None = None  # matched stop string or stop token id (None for EOS)
     # A stop string found in the text of a token that also ended the sequence otherwise wins.
 
@@ -130,7 +131,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.params = params
         self.num_output_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self._decoder = _WindowDecoder(
             _decode_function(tokenizer, params.skip_special_tokens),
@@ -196,6 +197,6 @@ class IncrementalDetokenizer:
             self._held = self._held[:start]
             self._finish("stop", stop)
 
-    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
         if self.finish_reason is None:  # a stop string found while flushing wins
             self.finish_reason, self.stop_reason = reason, stop_reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schemas.chunks import FinishReason
 from schemas.sampling import SamplingParams
 
 
@@ -53,7 +54,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
 
@@ -80,7 +81,7 @@ class RequestDelta:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" once the choice is done
+    finish_reason: FinishReason | None = None  # "stop", "length", "abort" once it is done
     stop_reason: str | int | None = None
     output: RequestOutput | None = None
 

@@ -24,6 +24,7 @@ from engine.block_manager import BlockCopy, BlockManager
 from engine.config import EngineConfig
 from engine.sequence import ScheduledSeq, Sequence, SequenceStatus
 from engine.stop import Stop, StopRules, check_stop
+from schemas.chunks import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +228,9 @@ class Scheduler:
             if not siblings:
                 del self._by_request[seq.request_id]
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+    def finish(
+        self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None
+    ) -> None:
         if seq.is_finished:
             return
         self._forget(seq)

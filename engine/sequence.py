@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from schemas.chunks import FinishReason
 from schemas.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: FinishReason | None = None  # "stop", "length" or "abort" once finished
     stop_reason: str | int | None = None  # the stop string or stop token id that finished it
     # Prefix-cache bookkeeping, owned by the BlockManager. Hashes depend on tokens only, so they
     # survive preemption; registered blocks are the leading table entries already offered to
@@ -82,7 +83,7 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-    def mark_finished(self, reason: str, stop_reason: str | int | None = None) -> None:
+    def mark_finished(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """Record how the sequence ended; freeing its blocks is the scheduler's part."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason, self.stop_reason = reason, stop_reason

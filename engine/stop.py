@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.sequence import Sequence
 
@@ -18,7 +19,7 @@ from engine.sequence import Sequence
 class Stop:
     """How a token ended its sequence."""
 
-    finish_reason: str  # "stop" (EOS or a stop token id: its text is not output) or "length"
+    finish_reason: Literal["stop", "length"]  # "stop": EOS or a stop token id (text not output)
     stop_reason: int | None = None  # the stop token id; None for EOS and for length
 
 

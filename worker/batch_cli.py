@@ -59,7 +59,7 @@ def _controller(args: argparse.Namespace, _: list[str]) -> int:
 
     from producer_api.batches.controller import WorkerSettings
 
-    run_worker(WorkerSettings)
+    run_worker(WorkerSettings)  # type: ignore[arg-type]  # arq's Protocol wants typed attributes
     return 0
 
 

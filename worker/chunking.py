@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import overload
 
 from engine import outputs
 from schemas import Logprob, TokenChunk, TokenLogprob
@@ -28,6 +29,14 @@ class ChunkPolicy:
             return True
         since = choice.pending_since
         return self.interval_s > 0 and since is not None and now - since >= self.interval_s
+
+
+@overload
+def convert_logprobs(items: Iterable[outputs.TokenLogprob]) -> list[TokenLogprob]: ...
+
+
+@overload
+def convert_logprobs(items: None) -> None: ...
 
 
 def convert_logprobs(items: Iterable[outputs.TokenLogprob] | None) -> list[TokenLogprob] | None:
