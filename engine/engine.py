@@ -189,11 +189,11 @@ class Engine:
 
     def step(self) -> list[RequestDelta]:
         """Run one scheduled model step; return what each touched choice produced."""
-        deltas = [
-            self._delta(request, choice, [], "", None)
-            for request in self._finished_on_arrival
-            for choice in request.choices
-        ]
+        deltas = []
+        for request in self._finished_on_arrival:  # resumed with every choice complete
+            *earlier, last = request.choices
+            deltas += [self._delta(choice, [], "", None) for choice in earlier]
+            deltas.append(self._delta(last, [], "", None, self._take_output(request)))
         self._finished_on_arrival.clear()
         output = self.scheduler.schedule()
         self._num_preemptions += len(output.preempted)
@@ -261,25 +261,21 @@ class Engine:
                 choice.seq.mark_finished(text_delta.finish_reason, text_delta.stop_reason)
             choice.text = choice.detokenizer.output_text
             choice.finished = True
+        logprobs = [logprob] if logprob else None
         return self._delta(
-            request, choice, [token_id], text_delta.text, [logprob] if logprob else None
+            choice, [token_id], text_delta.text, logprobs, self._take_output(request)
         )
 
     def _delta(
         self,
-        request: _Request,
         choice: _Choice,
         token_ids: list[int],
         text: str,
         logprobs: list[TokenLogprob] | None,
+        output: RequestOutput | None = None,
     ) -> RequestDelta:
-        output = None
-        if request.finished and request.request_id in self._requests:
-            request.metrics.finished_time = time.monotonic()
-            output = self._output(request)
-            del self._requests[request.request_id]
         return RequestDelta(
-            request_id=request.request_id,
+            request_id=choice.seq.request_id,
             choice_index=choice.seq.choice_index,
             token_ids=token_ids,
             text=text,
@@ -288,6 +284,14 @@ class Engine:
             stop_reason=choice.seq.stop_reason,
             output=output,
         )
+
+    def _take_output(self, request: _Request) -> RequestOutput | None:
+        """The request's whole output, once: when its last choice has just finished."""
+        if not (request.finished and request.request_id in self._requests):
+            return None
+        request.metrics.finished_time = time.monotonic()
+        del self._requests[request.request_id]
+        return self._output(request)
 
     def _output(self, request: _Request) -> RequestOutput:
         outputs = [

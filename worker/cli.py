@@ -74,7 +74,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from worker.batch_cli import add_batch_arguments
 
-    add_batch_arguments(commands)  # inferq batch submit|run|controller (issue 7)
+    add_batch_arguments(commands)  # inferq batch submit|run|controller
 
     bench = commands.add_parser("bench", help="run a benchmark from bench/ (flags pass through)")
     bench.add_argument("name", help="throughput, queue_overhead, serve, gpu, ...")
