@@ -287,13 +287,13 @@ class Batch:
     def _complete(self, held: HeldJob, output: RequestOutput, wall: datetime) -> None:
         del self.held[held.job_id]
         self._buffered.discard(held.job_id)
-        timings = Timings.from_times(
-            queued_at=held.job.created_at,
-            started_at=held.job.started_at or held.started_at,
-            first_token_at=held.first_token_at,
-            finished_at=wall,
-        )
         try:
+            timings = Timings.from_times(
+                queued_at=held.job.created_at,
+                started_at=held.job.started_at or held.started_at,
+                first_token_at=held.first_token_at,
+                finished_at=wall,
+            )
             result = job_result(output, timings, held.choices)
         except Exception as exc:  # an output the schema refuses is an engine bug
             logger.exception("no result for %s", held.job_id)
