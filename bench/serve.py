@@ -261,6 +261,7 @@ def run_engine(
 ) -> tuple[list[Timeline], float]:
     """The same arrivals fed to an Engine in this process (no queue, no HTTP): the reference."""
     from engine import SamplingParams
+    from engine.outputs import EngineRequest
 
     timelines = [Timeline(sent=0.0) for _ in requests]
     start = time.perf_counter()
@@ -270,7 +271,7 @@ def run_engine(
         while next_up < len(requests) and arrivals[next_up] <= now:
             request = requests[next_up]
             params = SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
-            engine.add_request(f"r{next_up}", request.prompt_token_ids, params)
+            engine.add_request(EngineRequest(f"r{next_up}", request.prompt_token_ids, params))
             timelines[next_up].sent = time.perf_counter()
             next_up += 1
         if not engine.has_unfinished():
@@ -284,7 +285,6 @@ def run_engine(
                 timelines[index].chunk_times.append(stamp)
                 timelines[index].output_tokens += len(delta.token_ids)
             if delta.request_finished:
-                engine.pop_output(delta.request_id)
                 done += 1
     return timelines, start
 

@@ -188,15 +188,16 @@ def _hf_decode_ms(model, prompt: list[int], new_tokens: int) -> float:
 
 
 def _ours_decode_ms(llm, prompt: list[int], new_tokens: int, params) -> float:
+    from engine.outputs import EngineRequest
+
     samples = []
     for attempt in range(2):
         engine = llm.engine
-        engine.add_request(f"decode-{attempt}", prompt, params(new_tokens))
+        engine.add_request(EngineRequest(f"decode-{attempt}", prompt, params(new_tokens)))
         stamps = []
         while engine.has_unfinished():
             if engine.step():
                 stamps.append(time.perf_counter())
-        engine.pop_output(f"decode-{attempt}")
         samples.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1000)
     return statistics.median(samples)
 

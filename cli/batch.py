@@ -12,7 +12,10 @@ import json
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
 
 from cli.batch_submit import add_submit_arguments, run_submit
 from cli.flags import ENGINE_SECTION, SettingsFlags, add_settings_arguments
@@ -67,7 +70,7 @@ def _controller(args: argparse.Namespace, _: list[str]) -> int:
 
     from producer_api.batches.controller import WorkerSettings
 
-    run_worker(WorkerSettings)
+    run_worker(WorkerSettings)  # type: ignore[arg-type]  # arq's Protocol wants typed attributes
     return 0
 
 
@@ -143,26 +146,14 @@ def _generate(llm: Any, chunk: list[Any]) -> list[tuple[bool, str]]:
     return [item for _, item in sorted(results, key=lambda pair: pair[0])]
 
 
-def _output_line(line: Any, output: Any) -> str:
+def _output_line(line: Any, output: RequestOutput) -> str:
     from producer_api.batches.lines import response_body
-    from schemas import ChoiceResult, Job, JobResult, JobStatus, Timings, Usage, utc_now
+    from schemas import Job, JobStatus, Timings, utc_now
     from schemas.batches import output_line
-    from worker.chunking import convert_logprobs
+    from worker.results import job_result
 
-    choices = [
-        ChoiceResult(
-            index=c.index,
-            text=c.text,
-            token_ids=list(c.token_ids),
-            finish_reason=c.finish_reason or "stop",
-            stop_reason=c.stop_reason,
-            logprobs=convert_logprobs(c.logprobs),
-        )
-        for c in sorted(output.outputs, key=lambda c: c.index)
-    ]
     now = utc_now()
-    usage = Usage.of(len(output.prompt_token_ids), sum(len(c.token_ids) for c in choices))
-    result = JobResult(choices=choices, usage=usage, timings=Timings.from_times(now, now, now, now))
+    result = job_result(output, Timings.from_times(now, now, now, now))
     job = Job.new(line.request).model_copy(update={"status": JobStatus.SUCCEEDED, "result": result})
     return output_line(line.custom_id, job.id, response_body(line.openai, job))
 

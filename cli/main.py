@@ -7,6 +7,7 @@ import logging
 import runpy
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args.handler(args, extra)
+    handler: Callable[[argparse.Namespace, list[str]], int] = args.handler
+    return handler(args, extra)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Incremental detokenization of one sequence, and its stop conditions.
+"""Incremental detokenization of one sequence, and its stop strings.
 
 Text is produced token by token by decoding a short window of ids (the vLLM prefix/read offset
 technique): the window starts at the tokens that produced the last released text, and new text
@@ -8,7 +8,9 @@ tokens, independent of the output length.
 
 Stop strings may span tokens and steps: text that could be the start of a stop string is held
 back until it is resolved, so no emitted text is ever retracted; a matched stop string and
-everything after it are dropped; a finish releases what was held back.
+everything after it are dropped; a finish releases what was held back. The other stop
+conditions are token-based and decided beside the scheduler (engine.stop); the caller passes
+such a finish in with the token that caused it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.stop import Stop
+from schemas.chunks import FinishReason
 from schemas.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,8 +35,9 @@ _INCOMPLETE = "\ufffd"
 @dataclass
 class TextDelta:
     text: str  # new text safe to emit now
-    finish_reason: str | None = None  # "stop" or "length"
+    finish_reason: FinishReason | None = None  # "stop" or "length"
     stop_reason: str | int | None = None  # matched stop string or stop token id (None for EOS)
+    # A stop string found in the text of a token that also ended the sequence otherwise wins.
 
 
 def _decode_function(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
@@ -111,40 +116,27 @@ class _StopStrings:
 
 
 class IncrementalDetokenizer:
-    """Text and finish state of one sequence, fed its output tokens as they are sampled.
+    """Text of one sequence, fed its output tokens as they are sampled; finds stop strings.
 
-    Semantics (vLLM): EOS (unless ignore_eos) and stop_token_ids finish with "stop" once the
-    output has at least min_tokens tokens, their own text excluded; stop strings count from the
-    same point; max_tokens or prompt + output reaching max_model_len finish with "length"; a
-    stop on the same token as the length limit reports "stop".
+    Stop strings count once the output has at least min_tokens tokens. A finish decided by a
+    token (engine.stop) comes in with that token: "stop" (EOS or a stop token id) leaves that
+    token's text out, "length" keeps it; either releases all text held back.
 
     The deltas' concatenation is the output text as it reads after the prompt; for byte-level
     BPE tokenizers that equals tokenizer.decode(output_ids).
     """
 
     def __init__(
-        self,
-        tokenizer: Any,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        eos_token_ids: Iterable[int],
-        max_model_len: int,
-        num_prompt_tokens: int | None = None,
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> None:
         self.params = params
-        self.max_model_len = max_model_len
-        self.num_prompt_tokens = (
-            len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
-        )
         self.num_output_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self._decoder = _WindowDecoder(
             _decode_function(tokenizer, params.skip_special_tokens),
             list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]),
         )
-        self._stop_token_ids = frozenset(params.stop_token_ids)
-        self._eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self._stop_strings = _StopStrings(params.stop)
         self._emitted: list[str] = []  # released text, joined lazily by output_text
         self._held = ""  # decoded but not yet released: may still turn into a stop string
@@ -160,13 +152,16 @@ class IncrementalDetokenizer:
             self._emitted = ["".join(self._emitted)]
         return self._emitted[0] if self._emitted else ""
 
-    def add_tokens(self, token_ids: Iterable[int]) -> TextDelta:
-        """Feed newly sampled tokens; a resumed sequence may feed all its earlier ones at once."""
+    def add_tokens(self, token_ids: Sequence[int], stop: Stop | None = None) -> TextDelta:
+        """Feed newly sampled tokens; a resumed sequence may feed all its earlier ones at once.
+
+        `stop`: how the last of them ended the sequence (engine.stop.check_stop), if it did."""
         if self.finished:
             logger.debug("tokens added to a finished sequence are ignored")
             return TextDelta("", self.finish_reason, self.stop_reason)
-        for token_id in token_ids:
-            self._add_token(token_id)
+        last = len(token_ids) - 1
+        for position, token_id in enumerate(token_ids):
+            self._add_token(token_id, stop if position == last else None)
             if self.finished:
                 break
         release = len(self._held)
@@ -177,25 +172,17 @@ class IncrementalDetokenizer:
             self._emitted.append(text)
         return TextDelta(text, self.finish_reason, self.stop_reason)
 
-    def _add_token(self, token_id: int) -> None:
+    def _add_token(self, token_id: int, stop: Stop | None) -> None:
         self.num_output_tokens += 1
         past_min_tokens = self.num_output_tokens >= self.params.min_tokens
-        if past_min_tokens and (
-            token_id in self._stop_token_ids or token_id in self._eos_token_ids
-        ):
+        if stop is not None and stop.finish_reason == "stop":  # EOS or a stop token id
             self._append(self._decoder.flush(), past_min_tokens)
-            stop_id = token_id if token_id in self._stop_token_ids else None
-            self._finish("stop", stop_id)
+            self._finish(stop.finish_reason, stop.stop_reason)
             return
         self._append(self._decoder.push(token_id), past_min_tokens)
-        if self.finished:
-            return
-        if (
-            self.num_output_tokens >= self.params.max_tokens
-            or self.num_prompt_tokens + self.num_output_tokens >= self.max_model_len
-        ):
+        if stop is not None and not self.finished:
             self._append(self._decoder.flush(), past_min_tokens)
-            self._finish("length", None)
+            self._finish(stop.finish_reason, stop.stop_reason)
 
     def _append(self, text: str, check_stop_strings: bool) -> None:
         if not text:
@@ -210,6 +197,6 @@ class IncrementalDetokenizer:
             self._held = self._held[:start]
             self._finish("stop", stop)
 
-    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:
         if self.finish_reason is None:  # a stop string found while flushing wins
             self.finish_reason, self.stop_reason = reason, stop_reason

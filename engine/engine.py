@@ -14,6 +14,7 @@ from engine.model_files import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.outputs import (
     CompletionOutput,
+    EngineRequest,
     EngineStats,
     RequestDelta,
     RequestMetrics,
@@ -23,6 +24,7 @@ from engine.outputs import (
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stop import Stop, StopRules, append_until_stop
 from engine.tokenizer import load_tokenizer, read_eos_token_ids
 from schemas.sampling import SamplingParams
 
@@ -31,12 +33,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Choice:
-    seq: Sequence
+    seq: Sequence  # holds how the choice finished
     detokenizer: IncrementalDetokenizer
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    # Its last delta is out. The scheduler may have finished the sequence a moment earlier in
+    # the same step, before its text was made.
+    finished: bool = False
 
 
 @dataclass(eq=False)
@@ -51,7 +54,7 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.choices) == self.params.n and all(c.finish_reason for c in self.choices)
+        return len(self.choices) == self.params.n and all(c.finished for c in self.choices)
 
 
 class Engine:
@@ -70,10 +73,10 @@ class Engine:
         )
         # A sequence longer than the whole cache would preempt itself forever.
         self.max_model_len = min(self.runner.max_model_len, self.block_manager.token_capacity)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.stop_rules = StopRules.of(self.eos_token_ids, self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager, self.stop_rules)
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.runner.device)
         self._requests: dict[str, _Request] = {}
-        self._finished_outputs: dict[str, RequestOutput] = {}
         self._finished_on_arrival: list[_Request] = []
         self._num_prompt_tokens_computed = 0
         self._num_generation_tokens = 0
@@ -105,48 +108,36 @@ class Engine:
         # The template already holds the special tokens: don't add a second BOS.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        prior_output_token_ids: list[list[int]] | None = None,
-    ) -> None:
-        """Queue a request. `prior_output_token_ids` resumes choices that already produced tokens
-        elsewhere (a worker taking over a job): they are re-prefilled, not re-generated."""
-        if request_id in self._requests:
-            raise DuplicateRequestError(f"request {request_id!r} is already running")
-        prompt_text = prompt if isinstance(prompt, str) else None
-        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    def add_request(self, new: EngineRequest) -> None:
+        """Queue a request (or refuse it with a RequestRejectedError)."""
+        if new.request_id in self._requests:
+            raise DuplicateRequestError(f"request {new.request_id!r} is already running")
+        prompt_text = new.prompt if isinstance(new.prompt, str) else None
+        prompt_ids = self.tokenize(new.prompt) if isinstance(new.prompt, str) else list(new.prompt)
         self._validate(prompt_ids)
-        metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
-        request = _Request(request_id, prompt_text, prompt_ids, params, metrics)
-        if prior_output_token_ids and len(prior_output_token_ids) != params.n:
+        params, priors = new.params, new.prior_output_token_ids
+        metrics = RequestMetrics(arrival_time=new.arrival_time or time.monotonic())
+        request = _Request(new.request_id, prompt_text, prompt_ids, params, metrics)
+        if priors and len(priors) != params.n:
             raise RequestRejectedError("prior_output_token_ids needs one list per choice")
-        priors = prior_output_token_ids or [[]]
-        request.forked = params.n == 1 or prior_output_token_ids is not None
-        for index, prior in enumerate(priors):
+        request.forked = params.n == 1 or priors is not None
+        for index, prior in enumerate(priors or [[]]):
             seq = Sequence(
-                request_id=request_id,
-                token_ids=prompt_ids + list(prior),
+                request_id=new.request_id,
+                token_ids=list(prompt_ids),
                 num_prompt_tokens=len(prompt_ids),
                 params=params,
-                priority=priority,
+                priority=new.priority,
                 choice_index=index,
                 arrival_time=metrics.arrival_time,
             )
             choice = self._new_choice(seq)
             if prior:
-                delta = choice.detokenizer.add_tokens(list(prior))
-                choice.text = choice.detokenizer.output_text
-                choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+                self._replay(choice, list(prior))
             request.choices.append(choice)
-            if choice.finish_reason is None:
+            if not choice.finished:
                 self.scheduler.add(seq)
-        self._requests[request_id] = request
+        self._requests[new.request_id] = request
         if request.finished:  # resumed with every choice already complete
             self._finished_on_arrival.append(request)
 
@@ -163,24 +154,28 @@ class Engine:
             raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
 
     def _new_choice(self, seq: Sequence) -> _Choice:
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            seq.prompt_token_ids,
-            seq.params,
-            self.eos_token_ids,
-            self.max_model_len,
-        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
         return _Choice(
             seq=seq, detokenizer=detokenizer, logprobs=[] if seq.params.logprobs else None
         )
 
+    def _replay(self, choice: _Choice, prior: list[int]) -> None:
+        """Take in the tokens an earlier attempt produced, through the same stop checks."""
+        seq = choice.seq
+        stop = append_until_stop(seq, prior, self.stop_rules)
+        replayed = seq.num_output_tokens
+        delta = choice.detokenizer.add_tokens(prior[:replayed], stop)
+        seq.token_ids.extend(prior[replayed:])  # past its stop: kept, though never output as text
+        choice.text = choice.detokenizer.output_text
+        if delta.finish_reason is not None:
+            seq.mark_finished(delta.finish_reason, delta.stop_reason)
+            choice.finished = True
+
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks now. Returns False if it was unknown or done."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
+        if self._requests.pop(request_id, None) is None:
             return False
-        for seq in self.scheduler.abort(request_id):
-            self.sampler.forget(seq.seq_id)
+        self.scheduler.abort(request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -194,11 +189,11 @@ class Engine:
 
     def step(self) -> list[RequestDelta]:
         """Run one scheduled model step; return what each touched choice produced."""
-        deltas = [
-            self._delta(request, choice, [], "", None)
-            for request in self._finished_on_arrival
-            for choice in request.choices
-        ]
+        deltas = []
+        for request in self._finished_on_arrival:  # resumed with every choice complete
+            *earlier, last = request.choices
+            deltas += [self._delta(choice, [], "", None) for choice in earlier]
+            deltas.append(self._delta(last, [], "", None, self._take_output(request)))
         self._finished_on_arrival.clear()
         output = self.scheduler.schedule()
         self._num_preemptions += len(output.preempted)
@@ -221,21 +216,22 @@ class Engine:
             return deltas
         sampled = self.sampler(logits, sampling_seqs)
         self._num_generation_tokens += len(sampling_seqs)
-        for row, seq in enumerate(sampling_seqs):
-            token_id = sampled.token_ids[row]
-            seq.append_token(token_id)
+        for seq in sampling_seqs:  # before the sampled token may finish (and free) the parent
             request = self._requests[seq.request_id]
             if not request.forked:
                 self._fork_choices(request)
+        stops = self.scheduler.append_sampled(sampling_seqs, sampled.token_ids)
+        for row, seq in enumerate(sampling_seqs):
+            token_id = sampled.token_ids[row]
+            request = self._requests[seq.request_id]
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             logprob = None
             if sampled.logprobs[row] is not None:
                 top = sampled.top_logprobs[row] or []
                 logprob = TokenLogprob(token_id, sampled.logprobs[row], top)
-            deltas.append(
-                self._advance_choice(request, request.choices[seq.choice_index], token_id, logprob)
-            )
+            choice = request.choices[seq.choice_index]
+            deltas.append(self._advance_choice(request, choice, token_id, logprob, stops[row]))
         return deltas
 
     def _fork_choices(self, request: _Request) -> None:
@@ -246,45 +242,56 @@ class Engine:
         request.forked = True
 
     def _advance_choice(
-        self, request: _Request, choice: _Choice, token_id: int, logprob: TokenLogprob | None
+        self,
+        request: _Request,
+        choice: _Choice,
+        token_id: int,
+        logprob: TokenLogprob | None,
+        stop: Stop | None,
     ) -> RequestDelta:
-        text_delta = choice.detokenizer.add_tokens([token_id])
+        """The text of the choice's new token; `stop`: how the scheduler saw it end the choice."""
+        text_delta = choice.detokenizer.add_tokens([token_id], stop)
         choice.text += text_delta.text
         if choice.logprobs is not None and logprob is not None:
             choice.logprobs.append(logprob)
         if text_delta.finish_reason is not None:
-            choice.finish_reason = text_delta.finish_reason
-            choice.stop_reason = text_delta.stop_reason
+            if stop is None:  # a stop string
+                self.scheduler.finish(choice.seq, text_delta.finish_reason, text_delta.stop_reason)
+            else:  # finished already; a stop string in the text it flushed names the stop
+                choice.seq.mark_finished(text_delta.finish_reason, text_delta.stop_reason)
             choice.text = choice.detokenizer.output_text
-            self.scheduler.finish(choice.seq, text_delta.finish_reason)
-            self.sampler.forget(choice.seq.seq_id)
+            choice.finished = True
+        logprobs = [logprob] if logprob else None
         return self._delta(
-            request, choice, [token_id], text_delta.text, [logprob] if logprob else None
+            choice, [token_id], text_delta.text, logprobs, self._take_output(request)
         )
 
     def _delta(
         self,
-        request: _Request,
         choice: _Choice,
         token_ids: list[int],
         text: str,
         logprobs: list[TokenLogprob] | None,
+        output: RequestOutput | None = None,
     ) -> RequestDelta:
-        request_finished = request.finished
-        if request_finished and request.request_id in self._requests:
-            request.metrics.finished_time = time.monotonic()
-            self._finished_outputs[request.request_id] = self._output(request)
-            del self._requests[request.request_id]
         return RequestDelta(
-            request_id=request.request_id,
+            request_id=choice.seq.request_id,
             choice_index=choice.seq.choice_index,
             token_ids=token_ids,
             text=text,
             logprobs=logprobs,
-            finish_reason=choice.finish_reason,
-            stop_reason=choice.stop_reason,
-            request_finished=request_finished,
+            finish_reason=choice.seq.finish_reason,
+            stop_reason=choice.seq.stop_reason,
+            output=output,
         )
+
+    def _take_output(self, request: _Request) -> RequestOutput | None:
+        """The request's whole output, once: when its last choice has just finished."""
+        if not (request.finished and request.request_id in self._requests):
+            return None
+        request.metrics.finished_time = time.monotonic()
+        del self._requests[request.request_id]
+        return self._output(request)
 
     def _output(self, request: _Request) -> RequestOutput:
         outputs = [
@@ -292,8 +299,8 @@ class Engine:
                 index=c.seq.choice_index,
                 text=c.text,
                 token_ids=c.seq.output_token_ids,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+                finish_reason=c.seq.finish_reason,
+                stop_reason=c.seq.stop_reason,
                 logprobs=c.logprobs,
             )
             for c in request.choices
@@ -306,10 +313,6 @@ class Engine:
             metrics=request.metrics,
             finished=True,
         )
-
-    def pop_output(self, request_id: str) -> RequestOutput | None:
-        """The whole output of a finished request (once; the engine forgets it afterwards)."""
-        return self._finished_outputs.pop(request_id, None)
 
     # ------------------------------------------------------------------ capacity and stats
 

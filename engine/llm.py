@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.outputs import RequestOutput
+from engine.outputs import EngineRequest, RequestOutput
 from schemas.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -48,7 +48,7 @@ class LLM:
         request_ids = []
         for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, params, priority=prio)
+            self.engine.add_request(EngineRequest(request_id, prompt, params, priority=prio))
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -73,12 +73,10 @@ class LLM:
         with progress:
             while pending:
                 for delta in self.engine.step():
-                    if delta.request_finished and delta.request_id in pending:
-                        output = self.engine.pop_output(delta.request_id)
-                        if output is not None:
-                            outputs[delta.request_id] = output
-                            pending.discard(delta.request_id)
-                            progress.update(1)
+                    if delta.output is not None and delta.request_id in pending:
+                        outputs[delta.request_id] = delta.output
+                        pending.discard(delta.request_id)
+                        progress.update(1)
         return [outputs[request_id] for request_id in request_ids]
 
 

@@ -1,8 +1,28 @@
-"""What the engine hands back: per-step deltas for streaming, whole outputs for offline use."""
+"""What crosses the engine's boundary: the request that goes in; per-step deltas (for
+streaming), whole outputs and stats that come back. Plain dataclasses, no torch: the worker
+and its test fakes type against them cheaply."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from schemas.chunks import FinishReason
+from schemas.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request for the engine.
+
+    `prior_output_token_ids` resumes choices that already produced tokens elsewhere (a worker
+    taking over a job), one list per choice: they are re-prefilled, not re-generated."""
+
+    request_id: str
+    prompt: str | list[int]  # text, or token ids
+    params: SamplingParams
+    priority: int = 0  # lower runs first
+    arrival_time: float | None = None  # time.monotonic(); None: now
+    prior_output_token_ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -10,24 +30,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass
-class RequestDelta:
-    """New output of one choice of one request in one engine step."""
-
-    request_id: str
-    choice_index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort" once the choice is done
-    stop_reason: str | int | None = None
-    request_finished: bool = False  # every choice of the request is done
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -52,7 +54,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
 
@@ -65,6 +67,31 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = False
+
+
+@dataclass
+class RequestDelta:
+    """New output of one choice of one request in one engine step.
+
+    The delta that finishes the request (every choice done) carries its whole output: the one
+    way a finished request's output leaves the engine."""
+
+    request_id: str
+    choice_index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None  # "stop", "length", "abort" once it is done
+    stop_reason: str | int | None = None
+    output: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def request_finished(self) -> bool:
+        return self.output is not None
 
 
 @dataclass

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling.filters import apply_min_p, apply_top_k_top_p
-from engine.sampling.noise import RaceNoise
-from engine.sampling.penalties import Penalizer, min_tokens_mask_indices, uses_penalties
+from engine.sampling.noise import race_noise
+from engine.sampling.penalties import apply_penalties, min_tokens_mask_indices, uses_penalties
 from engine.sequence import Sequence
 
 
@@ -37,7 +37,8 @@ def _rows_tensor(rows: list[int], device: torch.device) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks tokens for a batch; keeps per-sequence state (seeded generators, prompt ids)."""
+    """Picks tokens for a batch. Per-sequence state (a seeded generator, the prompt as a tensor)
+    lives on each Sequence, so it goes when the sequence does."""
 
     def __init__(
         self, vocab_size: int, eos_token_ids: Iterable[int], device: torch.device | str = "cpu"
@@ -45,13 +46,6 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.device = torch.device(device)
-        self._penalizer = Penalizer()
-        self._noise = RaceNoise()
-
-    def forget(self, seq_id: int) -> None:
-        """Drop the state of a finished (or aborted) sequence."""
-        self._penalizer.forget(seq_id)
-        self._noise.forget(seq_id)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
@@ -72,10 +66,10 @@ class Sampler:
         vocab_size, device = logits.shape[1], logits.device
         penalised = [row for row, seq in enumerate(seqs) if uses_penalties(seq)]
         if len(penalised) == len(seqs):
-            logits = self._penalizer(logits, seqs)
+            logits = apply_penalties(logits, seqs)
         elif penalised:
             index = _rows_tensor(penalised, device)
-            rows = self._penalizer(logits[index], [seqs[row] for row in penalised])
+            rows = apply_penalties(logits[index], [seqs[row] for row in penalised])
             logits = logits.index_copy(0, index, rows)
         rows, tokens = min_tokens_mask_indices(seqs, self.eos_token_ids, vocab_size)
         if rows:
@@ -108,7 +102,7 @@ class Sampler:
         scaled = apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
         scaled = apply_min_p(scaled, [p.min_p for p in params])
         probs = scaled.softmax(dim=-1)
-        noise = self._noise.sample(seqs, logits.shape[1], logits.device)
+        noise = race_noise(seqs, logits.shape[1], logits.device)
         return probs.div_(noise).argmax(dim=-1)
 
     def _logprobs(

@@ -6,6 +6,9 @@ sequence by recomputation when KV blocks run out. Then, unless this step preempt
 admits WAITING sequences in (priority, arrival) order while the token budget, the sequence
 slots and the blocks allow. A waiting sequence that does not fit blocks admission: no
 skipping ahead of the head of the line.
+
+After the step, the scheduler takes in each sampled token and decides, by the token-based stop
+conditions (engine.stop), which sequences it ends; their blocks are free at once.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockCopy, BlockManager
 from engine.config import EngineConfig
 from engine.sequence import ScheduledSeq, Sequence, SequenceStatus
+from engine.stop import Stop, StopRules, check_stop
+from schemas.chunks import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +113,16 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        stop_rules: StopRules | None = None,
+    ) -> None:
+        """`stop_rules` None: no EOS token, and the whole cache as the context length."""
         self.config = config
         self.block_manager = block_manager
+        self.stop_rules = stop_rules or StopRules(frozenset(), block_manager.token_capacity)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._running: list[Sequence] = []
@@ -216,12 +228,13 @@ class Scheduler:
             if not siblings:
                 del self._by_request[seq.request_id]
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(
+        self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None
+    ) -> None:
         if seq.is_finished:
             return
         self._forget(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.mark_finished(reason, stop_reason)
 
     def abort(self, request_id: str) -> list[Sequence]:
         seqs = self.sequences(request_id)
@@ -362,3 +375,15 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += sched.num_new_tokens
             bm.cache_full_blocks(seq)
+
+    def append_sampled(self, seqs: list[Sequence], token_ids: list[int]) -> list[Stop | None]:
+        """Append each sequence's sampled token and finish those it stops (check_stop), freeing
+        their blocks now. Returns how each token ended its sequence (None: it goes on)."""
+        stops = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            seq.append_token(token_id)
+            stop = check_stop(seq, self.stop_rules)
+            if stop is not None:
+                self.finish(seq, stop.finish_reason, stop.stop_reason)
+            stops.append(stop)
+        return stops

@@ -6,8 +6,13 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
+from schemas.chunks import FinishReason
 from schemas.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 _seq_ids = itertools.count()
 
@@ -16,6 +21,14 @@ class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class SamplerState:
+    """What the sampler keeps about one sequence, made on first use; it dies with the sequence."""
+
+    generator: torch.Generator | None = None  # a seeded sequence's own noise stream
+    prompt_ids: torch.Tensor | None = None  # the prompt as a CPU tensor, for repetition_penalty
 
 
 @dataclass(eq=False)
@@ -33,13 +46,15 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None  # "stop", "length" or "abort" once finished
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished it
     # Prefix-cache bookkeeping, owned by the BlockManager. Hashes depend on tokens only, so they
     # survive preemption; registered blocks are the leading table entries already offered to
     # the cache (reset when the table is freed).
     cache_salt: str | None = None  # keeps caches of different tenants/adapters apart
     block_hashes: list[int] = field(default_factory=list)  # chained hash per full block
     num_registered_blocks: int = 0
+    sampler_state: SamplerState = field(default_factory=SamplerState)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +82,11 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def mark_finished(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """Record how the sequence ended; freeing its blocks is the scheduler's part."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
 
 
 @dataclass(eq=False)

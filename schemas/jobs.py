@@ -259,7 +259,7 @@ class Job(BaseModel):
         return hash_fields(**{str(k): v for k, v in fields.items()})
 
     @classmethod
-    def from_redis_hash(cls, data: Mapping[str | bytes, str | bytes]) -> Job:
+    def from_redis_hash(cls, data: Mapping[str, str] | Mapping[bytes, bytes]) -> Job:
         """Parse a hash read with HGETALL (bytes or str); raises pydantic.ValidationError when a
         field is missing or malformed (a worker treats that as an unparseable job)."""
         decoded = {_text(k): _text(v) for k, v in data.items()}

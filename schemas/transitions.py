@@ -55,7 +55,7 @@ def transition_call(
     return [keys.job(job_id), keys.channel(job_id)], args
 
 
-def transition_applied(reply: list[object]) -> tuple[bool, JobStatus | None]:
+def transition_applied(reply: list[int | str | bytes]) -> tuple[bool, JobStatus | None]:
     """Decode the script's reply: (applied, previous-or-current status; None if no such job)."""
     applied, status = reply
     text = status.decode() if isinstance(status, bytes) else str(status)

@@ -62,7 +62,7 @@ class WorkerInfo(BaseModel):
         return out
 
     @classmethod
-    def from_redis_hash(cls, data: Mapping[str | bytes, str | bytes]) -> WorkerInfo:
+    def from_redis_hash(cls, data: Mapping[str, str] | Mapping[bytes, bytes]) -> WorkerInfo:
         return cls.model_validate(
             {
                 (k.decode() if isinstance(k, bytes) else k): (

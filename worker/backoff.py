@@ -25,7 +25,7 @@ class Backoff:
     def failed(self) -> float:
         """Record a failure; returns the seconds until the next attempt."""
         self.failures += 1
-        base = min(self.maximum_s, self.minimum_s * 2 ** (self.failures - 1))
+        base = min(self.maximum_s, self.minimum_s * 2.0 ** (self.failures - 1))
         wait = base * random.uniform(0.5, 1.0)
         self._retry_at = time.monotonic() + wait
         return wait

@@ -7,17 +7,29 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime
 from enum import Enum
-from typing import Any
 
-from schemas import ErrorBody, ErrorCode, JobField, JobRequest, JobResult, JobStatus, utc_now
+from engine.errors import RequestRejectedError
+from engine.outputs import EngineRequest, RequestDelta, RequestOutput
+from schemas import (
+    ErrorBody,
+    ErrorCode,
+    JobField,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    Timings,
+    utc_now,
+)
 from worker.chunking import ChunkPolicy, absorb, take_chunks
 from worker.engine_api import EngineLike
+from worker.heartbeat import TtftBuffer
 from worker.held import HeldJob
 from worker.logs import log_event
 from worker.metrics import WorkerMetrics
 from worker.publisher import Outbox
-from worker.results import build_result
+from worker.results import job_result
 from worker.tracing import ChunkTracer
 
 logger = logging.getLogger(__name__)
@@ -32,7 +44,10 @@ class AbortReason(Enum):
 
 
 class Batch:
-    """The jobs of one worker's engine, from `queue()` to result, abort or hand-back."""
+    """The jobs of one worker's engine, from `queue()` to result, abort or hand-back.
+
+    The TTFTs of succeeded jobs wait in `ttfts` for the next heartbeat (worker.heartbeat), so
+    noting them adds no command to the step's pipeline."""
 
     def __init__(
         self,
@@ -51,6 +66,7 @@ class Batch:
         self.policy = policy
         self.metrics = metrics
         self.tracer = tracer
+        self.ttfts = TtftBuffer()
         self.held: dict[str, HeldJob] = {}  # in the engine
         self.ready: list[HeldJob] = []  # read from the stream, added to the engine next turn
         self.outcomes: dict[str, int] = {}
@@ -140,11 +156,13 @@ class Batch:
             try:
                 prompt_ids = self._prompt_ids(request)
                 self.engine.add_request(
-                    held.job_id,
-                    prompt_ids,
-                    request.sampling,
-                    priority=request.priority,
-                    prior_output_token_ids=held.prior_output_token_ids,
+                    EngineRequest(
+                        held.job_id,
+                        prompt_ids,
+                        request.sampling,
+                        priority=request.priority,
+                        prior_output_token_ids=held.prior_output_token_ids,
+                    )
                 )
             except Exception as exc:
                 self.reject(
@@ -240,7 +258,9 @@ class Batch:
 
     # ------------------------------------------------------------------ after a step
 
-    def collect(self, deltas: list[Any], error: BaseException | None, emitted_at: float) -> None:
+    def collect(
+        self, deltas: list[RequestDelta], error: BaseException | None, emitted_at: float
+    ) -> None:
         """Queue the chunks due after a step, and the results of the jobs it finished."""
         if error is not None:
             self._fail_all(error)
@@ -248,7 +268,7 @@ class Batch:
         now = time.monotonic()
         wall = utc_now()
         touched: dict[str, HeldJob] = {}
-        finished: list[HeldJob] = []
+        finished: list[tuple[HeldJob, RequestOutput]] = []
         for delta in deltas:
             held = self.held.get(delta.request_id)
             if held is None:
@@ -257,8 +277,8 @@ class Batch:
             if delta.token_ids and held.first_token_at is None and not held.resumed:
                 held.first_token_at = wall
             touched[held.job_id] = held
-            if delta.request_finished:
-                finished.append(held)
+            if delta.output is not None:
+                finished.append((held, delta.output))
         coalescing = not self.policy.every_step
         if coalescing:
             touched.update((i, self.held[i]) for i in self._buffered if i in self.held)
@@ -272,18 +292,21 @@ class Batch:
                     self._buffered.add(held.job_id)
                 else:
                     self._buffered.discard(held.job_id)
-        for held in finished:
-            self._complete(held, wall)
+        for held, output in finished:
+            self._complete(held, output, wall)
         self.tracer.flush()
 
-    def _complete(self, held: HeldJob, wall: Any) -> None:
+    def _complete(self, held: HeldJob, output: RequestOutput, wall: datetime) -> None:
         del self.held[held.job_id]
         self._buffered.discard(held.job_id)
-        output = self.engine.pop_output(held.job_id)
         try:
-            if output is None:
-                raise ValueError("the engine finished the job without output")
-            result = build_result(held, output, wall)
+            timings = Timings.from_times(
+                queued_at=held.job.created_at,
+                started_at=held.job.started_at or held.started_at,
+                first_token_at=held.first_token_at,
+                finished_at=wall,
+            )
+            result = job_result(output, timings, held.choices)
         except Exception as exc:  # an output the schema refuses is an engine bug
             logger.exception("no result for %s", held.job_id)
             error = ErrorBody.of(ErrorCode.ENGINE_ERROR, f"invalid engine output: {exc}")
@@ -310,12 +333,13 @@ class Batch:
             stream=held.queue_stream,
         )
         self.count("succeeded")
-        self._observe_timings(result)
+        self._observe_timings(held.job_id, result)
 
-    def _observe_timings(self, result: JobResult) -> None:
+    def _observe_timings(self, job_id: str, result: JobResult) -> None:
         t, m = result.timings, self.metrics.model
         if t.ttft_s is not None:
             self.metrics.ttft.labels(m).observe(t.ttft_s)
+            self.ttfts.add(job_id, t.ttft_s)
         if t.queue_wait_s is not None:
             self.metrics.queue_wait.labels(m).observe(t.queue_wait_s)
         if t.total_s is not None:
@@ -366,7 +390,6 @@ class Batch:
 
 
 def _rejection(exc: Exception) -> ErrorBody:
-    code = getattr(exc, "code", None)
-    if code in ErrorCode.__members__.values():
-        return ErrorBody.of(ErrorCode(code), str(exc))
+    if isinstance(exc, RequestRejectedError):
+        return ErrorBody.of(ErrorCode(exc.code), str(exc))
     return ErrorBody.of(ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")

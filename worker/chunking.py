@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import overload
 
+from engine import outputs
 from schemas import Logprob, TokenChunk, TokenLogprob
 from worker.held import ChoiceState, HeldJob
 
@@ -29,7 +31,15 @@ class ChunkPolicy:
         return self.interval_s > 0 and since is not None and now - since >= self.interval_s
 
 
-def convert_logprobs(items: Iterable[object] | None) -> list[TokenLogprob] | None:
+@overload
+def convert_logprobs(items: Iterable[outputs.TokenLogprob]) -> list[TokenLogprob]: ...
+
+
+@overload
+def convert_logprobs(items: None) -> None: ...
+
+
+def convert_logprobs(items: Iterable[outputs.TokenLogprob] | None) -> list[TokenLogprob] | None:
     """Engine TokenLogprob(token_id, logprob, top_logprobs=[(id, lp)]) -> wire TokenLogprob."""
     if items is None:
         return None
@@ -45,7 +55,7 @@ def convert_logprobs(items: Iterable[object] | None) -> list[TokenLogprob] | Non
     ]
 
 
-def absorb(held: HeldJob, delta: object, now: float) -> None:
+def absorb(held: HeldJob, delta: outputs.RequestDelta, now: float) -> None:
     """Add one engine RequestDelta to its choice's unpublished output."""
     choice = held.choices[delta.choice_index]
     if delta.token_ids:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from schemas.sampling import SamplingParams
+from engine.outputs import EngineRequest, EngineStats, RequestDelta
 
 if TYPE_CHECKING:
     from worker.settings import WorkerSettings
 
 
 class EngineLike(Protocol):
-    """What the worker calls on an engine (engine.Engine satisfies it; tests use fakes)."""
+    """What the worker calls on an engine (engine.Engine satisfies it; tests use fakes).
+
+    A finished request's output comes only on the delta that finishes it (`delta.output`)."""
 
     max_model_len: int
     block_size: int
@@ -21,28 +23,17 @@ class EngineLike(Protocol):
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        prior_output_token_ids: list[list[int]] | None = None,
-    ) -> None: ...
+    def add_request(self, new: EngineRequest) -> None: ...
 
     def abort(self, request_id: str) -> bool: ...
 
-    def step(self) -> list[Any]: ...
-
-    def pop_output(self, request_id: str) -> Any: ...
+    def step(self) -> list[RequestDelta]: ...
 
     def has_unfinished(self) -> bool: ...
 
     def num_admissible(self, prompt_len: int, max_tokens: int = 16) -> int: ...
 
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineStats: ...
 
 
 def build_engine(settings: WorkerSettings) -> EngineLike:

@@ -13,6 +13,7 @@ from importlib import metadata
 
 from redis.asyncio import Redis
 
+from engine.outputs import EngineStats
 from schemas import RedisKeys, WorkerInfo, utc_now
 from schemas.workers import LIVE_STATS_MAXLEN, LIVE_STATS_WINDOW_S, TokenSample, TtftSample
 
@@ -55,7 +56,7 @@ async def beat(
     *,
     name: str,
     model: str,
-    stats: object | None,
+    stats: EngineStats,
     started_at: datetime,
     ttl_s: int,
     max_model_len: int | None = None,
@@ -67,14 +68,14 @@ async def beat(
     info = WorkerInfo(
         name=name,
         model=model,
-        kv_blocks_free=max(0, getattr(stats, "num_blocks_free", 0)),
-        kv_blocks_total=getattr(stats, "num_blocks_total", 0),
-        running=getattr(stats, "num_running", 0),
-        waiting=getattr(stats, "num_waiting", 0),
+        kv_blocks_free=max(0, stats.num_blocks_free),
+        kv_blocks_total=stats.num_blocks_total,
+        running=stats.num_running,
+        waiting=stats.num_waiting,
         version=worker_version(),
         max_model_len=max_model_len or None,
-        prompt_tokens=max(0, getattr(stats, "num_prompt_tokens_computed", 0)),
-        generated_tokens=max(0, getattr(stats, "num_generation_tokens", 0)),
+        prompt_tokens=max(0, stats.num_prompt_tokens_computed),
+        generated_tokens=max(0, stats.num_generation_tokens),
         started_at=started_at,
         updated_at=utc_now(),
     )

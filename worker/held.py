@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from schemas import Job, TokenChunk, TokenLogprob
+from schemas import FinishReason, Job, TokenChunk, TokenLogprob
 
 
 @dataclass(eq=False)
@@ -19,7 +19,7 @@ class ChoiceState:
     pending_text: str = ""
     pending_logprobs: list[TokenLogprob] | None = None
     pending_since: float | None = None  # monotonic time of the oldest unpublished token
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     finish_published: bool = False
 

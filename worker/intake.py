@@ -197,16 +197,17 @@ class StreamReader:
         already started, read their published chunks (one more pipeline) to resume from."""
         if not entries:
             return []
-        named = [
-            e for e in entries if e.fields and is_valid_job_id(e.fields.get(JOB_ENTRY_FIELD, ""))
-        ]
+        job_ids = {  # entry id -> the job it names
+            e.entry_id: e.fields.get(JOB_ENTRY_FIELD, "") for e in entries if e.fields
+        }
+        named = {entry: job for entry, job in job_ids.items() if is_valid_job_id(job)}
         stored: dict[str, dict[str, str]] = {}
         if named:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for entry in named:
-                    pipe.hgetall(self.keys.job(entry.fields[JOB_ENTRY_FIELD]))
-                for entry, values in zip(named, await pipe.execute(), strict=True):
-                    stored[entry.entry_id] = values
+                for job_id in named.values():
+                    pipe.hgetall(self.keys.job(job_id))
+                for entry_id, values in zip(named, await pipe.execute(), strict=True):
+                    stored[entry_id] = values
         verdicts = [classify(e, stored.get(e.entry_id), max_attempts, now) for e in entries]
         resuming = [
             v.held
@@ -223,7 +224,11 @@ class StreamReader:
         return verdicts
 
 
-def _entries(reply: object) -> list[Entry]:
+# XREADGROUP's reply: per stream, its entries as (id, fields); fields None for a deleted entry.
+StreamReply = list[tuple[str | bytes, list[tuple[str | None, dict[str, str] | None]]]]
+
+
+def _entries(reply: StreamReply | None) -> list[Entry]:
     if not reply:
         return []
     out = []

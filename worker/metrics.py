@@ -7,6 +7,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from engine.outputs import EngineStats
+
 logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -104,7 +106,7 @@ class WorkerMetrics:
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.model, outcome).inc()
 
-    def observe_stats(self, stats: object) -> None:
+    def observe_stats(self, stats: EngineStats) -> None:
         """Update gauges and token counters from an EngineStats snapshot."""
         m = self.model
         self.running.labels(m).set(stats.num_running)

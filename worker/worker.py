@@ -20,18 +20,17 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from engine.outputs import EngineStats, RequestDelta
 from schemas import ErrorBody, ErrorCode, JobField, JobStatus, RedisKeys, utc_now
 from worker.backoff import Backoff
 from worker.batch import AbortReason, Batch
 from worker.chunking import ChunkPolicy
 from worker.control import REDIS_DOWN, ended_jobs, listen_for_cancels
 from worker.engine_api import EngineLike, build_engine
-from worker.finish_recorder import RecordingOutbox
 from worker.handback import hand_back
 from worker.heartbeat import beat
 from worker.intake import Admit, Entry, Expire, Reject, Skip, Verdict
@@ -39,6 +38,7 @@ from worker.janitor import renew_leases
 from worker.logs import log_event
 from worker.metrics import WorkerMetrics
 from worker.priority import PriorityReader, ReadPacing
+from worker.publisher import Outbox
 from worker.settings import WorkerSettings
 from worker.tracing import ChunkTracer
 
@@ -50,14 +50,7 @@ class Worker:
     given). `await run()` until `request_stop()`; then running jobs get `drain_timeout_s` to
     finish and the rest are handed back to the queue."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        engine: EngineLike | None = None,
-        *,
-        redis: Redis | None = None,
-        metrics: WorkerMetrics | None = None,
-    ) -> None:
+    def __init__(self, settings: WorkerSettings, engine: EngineLike | None = None) -> None:
         self.settings = settings
         self.name = settings.name
         self.model = settings.queue_model
@@ -76,8 +69,7 @@ class Worker:
                 self._engine_thread.shutdown(wait=False)
                 raise
         self.engine = engine
-        self._owns_redis = redis is None
-        self.redis = redis or Redis.from_url(
+        self.redis = Redis.from_url(
             settings.redis_url,
             decode_responses=True,
             socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
@@ -86,8 +78,8 @@ class Worker:
         # interactive jobs stream first, the bulk stream with the room left
         self.reader = PriorityReader(self.redis, self.keys, self.model, self.name)
         self.pacing = ReadPacing(settings.bulk_max_held, self.reader.bulk_stream)
-        self.outbox = RecordingOutbox(self.keys, self.jobs_stream, self.name)
-        self.metrics = metrics or WorkerMetrics(self.model)
+        self.outbox = Outbox(self.keys, self.jobs_stream, self.name)
+        self.metrics = WorkerMetrics(self.model)
         self.tracer = ChunkTracer(settings.chunk_trace_path)
         self.batch = Batch(
             self.engine,
@@ -99,7 +91,7 @@ class Worker:
             prompt_estimate=settings.admission_prompt_tokens,
         )
         self.metrics_port: int | None = None
-        self.stats: Any = self.engine.stats()
+        self.stats: EngineStats = self.engine.stats()
         self.started_at = utc_now()
         self._redis = Backoff(settings.reconnect_min_s, settings.reconnect_max_s)
         self._control = Backoff(settings.reconnect_min_s, settings.reconnect_max_s)
@@ -190,8 +182,7 @@ class Worker:
         self.metrics.close()
         self.tracer.close()
         self._engine_thread.shutdown(wait=True)
-        if self._owns_redis:
-            await self.redis.aclose()
+        await self.redis.aclose()
 
     # ------------------------------------------------------------------ the main loop
 
@@ -218,7 +209,7 @@ class Worker:
             else:  # idle: wait for work (the outbox goes out meanwhile)
                 await self._redis_round(budget, block=True)
 
-    async def _step(self) -> tuple[list[Any], BaseException | None, float]:
+    async def _step(self) -> tuple[list[RequestDelta], BaseException | None, float]:
         started = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
@@ -379,7 +370,7 @@ class Worker:
                 await asyncio.wait_for(closing.wait(), interval_s)
 
     async def _beat(self) -> None:
-        ttfts = self.outbox.ttfts.take()
+        ttfts = self.batch.ttfts.take()
         try:
             await beat(
                 self.redis,
@@ -389,11 +380,11 @@ class Worker:
                 stats=self.stats,
                 started_at=self.started_at,
                 ttl_s=self.settings.heartbeat_ttl_s,
-                max_model_len=getattr(self.engine, "max_model_len", None),
+                max_model_len=self.engine.max_model_len,
                 ttfts=ttfts,
             )
         except BaseException:
-            self.outbox.ttfts.put_back(ttfts)  # written with the next beat
+            self.batch.ttfts.put_back(ttfts)  # written with the next beat
             raise
 
     async def _renew_leases(self) -> None:

@@ -28,37 +28,30 @@ def choice_seed(seed: int, choice_index: int) -> int:
     return z ^ (z >> 31)
 
 
-class RaceNoise:
-    """Owns one torch.Generator per seeded sequence; fills the Exp(1) noise of a batch."""
+def _generator(seq: Sequence, row: torch.Tensor) -> torch.Generator:
+    """The sequence's own stream, made on its first draw (it lives on the sequence)."""
+    state = seq.sampler_state
+    if state.generator is None:
+        assert seq.params.seed is not None
+        generator = torch.Generator(device=row.device)
+        generator.manual_seed(choice_seed(seq.params.seed, seq.choice_index))
+        # A sequence resumed with output tokens already made continues the same stream:
+        # skip the draws (one row per token) its earlier run consumed. Draws are of the same
+        # size as live ones, since a generator's stream may depend on the draw size.
+        scratch = torch.empty_like(row)
+        for _ in range(seq.num_output_tokens):
+            scratch.exponential_(generator=generator)
+        state.generator = generator
+    return state.generator
 
-    def __init__(self) -> None:
-        self._generators: dict[int, torch.Generator] = {}
 
-    def forget(self, seq_id: int) -> None:
-        self._generators.pop(seq_id, None)
-
-    def _generator(self, seq: Sequence, row: torch.Tensor) -> torch.Generator:
-        generator = self._generators.get(seq.seq_id)
-        if generator is None:
-            assert seq.params.seed is not None
-            generator = torch.Generator(device=row.device)
-            generator.manual_seed(choice_seed(seq.params.seed, seq.choice_index))
-            # A sequence resumed with output tokens already made continues the same stream:
-            # skip the draws (one row per token) its earlier run consumed. Draws are of the same
-            # size as live ones, since a generator's stream may depend on the draw size.
-            scratch = torch.empty_like(row)
-            for _ in range(seq.num_output_tokens):
-                scratch.exponential_(generator=generator)
-            self._generators[seq.seq_id] = generator
-        return generator
-
-    def sample(self, seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor:
-        """[len(seqs), vocab_size] Exp(1) noise, rows aligned with `seqs`, strictly positive."""
-        noise = torch.empty(len(seqs), vocab_size, dtype=torch.float32, device=device)
-        seeded = [row for row, seq in enumerate(seqs) if seq.params.seed is not None]
-        if len(seeded) < len(seqs):
-            noise.exponential_()
-        for row in seeded:
-            noise[row].exponential_(generator=self._generator(seqs[row], noise[row]))
-        # probs / 0 would make a masked (zero-probability) token win through NaN.
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+def race_noise(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(seqs), vocab_size] Exp(1) noise, rows aligned with `seqs`, strictly positive."""
+    noise = torch.empty(len(seqs), vocab_size, dtype=torch.float32, device=device)
+    seeded = [row for row, seq in enumerate(seqs) if seq.params.seed is not None]
+    if len(seeded) < len(seqs):
+        noise.exponential_()
+    for row in seeded:
+        noise[row].exponential_(generator=_generator(seqs[row], noise[row]))
+    # probs / 0 would make a masked (zero-probability) token win through NaN.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)

@@ -53,57 +53,46 @@ def token_presence(
     return present
 
 
-class Penalizer:
-    """Applies the three penalties to a batch; keeps each sequence's prompt ids as a CPU tensor.
+def _prompt_tensor(seq: Sequence) -> torch.Tensor:
+    """The prompt as a CPU tensor, made once per sequence (the prompt never changes) and kept on
+    it; output ids (short, growing) are converted every step."""
+    state = seq.sampler_state
+    if state.prompt_ids is None:
+        state.prompt_ids = torch.tensor(seq.prompt_token_ids, dtype=torch.long)
+    return state.prompt_ids
 
-    The prompt never changes, so it is converted from a Python list once per sequence rather
-    than once per step; output ids (short, growing) are converted every step.
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Penalised copy of `logits` [len(seqs), V], rows aligned with `seqs`.
+
+    repetition_penalty touches tokens seen in prompt or output (positive logits divided,
+    the rest multiplied); frequency_penalty subtracts penalty x output count;
+    presence_penalty subtracts penalty once for every token present in the output.
     """
+    vocab_size, device = logits.shape[1], logits.device
+    params = [seq.params for seq in seqs]
+    outputs = [seq.output_token_ids for seq in seqs]
+    flat_outputs = torch.tensor(list(itertools.chain.from_iterable(outputs)), dtype=torch.long)
+    counts = token_counts(flat_outputs, [len(ids) for ids in outputs], vocab_size, device)
+    in_output = counts > 0
 
-    def __init__(self) -> None:
-        self._prompt_ids: dict[int, torch.Tensor] = {}
+    def column(values: Iterable[float]) -> torch.Tensor:
+        host = torch.tensor(list(values), dtype=logits.dtype)
+        return host.to(device, non_blocking=True)[:, None]
 
-    def forget(self, seq_id: int) -> None:
-        self._prompt_ids.pop(seq_id, None)
-
-    def _prompt_tensor(self, seq: Sequence) -> torch.Tensor:
-        ids = self._prompt_ids.get(seq.seq_id)
-        if ids is None:
-            ids = torch.tensor(seq.prompt_token_ids, dtype=torch.long)
-            self._prompt_ids[seq.seq_id] = ids
-        return ids
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Penalised copy of `logits` [len(seqs), V], rows aligned with `seqs`.
-
-        repetition_penalty touches tokens seen in prompt or output (positive logits divided,
-        the rest multiplied); frequency_penalty subtracts penalty x output count;
-        presence_penalty subtracts penalty once for every token present in the output.
-        """
-        vocab_size, device = logits.shape[1], logits.device
-        params = [seq.params for seq in seqs]
-        outputs = [seq.output_token_ids for seq in seqs]
-        flat_outputs = torch.tensor(list(itertools.chain.from_iterable(outputs)), dtype=torch.long)
-        counts = token_counts(flat_outputs, [len(ids) for ids in outputs], vocab_size, device)
-        in_output = counts > 0
-
-        def column(values: Iterable[float]) -> torch.Tensor:
-            host = torch.tensor(list(values), dtype=logits.dtype)
-            return host.to(device, non_blocking=True)[:, None]
-
-        if any(p.repetition_penalty != 1.0 for p in params):
-            prompts = [self._prompt_tensor(seq) for seq in seqs]
-            lengths = [len(ids) for ids in prompts]
-            seen = in_output | token_presence(torch.cat(prompts), lengths, vocab_size, device)
-            penalty = torch.where(seen, column(p.repetition_penalty for p in params), 1.0)
-            logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-        else:
-            logits = logits.clone()
-        if any(p.frequency_penalty != 0.0 for p in params):
-            logits -= column(p.frequency_penalty for p in params) * counts
-        if any(p.presence_penalty != 0.0 for p in params):
-            logits -= column(p.presence_penalty for p in params) * in_output
-        return logits
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompts = [_prompt_tensor(seq) for seq in seqs]
+        lengths = [len(ids) for ids in prompts]
+        seen = in_output | token_presence(torch.cat(prompts), lengths, vocab_size, device)
+        penalty = torch.where(seen, column(p.repetition_penalty for p in params), 1.0)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    else:
+        logits = logits.clone()
+    if any(p.frequency_penalty != 0.0 for p in params):
+        logits -= column(p.frequency_penalty for p in params) * counts
+    if any(p.presence_penalty != 0.0 for p in params):
+        logits -= column(p.presence_penalty for p in params) * in_output
+    return logits
 
 
 def min_tokens_mask_indices(

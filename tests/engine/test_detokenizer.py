@@ -1,5 +1,6 @@
 """Incremental detokenization and stop conditions, checked against tokenizer.decode and a
-character-level stop-string oracle."""
+character-level stop-string oracle. Tokens go through the stop checks (engine.stop) and the
+detokenizer the way the engine feeds them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import random
 import pytest
 
 from engine.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, TextDelta
+from engine.sequence import Sequence
+from engine.stop import StopRules, append_until_stop
 from schemas.sampling import SamplingParams
 
 TEXTS = [
@@ -89,20 +92,44 @@ def byte_level(request):
     return request.getfixturevalue(request.param)
 
 
+class StoppingDetokenizer:
+    """One sequence's token stop checks and its text, fed as the engine feeds them: each batch
+    of tokens is appended up to the first that stops the sequence, then detokenized."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, rules: StopRules):
+        self.seq = Sequence("r", list(prompt_ids), len(prompt_ids), params)
+        self.rules = rules
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+
+    def add_tokens(self, ids: list[int]) -> TextDelta:
+        if self.detok.finished:
+            return self.detok.add_tokens(ids)
+        before = self.seq.num_output_tokens
+        stop = append_until_stop(self.seq, ids, self.rules)
+        return self.detok.add_tokens(ids[: self.seq.num_output_tokens - before], stop)
+
+    @property
+    def output_text(self) -> str:
+        return self.detok.output_text
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.detok.num_output_tokens
+
+
 def detokenizer(tokenizer, prompt="Answer: ", max_model_len=100_000, prompt_ids=None, **params):
     params.setdefault("max_tokens", 10_000)
     if prompt_ids is None:
         prompt_ids = encode(tokenizer, prompt)
-    return IncrementalDetokenizer(
-        tokenizer, prompt_ids, SamplingParams(**params), {tokenizer.eos_token_id}, max_model_len
-    )
+    rules = StopRules.of({tokenizer.eos_token_id}, max_model_len)
+    return StoppingDetokenizer(tokenizer, prompt_ids, SamplingParams(**params), rules)
 
 
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[TextDelta]:
+def stream(detok: StoppingDetokenizer, ids: list[int], chunk: int = 1) -> list[TextDelta]:
     deltas = []
     for start in range(0, len(ids), chunk):
         deltas.append(detok.add_tokens(ids[start : start + chunk]))

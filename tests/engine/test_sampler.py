@@ -364,12 +364,12 @@ def test_resumed_seeded_sequence_continues_the_same_stream(device):
     assert resumed.output_token_ids == full.output_token_ids
 
 
-def test_forget_drops_the_stream_of_a_finished_sequence():
+def test_the_stream_lives_on_the_sequence_and_a_new_sequence_starts_over():
     sampler = Sampler(VOCAB, {EOS})
     seq = make_seq(**SEEDED)
     run_steps(sampler, [seq], 3)
     first = list(seq.output_token_ids)
-    sampler.forget(seq.seq_id)
-    seq.token_ids = seq.prompt_token_ids  # same id starts over: a fresh stream from the seed
-    run_steps(sampler, [seq], 3)
-    assert seq.output_token_ids == first
+    assert seq.sampler_state.generator is not None  # the sampler itself keeps nothing
+    again = make_seq(**SEEDED)  # a new sequence of the same seed: a fresh stream from the seed
+    run_steps(sampler, [again], 3)
+    assert again.output_token_ids == first

@@ -102,9 +102,9 @@ class _CountingEngine(FakeEngine):
         self.aborted_at_step: dict[str, int] = {}
         self.added: list[str] = []
 
-    def add_request(self, request_id, *args, **kwargs):
-        self.added.append(request_id)
-        return super().add_request(request_id, *args, **kwargs)
+    def add_request(self, new):
+        self.added.append(new.request_id)
+        return super().add_request(new)
 
     def abort(self, request_id: str) -> bool:
         self.aborted_at_step[request_id] = self.steps

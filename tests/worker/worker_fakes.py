@@ -21,14 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from engine import outputs
 from engine.errors import ContextLengthExceededError, RequestRejectedError
-from engine.outputs import (
-    CompletionOutput,
-    EngineStats,
-    RequestDelta,
-    RequestMetrics,
-    RequestOutput,
-)
 from schemas.sampling import SamplingParams
 
 VOCAB = 1000
@@ -70,7 +64,7 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     seqs: list[_Seq]
-    metrics: RequestMetrics
+    metrics: outputs.RequestMetrics
     emitted_on_arrival: bool = False
 
 
@@ -86,7 +80,6 @@ class FakeEngine:
     _requests: dict[str, _Request] = field(default_factory=dict)
     _waiting: list[_Seq] = field(default_factory=list)
     _running: list[_Seq] = field(default_factory=list)
-    _outputs: dict[str, RequestOutput] = field(default_factory=dict)
     _generated: int = 0
     _prompt_tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -98,19 +91,11 @@ class FakeEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         return self.tokenize("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<a>")
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        prior_output_token_ids: list[list[int]] | None = None,
-    ) -> None:
+    def add_request(self, new: outputs.EngineRequest) -> None:
         assert self._lock.acquire(blocking=False), "two threads inside the engine"
         try:
-            ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id, params = new.request_id, new.params
+            ids = self.tokenize(new.prompt) if isinstance(new.prompt, str) else list(new.prompt)
             if request_id in self._requests:
                 raise RequestRejectedError(f"duplicate {request_id}")
             if not ids:
@@ -121,14 +106,14 @@ class FakeEngine:
                 )
             if min(ids) < 0 or max(ids) >= VOCAB:
                 raise RequestRejectedError(f"prompt token ids must be in [0, {VOCAB})")
-            priors = prior_output_token_ids or [[] for _ in range(params.n)]
+            priors = new.prior_output_token_ids or [[] for _ in range(params.n)]
             seqs = [_Seq(request_id, i, ids, params, list(prior)) for i, prior in enumerate(priors)]
             for seq in seqs:
                 if len(seq.output_ids) >= params.max_tokens:
                     seq.finish_reason = "length"
                 else:
                     self._waiting.append(seq)
-            metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+            metrics = outputs.RequestMetrics(arrival_time=new.arrival_time or time.monotonic())
             self._requests[request_id] = _Request(request_id, ids, params, seqs, metrics)
         finally:
             self._lock.release()
@@ -181,15 +166,15 @@ class FakeEngine:
         return self.num_admissible(prompt_len, max_tokens) > 0
 
     # -- the step
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> list[outputs.RequestDelta]:
         assert self._lock.acquire(blocking=False), "two threads inside the engine"
         try:
             return self._step()
         finally:
             self._lock.release()
 
-    def _step(self) -> list[RequestDelta]:
-        deltas: list[RequestDelta] = []
+    def _step(self) -> list[outputs.RequestDelta]:
+        deltas: list[outputs.RequestDelta] = []
         for request in list(self._requests.values()):
             if not request.emitted_on_arrival and all(s.finish_reason for s in request.seqs):
                 request.emitted_on_arrival = True
@@ -228,17 +213,17 @@ class FakeEngine:
             deltas.append(self._delta(request, seq, [token]))
         return deltas
 
-    def _delta(self, request: _Request, seq: _Seq, tokens: list[int]) -> RequestDelta:
-        finished = all(s.finish_reason for s in request.seqs)
-        if finished and request.request_id in self._requests:
+    def _delta(self, request: _Request, seq: _Seq, tokens: list[int]) -> outputs.RequestDelta:
+        output = None
+        if all(s.finish_reason for s in request.seqs) and request.request_id in self._requests:
             request.metrics.finished_time = time.monotonic()
             del self._requests[request.request_id]
-            self._outputs[request.request_id] = RequestOutput(
+            output = outputs.RequestOutput(
                 request_id=request.request_id,
                 prompt=None,
                 prompt_token_ids=request.prompt_ids,
                 outputs=[
-                    CompletionOutput(
+                    outputs.CompletionOutput(
                         index=s.choice,
                         text="".join(fake_text(t) for t in s.output_ids),
                         token_ids=list(s.output_ids),
@@ -249,20 +234,17 @@ class FakeEngine:
                 metrics=request.metrics,
                 finished=True,
             )
-        return RequestDelta(
+        return outputs.RequestDelta(
             request_id=request.request_id,
             choice_index=seq.choice,
             token_ids=tokens,
             text="".join(fake_text(t) for t in tokens),
             finish_reason=seq.finish_reason,
-            request_finished=finished,
+            output=output,
         )
 
-    def pop_output(self, request_id: str) -> RequestOutput | None:
-        return self._outputs.pop(request_id, None)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
+    def stats(self) -> outputs.EngineStats:
+        return outputs.EngineStats(
             num_blocks_total=self.num_kv_blocks,
             num_blocks_free=self._free_blocks(),
             num_blocks_cached=0,
