@@ -85,7 +85,7 @@ return {1, current}
 )
 
 # Enqueue: idempotency lookup, backlog limit, stream entry, job hash and idempotency key in one
-# atomic step (see producer_api.queue.enqueue).
+# atomic step (the API's enqueue).
 # KEYS[1] job hash, KEYS[2] jobs stream, KEYS[3] idempotency key (only when one is given)
 # ARGV[1] job id, ARGV[2] backlog limit (0: none), ARGV[3] idempotency TTL seconds,
 # ARGV[4] job key prefix, ARGV[5..] job hash field, value pairs

@@ -309,15 +309,9 @@ class Batch:
             result = job_result(output, timings, held.choices)
         except Exception as exc:  # an output the schema refuses is an engine bug
             logger.exception("no result for %s", held.job_id)
-            error = ErrorBody.of(ErrorCode.ENGINE_ERROR, f"invalid engine output: {exc}")
-            self.outbox.finish(
-                held.job_id,
-                held.entry_id,
-                JobStatus.FAILED,
-                {JobField.ERROR: error},
-                stream=held.queue_stream,
+            self._finish_failed(
+                held, ErrorBody.of(ErrorCode.ENGINE_ERROR, f"invalid engine output: {exc}")
             )
-            self.count("failed")
             return
 
         def stored(applied: bool, current: JobStatus | None) -> None:
@@ -348,6 +342,16 @@ class Batch:
         if t.decode_s is not None and generated > 1:
             self.metrics.tpot.labels(m).observe(t.decode_s / (generated - 1))
 
+    def _finish_failed(self, held: HeldJob, error: ErrorBody) -> None:
+        self.outbox.finish(
+            held.job_id,
+            held.entry_id,
+            JobStatus.FAILED,
+            {JobField.ERROR: error},
+            stream=held.queue_stream,
+        )
+        self.count("failed")
+
     def _fail_all(self, error: BaseException) -> None:
         """A step raised: the engine cannot say which job caused it, so the batch fails (with a
         final `error` chunk for streaming readers) and the worker serves on."""
@@ -362,14 +366,7 @@ class Batch:
                 choice.finish_reason = choice.finish_reason or "error"
             for chunk in take_chunks(held, self.policy, now, force=True):
                 self.outbox.chunk(chunk)
-            self.outbox.finish(
-                held.job_id,
-                held.entry_id,
-                JobStatus.FAILED,
-                {JobField.ERROR: body},
-                stream=held.queue_stream,
-            )
-            self.count("failed")
+            self._finish_failed(held, body)
         self.held.clear()
         self._buffered.clear()
 
