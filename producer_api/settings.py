@@ -27,10 +27,14 @@ class ApiSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
 
-    redis_url: str = DEFAULT_REDIS_URL
-    prefix: str = DEFAULT_PREFIX
-    host: str = "127.0.0.1"
-    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    redis_url: str = Field(
+        DEFAULT_REDIS_URL, description="the Redis that holds the queues, jobs and heartbeats"
+    )
+    prefix: str = Field(
+        DEFAULT_PREFIX, description="key prefix in Redis: systems sharing one Redis differ by it"
+    )
+    host: str = Field("127.0.0.1", description="address the API listens on")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port the API listens on")
 
     # auth: owner name -> "sha256:<hex of the key>" (a bare key is hashed when loaded, and only
     # the hash is kept). `python -m producer_api.auth KEY` prints the hash to paste here.
