@@ -72,7 +72,12 @@ class WorkerSettings(EngineSettings):
     chunk_interval_ms: float = Field(0.0, ge=0)
 
     # lifecycle
-    drain_timeout_s: float = Field(30.0, ge=0)
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM / SIGINT, how long running jobs may finish before the rest are "
+        "handed back to the queue (a second signal: at once)",
+    )
     heartbeat_interval_s: float = Field(HEARTBEAT_INTERVAL_S, gt=0)
     heartbeat_ttl_s: int = Field(HEARTBEAT_TTL_S, ge=1)
     reconnect_min_s: float = Field(0.05, gt=0)
