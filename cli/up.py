@@ -94,25 +94,27 @@ def _die_with_parent() -> None:
 @dataclass
 class Child:
     """A process this command started. `waits_for` says what a slow stop waits for;
-    `hurry_signal` is what a second Ctrl-C sends it (None: it only gets its time)."""
+    `hurry_signal` is what a second Ctrl-C sends it (None: it only gets its time); `grace_s`
+    is how long its stop may take before SIGKILL."""
 
     name: str
     process: subprocess.Popen[bytes]
     waits_for: str
     hurry_signal: signal.Signals | None
+    grace_s: float
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout: float, hurried: Callable[[], bool]) -> int | None:
+    def stop(self, hurried: Callable[[], bool]) -> int:
         """SIGTERM; once `hurried()`, the hurry signal (again every second, as signals sent
-        close together merge); SIGKILL after `timeout` (or sooner when hurried). Returns the
+        close together merge); SIGKILL after `grace_s` (or sooner when hurried). Returns the
         exit code."""
         if not self.alive():
-            return self.process.returncode
+            return self.process.wait()
         self.process.send_signal(signal.SIGTERM)
         started = time.monotonic()
-        give_up = started + timeout
+        give_up = started + self.grace_s
         told = hurry_sent = 0.0
         while self.alive():
             now = time.monotonic()
@@ -138,7 +140,6 @@ class System:
     """The children, and the signals received: the first stops everything in order, the
     second hurries whatever is still stopping."""
 
-    drain_timeout_s: float = 30.0
     children: list[Child] = field(default_factory=list)
     signals: int = 0
 
@@ -158,12 +159,14 @@ class System:
         name: str,
         args: list[str],
         env: dict[str, str],
-        waits_for: str = "it is shutting down",
-        hurry_signal: signal.Signals | None = signal.SIGTERM,
+        *,
+        waits_for: str,
+        hurry_signal: signal.Signals | None,
+        grace_s: float = STOP_TIMEOUT_S,
     ) -> Child:
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         process = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=preexec)
-        child = Child(name, process, waits_for, hurry_signal)
+        child = Child(name, process, waits_for, hurry_signal, grace_s)
         self.children.append(child)
         return child
 
@@ -174,8 +177,7 @@ class System:
         """Newest first: worker (drains its jobs), batch controller, API, then the Redis server
         we started."""
         for child in reversed(self.children):
-            timeout = STOP_TIMEOUT_S + (self.drain_timeout_s if child.name == "worker" else 0)
-            code = child.stop(timeout, self.hurried)
+            code = child.stop(self.hurried)
             clean = (0, -signal.SIGTERM, -signal.SIGINT)
             how = "cleanly" if code in clean else f"with exit code {code}"
             print(f"inferq up: {child.name} stopped {how}", flush=True)
@@ -229,7 +231,9 @@ def start_redis(system: System, url: str, data_dir: Path) -> Child | None:
         "--daemonize", "no",
         "--logfile", str(data_dir / "redis.log"),
     ]  # fmt: skip
-    child = system.spawn("redis", args, dict(os.environ))
+    child = system.spawn(
+        "redis", args, dict(os.environ), waits_for="it writes its data", hurry_signal=None
+    )
     give_up = time.monotonic() + 15
     while not _redis_answers(url):
         if not child.alive() or time.monotonic() > give_up:
@@ -318,7 +322,7 @@ def _banner(base_url: str, settings: UpSettings, auth_off: bool) -> str:
 
 def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
     """Start Redis (if needed), the API and a worker; block until Ctrl-C; stop them all."""
-    system = System(drain_timeout_s=settings.drain_timeout_s)
+    system = System()
     log_level = args.log_level  # `inferq --log-level`, passed on to the children
     previous = {s: signal.signal(s, system.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     base_url = api_base_url(settings.host, settings.port)
@@ -344,6 +348,8 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
             "batch-controller",
             [sys.executable, "-m", "cli", "--log-level", log_level, "batch", "controller"],
             env,
+            waits_for="its batch runs to stop",
+            hurry_signal=signal.SIGTERM,
         )
         if settings.worker:
             worker_env = {**env, "INFERQ_MODEL": settings.model}
@@ -356,6 +362,8 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
                 worker_env,
                 waits_for=f"it finishes its running jobs (at most {settings.drain_timeout_s:g} "
                 "s), then hands the rest back to the queue; Ctrl-C again hands them back now",
+                hurry_signal=signal.SIGTERM,  # the worker: a second signal ends the drain
+                grace_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
             )
         _wait_ready(system, base_url, settings.ready_timeout, settings.worker)
         if not system.stopping:

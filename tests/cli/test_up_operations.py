@@ -103,14 +103,16 @@ while True:
 """
 
 
-def _draining_system(tmp_path: Path, drain_timeout_s: float) -> up.System:
-    system = up.System(drain_timeout_s=drain_timeout_s)
+def _draining_system(tmp_path: Path, grace_s: float) -> up.System:
+    system = up.System()
     ready = tmp_path / "handler-installed"
     child = system.spawn(
         "worker",
         [sys.executable, "-c", _DRAINING_CHILD, str(ready)],
         dict(os.environ),
         waits_for="it finishes its running jobs",
+        hurry_signal=signal.SIGTERM,
+        grace_s=grace_s,
     )
     give_up = time.monotonic() + 30
     while not ready.exists():
@@ -120,7 +122,7 @@ def _draining_system(tmp_path: Path, drain_timeout_s: float) -> up.System:
 
 
 def test_a_second_signal_hurries_a_draining_child(capsys, tmp_path):
-    system = _draining_system(tmp_path, drain_timeout_s=60)
+    system = _draining_system(tmp_path, grace_s=60)
     system.on_signal(signal.SIGINT, None)
     # the second Ctrl-C arrives while the worker drains
     timer = threading.Timer(1.5, system.on_signal, (signal.SIGINT, None))
@@ -135,9 +137,8 @@ def test_a_second_signal_hurries_a_draining_child(capsys, tmp_path):
     assert "worker stopped cleanly" in out
 
 
-def test_a_child_that_ignores_its_signals_is_killed_after_its_time(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(up, "STOP_TIMEOUT_S", 0.5)
-    system = _draining_system(tmp_path, drain_timeout_s=0.5)
+def test_a_child_that_ignores_its_signals_is_killed_after_its_time(capsys, tmp_path):
+    system = _draining_system(tmp_path, grace_s=1.0)
     system.on_signal(signal.SIGTERM, None)
     started = time.monotonic()
     system.stop()
