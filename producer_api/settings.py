@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer_api.auth import KeyTable, hash_api_key, is_key_hash
 from schemas import DEFAULT_PREFIX
-from schemas.defaults import DEFAULT_REDIS_URL
+from schemas.defaults import DEFAULT_REDIS_URL, PREFIX_HELP, REDIS_URL_HELP
 from schemas.sampling import MAX_N
 
 log = logging.getLogger(__name__)
@@ -27,12 +27,8 @@ class ApiSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
 
-    redis_url: str = Field(
-        DEFAULT_REDIS_URL, description="the Redis that holds the queues, jobs and heartbeats"
-    )
-    prefix: str = Field(
-        DEFAULT_PREFIX, description="key prefix in Redis: systems sharing one Redis differ by it"
-    )
+    redis_url: str = Field(DEFAULT_REDIS_URL, description=REDIS_URL_HELP)
+    prefix: str = Field(DEFAULT_PREFIX, description=PREFIX_HELP)
     host: str = Field("127.0.0.1", description="address the API listens on")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port the API listens on")
 
