@@ -270,6 +270,7 @@ def _wait_ready(
     """Until /ready (or /health without a worker) answers 200, a child dies, or Ctrl-C."""
     give_up = time.monotonic() + timeout
     last_note = time.monotonic()
+    path = "/ready" if want_worker else "/health"
     with httpx.Client(base_url=base_url, timeout=2.0) as http:
         while time.monotonic() < give_up:
             if system.stopping:
@@ -278,7 +279,6 @@ def _wait_ready(
                 names = ", ".join(c.name for c in system.dead())
                 raise UpError(f"{names} exited during start-up (see its log above)")
             try:
-                path = "/ready" if want_worker else "/health"
                 if http.get(path).status_code == 200:
                     return
             except httpx.TransportError:
@@ -287,7 +287,7 @@ def _wait_ready(
                 print("inferq up: waiting for the API and the worker (the model loads) ...")
                 last_note = time.monotonic()
             time.sleep(0.25)
-    raise UpError(f"not ready after {timeout:.0f} s")
+    raise UpError(f"{base_url}{path} did not answer 200 in {timeout:.0f} s (--ready-timeout)")
 
 
 def _banner(base_url: str, settings: UpSettings, auth_off: bool) -> str:
