@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
 
 from cli.batch_submit import add_submit_arguments, run_submit
-from cli.flags import ENGINE_SECTION, SettingsFlags, add_settings_arguments
+from cli.flags import ENGINE_SECTION, SettingsCommand, SettingsFlags, add_settings_arguments
 from producer_api.batches.settings import BatchControllerSettings
 from schemas.defaults import DEFAULT_MODEL
 from worker.engine_settings import ENGINE_SETTINGS, EngineSettings
@@ -34,8 +34,8 @@ def add_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentPa
     submit = batch.add_parser(
         "submit", help="submit a batch file to the API (with --wait: follow it)"
     )
-    add_submit_arguments(submit)
-    submit.set_defaults(handler=_submit)
+    submit_flags = add_submit_arguments(submit)
+    submit.set_defaults(handler=SettingsCommand("batch submit", submit_flags, run_submit))
 
     run = batch.add_parser("run", help="run a batch file in this process (--local), resumable")
     run.add_argument("file", type=Path)
@@ -57,10 +57,6 @@ def add_batch_arguments(commands: argparse._SubParsersAction[argparse.ArgumentPa
 
     controller = batch.add_parser("controller", help="run the batch controller (arq worker)")
     controller.set_defaults(handler=_controller)
-
-
-def _submit(args: argparse.Namespace, _: list[str]) -> int:
-    return run_submit(args)
 
 
 def _controller(args: argparse.Namespace, _: list[str]) -> int:

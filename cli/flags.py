@@ -123,9 +123,22 @@ class SettingsCommand(Generic[S]):
         try:
             settings = self.flags.settings(args)
         except ValidationError as exc:
-            print(f"inferq {self.name}: error: {exc}", file=sys.stderr)
+            print(f"inferq {self.name}: error: {self.reasons(exc)}", file=sys.stderr)
             return 2
         return self.run(settings, args)
+
+    def reasons(self, exc: ValidationError) -> str:
+        """The refusals on one line, each naming the flag and variable it came from (never
+        the value: it may be a key)."""
+        prefix = str(self.flags.model.model_config.get("env_prefix", ""))
+        reasons = []
+        for error in exc.errors():
+            name = ".".join(str(part) for part in error["loc"])
+            sources = [f"--{name.replace('_', '-')}"] if name in self.flags.names else []
+            sources += [f"{prefix}{name}".upper()] if name else []
+            where = " / ".join(sources)
+            reasons.append(f"{where}: {error['msg']}" if where else error["msg"])
+        return "; ".join(reasons)
 
 
 def same_setting(model: type[BaseSettings], name: str) -> Any:

@@ -22,26 +22,42 @@ from worker.engine_settings import ENGINE_SETTINGS, EngineSettings
 from worker.settings import WorkerSettings
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+_CHATTY_LOGGERS = ("httpx", "httpcore")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    args.log_level = args.log_level or args.default_log_level
+    configure_logging(args.log_level)
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler: Callable[[argparse.Namespace, list[str]], int] = args.handler
     return handler(args, extra)
 
 
+def configure_logging(level: str) -> None:
+    """The root logger at `level`; HTTP clients log every request at INFO, which would break
+    progress bars and bury what matters, so they speak up at DEBUG only."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    if level != "debug":
+        for chatty in _CHATTY_LOGGERS:
+            logging.getLogger(chatty).setLevel(logging.WARNING)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferq", description=__doc__)
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default=None,
+        choices=LOG_LEVELS,
+        help="default: info; warning for `inferq up` and the processes it starts",
     )
+    parser.set_defaults(default_log_level="info")
     commands = parser.add_subparsers(dest="command", required=True)
 
     model = commands.add_parser("model", help="manage model files").add_subparsers(
@@ -64,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="start Redis (if none answers), the API and one worker")
     up_flags = add_settings_arguments(up, UpSettings)
-    up.set_defaults(handler=SettingsCommand("up", up_flags, run_up))
+    # a terminal that runs the whole system shows problems, not every request and heartbeat
+    up.set_defaults(handler=SettingsCommand("up", up_flags, run_up), default_log_level="warning")
 
     api = commands.add_parser("api", help="run the HTTP API (uvicorn)")
     # keys given on a command line would show in `ps`: INFERQ_API_KEYS only
@@ -85,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser(
         "status", help="models, workers, queues and dead letters, read from Redis"
     )
-    add_status_arguments(status)
-    status.set_defaults(handler=_status)
+    status_flags = add_status_arguments(status)
+    status.set_defaults(handler=SettingsCommand("status", status_flags, run_status))
 
     add_batch_arguments(commands)
 
@@ -106,10 +123,6 @@ def _worker(settings: WorkerSettings, _: argparse.Namespace) -> int:
     from worker.main import run_worker
 
     return run_worker(settings)
-
-
-def _status(args: argparse.Namespace, _: list[str]) -> int:
-    return run_status(args)
 
 
 def _model_pull(args: argparse.Namespace, _: list[str]) -> int:

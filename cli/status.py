@@ -7,7 +7,9 @@ health checks containers run (`--check-worker`, `--check-url`).
     inferq status --check-worker        # exit 0 if this host's worker has a live heartbeat
     inferq status --check-url http://127.0.0.1:8000/health --check-url .../ready
 
-Exit codes: 0 fine, 1 a check failed, 2 Redis unreachable.
+Where it reads: `--redis-url` / `--prefix`, else INFERQ_REDIS_URL / INFERQ_PREFIX, as every
+other inferq process. Exit codes: 0 fine, 1 a check failed or nothing of inferq is at that
+Redis and prefix (the wrong place, most likely), 2 Redis unreachable.
 """
 
 from __future__ import annotations
@@ -20,24 +22,34 @@ import socket
 import sys
 import time
 from datetime import UTC, datetime
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from cli.addresses import redacted
+from cli.flags import SettingsFlags, add_settings_arguments, same_setting
+from producer_api.settings import ApiSettings
 from producer_api.status import StatusSnapshot, read_snapshot
 from producer_api.workers import parse_heartbeat
-from schemas import DEFAULT_PREFIX, RedisKeys
-from schemas.defaults import DEFAULT_REDIS_URL
+from schemas import RedisKeys
 
 CHECK_TIMEOUT_S = 3.0
 
 
-def add_status_arguments(parser: argparse.ArgumentParser) -> None:
+class StatusSettings(BaseSettings):
+    """Where `inferq status` reads: the Redis and prefix the API and the workers use."""
+
+    model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
+
+    redis_url: str = same_setting(ApiSettings, "redis_url")
+    prefix: str = same_setting(ApiSettings, "prefix")
+
+
+def add_status_arguments(parser: argparse.ArgumentParser) -> SettingsFlags[StatusSettings]:
+    flags = add_settings_arguments(parser, StatusSettings)
     add = parser.add_argument
-    add("--redis-url", default=os.environ.get("INFERQ_REDIS_URL", DEFAULT_REDIS_URL))
-    add("--prefix", default=os.environ.get("INFERQ_PREFIX", DEFAULT_PREFIX))
     add(
         "--watch",
         type=float,
@@ -64,17 +76,7 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="exit 0 when every URL answers 200 (repeatable; e.g. the API's /health, /ready)",
     )
-
-
-def redacted(url: str) -> str:
-    """The URL without its password (for printing)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    return flags
 
 
 def _ago(seconds: float) -> str:
@@ -160,7 +162,9 @@ def render(snapshot: StatusSnapshot, redis_url: str) -> str:
         "up",
         "version",
     ]
-    out += _table(headers, rows) if rows else ["WORKERS  (none alive)"]
+    out += (
+        _table(headers, rows) if rows else [f"WORKERS  (none alive: {_where(snapshot, redis_url)})"]
+    )
 
     out.append("")
     rows = [
@@ -241,17 +245,35 @@ def urls_answer(urls: list[str]) -> tuple[bool, str]:
     return ok, "; ".join(notes)
 
 
-def run_status(args: argparse.Namespace) -> int:
+def _where(snapshot: StatusSnapshot, redis_url: str) -> str:
+    return f"no worker heartbeat seen at {redacted(redis_url)}, prefix {snapshot.prefix!r}"
+
+
+def is_empty(snapshot: StatusSnapshot) -> bool:
+    """Nothing of inferq under this prefix: no worker, queue, model or dead letter."""
+    return not (snapshot.workers or snapshot.queues or snapshot.models or snapshot.dead_letters)
+
+
+def _unreachable(redis_url: str, exc: Exception) -> int:
+    print(
+        f"inferq status: error: no Redis answers at {redacted(redis_url)} ({exc}); "
+        "pass --redis-url or set INFERQ_REDIS_URL",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def run_status(settings: StatusSettings, args: argparse.Namespace) -> int:
     """Print the snapshot (once, or every --watch seconds), or run the health checks."""
+    redis_url, prefix = settings.redis_url, settings.prefix
     if args.check_worker is not None or args.check_url:
         ok, notes = True, []
         try:
             if args.check_worker is not None:
-                alive, note = worker_is_alive(args.redis_url, args.prefix, args.check_worker)
+                alive, note = worker_is_alive(redis_url, prefix, args.check_worker)
                 ok, notes = ok and alive, [*notes, note]
         except (RedisError, OSError) as exc:
-            print(f"inferq status: Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
-            return 2
+            return _unreachable(redis_url, exc)
         if args.check_url:
             answered, note = urls_answer(args.check_url)
             ok, notes = ok and answered, [*notes, note]
@@ -259,20 +281,27 @@ def run_status(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     try:
         while True:
-            snapshot = asyncio.run(_snapshot(args.redis_url, args.prefix))
+            snapshot = asyncio.run(_snapshot(redis_url, prefix))
             if args.json:
                 text = json.dumps(snapshot.to_dict(), indent=2) + "\n"
             else:
-                text = render(snapshot, args.redis_url)
+                text = render(snapshot, redis_url)
             if args.watch:
                 sys.stdout.write("\x1b[2J\x1b[H")  # clear the screen, cursor home
             sys.stdout.write(text)
             sys.stdout.flush()
             if not args.watch:
+                if is_empty(snapshot):
+                    print(
+                        f"inferq status: nothing of inferq here ({_where(snapshot, redis_url)}, "
+                        "no queue, no dead letter): pass --redis-url / --prefix or set "
+                        "INFERQ_REDIS_URL / INFERQ_PREFIX to where the system runs",
+                        file=sys.stderr,
+                    )
+                    return 1
                 return 0
             time.sleep(args.watch)
     except (RedisError, OSError) as exc:
-        print(f"inferq status: Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
-        return 2
+        return _unreachable(redis_url, exc)
     except KeyboardInterrupt:
         return 0

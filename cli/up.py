@@ -5,8 +5,13 @@ Redis: used as it is when something answers at the configured URL; otherwise, fo
 a `redis-server` is started with its data (AOF) in `--data-dir`. Then the API (uvicorn), the
 Batch API's controller (arq) and one worker on `--model` start as child processes; once /ready
 answers, the URLs and a curl example are printed. Ctrl-C (or SIGTERM) stops the worker (it
-drains), the controller, the API, then the Redis server this command started, in that order.
+finishes its running jobs for up to its drain timeout, then hands the rest back to the queue),
+the controller, the API, then the Redis server this command started, in that order; a second
+Ctrl-C passes on "now": the worker hands its jobs back at once, the API drops open streams.
 Nothing here loads the engine: the worker is a child.
+
+The children log at WARNING unless `inferq --log-level` says otherwise: the terminal shows
+problems, not every request and heartbeat.
 
 Without INFERQ_API_KEYS the API runs without authentication, which is only allowed when it
 listens on a loopback address (and is printed loudly).
@@ -34,13 +39,19 @@ import redis
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cli.addresses import api_base_url, redacted
 from cli.flags import same_setting
+from engine.model_files import inferq_home
 from producer_api.settings import ApiSettings
+from schemas import DEFAULT_PREFIX
 from worker.settings import WorkerSettings
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 READY_TIMEOUT_S = 900.0  # the first start converts the default model
-STOP_TIMEOUT_S = 40.0  # the worker's default drain is 30 s
+STOP_TIMEOUT_S = 10.0  # the worker gets its drain timeout on top
+HURRIED_STOP_TIMEOUT_S = 10.0  # after a second Ctrl-C: enough to hand jobs back, then SIGKILL
+QUIET_STOP_S = 1.0  # a child that stops faster than this is stopped without a word
+DEFAULT_REDIS_PORT = 6379
 
 
 class UpError(Exception):
@@ -57,14 +68,21 @@ class UpSettings(BaseSettings):
     port: int = same_setting(ApiSettings, "port")
     redis_url: str = same_setting(ApiSettings, "redis_url")
     prefix: str = same_setting(ApiSettings, "prefix")
-    data_dir: Path | None = Field(None, description="Redis data dir (default $INFERQ_HOME/redis)")
+    data_dir: Path | None = Field(
+        None,
+        description="data dir of the Redis server this command starts (default "
+        "$INFERQ_HOME/redis-<port of --redis-url>; $INFERQ_HOME/redis for port 6379)",
+    )
     worker: bool = Field(True, description="start a worker (--no-worker: Redis and the API only)")
+    drain_timeout_s: float = same_setting(WorkerSettings, "drain_timeout_s")
     ready_timeout: float = Field(READY_TIMEOUT_S, gt=0, description="seconds to wait for /ready")
 
 
-def default_data_dir() -> Path:
-    home = os.environ.get("INFERQ_HOME") or Path.home() / ".cache" / "inferq"
-    return Path(home) / "redis"
+def default_data_dir(redis_url: str) -> Path:
+    """One data dir per Redis port, so two stacks on different ports never share AOF files;
+    the default port keeps the dir it always had."""
+    port = urlsplit(redis_url).port or DEFAULT_REDIS_PORT
+    return inferq_home() / ("redis" if port == DEFAULT_REDIS_PORT else f"redis-{port}")
 
 
 def _die_with_parent() -> None:
@@ -75,33 +93,80 @@ def _die_with_parent() -> None:
 
 @dataclass
 class Child:
+    """A process this command started. `waits_for` says what a slow stop waits for;
+    `hurry_signal` is what a second Ctrl-C sends it (None: it only gets its time); `grace_s`
+    is how long its stop may take before SIGKILL."""
+
     name: str
     process: subprocess.Popen[bytes]
+    waits_for: str
+    hurry_signal: signal.Signals | None
+    grace_s: float
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def stop(self, timeout: float) -> int | None:
-        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
-        if self.alive():
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                print(f"inferq up: {self.name} did not stop in {timeout:.0f} s; killing it")
+    def stop(self, hurried: Callable[[], bool]) -> int:
+        """SIGTERM; once `hurried()`, the hurry signal (again every second, as signals sent
+        close together merge); SIGKILL after `grace_s` (or sooner when hurried). Returns the
+        exit code."""
+        if not self.alive():
+            return self.process.wait()
+        self.process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        give_up = started + self.grace_s
+        told = hurry_sent = 0.0
+        while self.alive():
+            now = time.monotonic()
+            if not told and now - started >= QUIET_STOP_S and not hurried():
+                print(f"inferq up: waiting for the {self.name}: {self.waits_for}", flush=True)
+                told = now
+            if hurried() and self.hurry_signal is not None and now - hurry_sent >= 1.0:
+                if not hurry_sent:
+                    print(f"inferq up: stopping the {self.name} now", flush=True)
+                    give_up = min(give_up, now + HURRIED_STOP_TIMEOUT_S)
+                self.process.send_signal(self.hurry_signal)
+                hurry_sent = now
+            if now >= give_up:
+                print(f"inferq up: {self.name} did not stop in time; killing it", flush=True)
                 self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+                break
+            time.sleep(0.05)
+        return self.process.wait()
 
 
 @dataclass
 class System:
-    children: list[Child] = field(default_factory=list)
+    """The children, and the signals received: the first stops everything in order, the
+    second hurries whatever is still stopping."""
 
-    def spawn(self, name: str, args: list[str], env: dict[str, str]) -> Child:
+    children: list[Child] = field(default_factory=list)
+    signals: int = 0
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        # only counts: printing from a signal handler can collide with a print it interrupted
+        self.signals += 1
+
+    @property
+    def stopping(self) -> bool:
+        return self.signals > 0
+
+    def hurried(self) -> bool:
+        return self.signals > 1
+
+    def spawn(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        *,
+        waits_for: str,
+        hurry_signal: signal.Signals | None,
+        grace_s: float = STOP_TIMEOUT_S,
+    ) -> Child:
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         process = subprocess.Popen(args, env=env, start_new_session=True, preexec_fn=preexec)
-        child = Child(name, process)
+        child = Child(name, process, waits_for, hurry_signal, grace_s)
         self.children.append(child)
         return child
 
@@ -112,10 +177,10 @@ class System:
         """Newest first: worker (drains its jobs), batch controller, API, then the Redis server
         we started."""
         for child in reversed(self.children):
-            timeout = STOP_TIMEOUT_S if child.name == "worker" else 10.0
-            code = child.stop(timeout)
-            how = "cleanly" if code in (0, -signal.SIGTERM) else f"with exit code {code}"
-            print(f"inferq up: {child.name} stopped {how}")
+            code = child.stop(self.hurried)
+            clean = (0, -signal.SIGTERM, -signal.SIGINT)
+            how = "cleanly" if code in clean else f"with exit code {code}"
+            print(f"inferq up: {child.name} stopped {how}", flush=True)
 
 
 def _redis_answers(url: str) -> bool:
@@ -142,12 +207,14 @@ def _port_free(host: str, port: int) -> bool:
 def start_redis(system: System, url: str, data_dir: Path) -> Child | None:
     """None when a server already answers at `url`, else the redis-server started for it."""
     if _redis_answers(url):
-        print(f"inferq up: using the Redis at {url}")
+        print(f"inferq up: using the Redis at {redacted(url)}")
         return None
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 6379
     if parts.scheme != "redis" or host not in LOOPBACK_HOSTS:
-        raise UpError(f"nothing answers at {url}, and inferq up only starts Redis on this host")
+        raise UpError(
+            f"nothing answers at {redacted(url)}, and inferq up only starts Redis on this host"
+        )
     binary = shutil.which("redis-server") or (
         "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None
     )
@@ -164,13 +231,15 @@ def start_redis(system: System, url: str, data_dir: Path) -> Child | None:
         "--daemonize", "no",
         "--logfile", str(data_dir / "redis.log"),
     ]  # fmt: skip
-    child = system.spawn("redis", args, dict(os.environ))
+    child = system.spawn(
+        "redis", args, dict(os.environ), waits_for="it writes its data", hurry_signal=None
+    )
     give_up = time.monotonic() + 15
     while not _redis_answers(url):
         if not child.alive() or time.monotonic() > give_up:
             raise UpError(f"redis-server did not start; see {data_dir / 'redis.log'}")
         time.sleep(0.05)
-    print(f"inferq up: started redis-server at {url} (data in {data_dir})")
+    print(f"inferq up: started redis-server at {redacted(url)} (data in {data_dir})")
     return child
 
 
@@ -197,20 +266,19 @@ def _wait_ready(
     base_url: str,
     timeout: float,
     want_worker: bool,
-    should_stop: Callable[[], bool],
 ) -> None:
     """Until /ready (or /health without a worker) answers 200, a child dies, or Ctrl-C."""
     give_up = time.monotonic() + timeout
     last_note = time.monotonic()
+    path = "/ready" if want_worker else "/health"
     with httpx.Client(base_url=base_url, timeout=2.0) as http:
         while time.monotonic() < give_up:
-            if should_stop():
+            if system.stopping:
                 return
             if system.dead():
                 names = ", ".join(c.name for c in system.dead())
                 raise UpError(f"{names} exited during start-up (see its log above)")
             try:
-                path = "/ready" if want_worker else "/health"
                 if http.get(path).status_code == 200:
                     return
             except httpx.TransportError:
@@ -219,15 +287,21 @@ def _wait_ready(
                 print("inferq up: waiting for the API and the worker (the model loads) ...")
                 last_note = time.monotonic()
             time.sleep(0.25)
-    raise UpError(f"not ready after {timeout:.0f} s")
+    raise UpError(f"{base_url}{path} did not answer 200 in {timeout:.0f} s (--ready-timeout)")
 
 
-def _banner(base_url: str, model: str, auth_off: bool) -> str:
+def _banner(base_url: str, settings: UpSettings, auth_off: bool) -> str:
     key = "anything" if auth_off else "$INFERQ_KEY"
+    model = settings.model
+    # what other `inferq` commands need to find this system (they read the same variables)
+    where = f"INFERQ_REDIS_URL={redacted(settings.redis_url)} INFERQ_API_URL={base_url}"
+    if settings.prefix != DEFAULT_PREFIX:
+        where += f" INFERQ_PREFIX={settings.prefix}"
     lines = [
         "",
         f"inferq is up: API {base_url} (docs {base_url}/docs, metrics {base_url}/metrics)",
         f"  model: {model}",
+        f"  other inferq commands (status, batch submit) find it with: export {where}",
         "  try:",
         f"    curl -s {base_url}/v1/completions -H 'Content-Type: application/json' \\",
         f"      -H 'Authorization: Bearer {key}' \\",
@@ -249,20 +323,15 @@ def _banner(base_url: str, model: str, auth_off: bool) -> str:
 def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
     """Start Redis (if needed), the API and a worker; block until Ctrl-C; stop them all."""
     system = System()
-    stopping = False
-
-    def request_stop(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
     log_level = args.log_level  # `inferq --log-level`, passed on to the children
-    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    base_url = f"http://{'127.0.0.1' if settings.host in ('0.0.0.0', '::') else settings.host}:{settings.port}"
+    previous = {s: signal.signal(s, system.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    base_url = api_base_url(settings.host, settings.port)
     code = 0
     try:
         if not _port_free(settings.host, settings.port):
             raise UpError(f"port {settings.port} on {settings.host} is taken: pass --port")
-        start_redis(system, settings.redis_url, settings.data_dir or default_data_dir())
+        data_dir = settings.data_dir or default_data_dir(settings.redis_url)
+        start_redis(system, settings.redis_url, data_dir)
         env, auth_off = api_environment(settings)
         system.spawn(
             "api",
@@ -271,22 +340,35 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
                 "--host", settings.host, "--port", str(settings.port), "--log-level", log_level,
             ],
             env,
+            waits_for="open connections (streams) to close; Ctrl-C again closes them",
+            hurry_signal=signal.SIGINT,  # uvicorn: a second SIGINT drops open connections
         )  # fmt: skip
         # the Batch API's controller: without it a batch waits in `validating` forever
         system.spawn(
             "batch-controller",
             [sys.executable, "-m", "cli", "--log-level", log_level, "batch", "controller"],
             env,
+            waits_for="its batch runs to stop",
+            hurry_signal=signal.SIGTERM,
         )
         if settings.worker:
             worker_env = {**env, "INFERQ_MODEL": settings.model}
             worker_args = [sys.executable, "-m", "cli", "--log-level", log_level, "worker"]
-            worker_args += ["--model", settings.model, "--redis-url", settings.redis_url]
-            system.spawn("worker", worker_args, worker_env)
-        _wait_ready(system, base_url, settings.ready_timeout, settings.worker, lambda: stopping)
-        if not stopping:
-            print(_banner(base_url, settings.model, auth_off), flush=True)
-        while not stopping:
+            worker_args += ["--model", settings.model]  # Redis URL: env only, not in `ps`
+            worker_args += ["--drain-timeout-s", str(settings.drain_timeout_s)]
+            system.spawn(
+                "worker",
+                worker_args,
+                worker_env,
+                waits_for=f"it finishes its running jobs (at most {settings.drain_timeout_s:g} "
+                "s), then hands the rest back to the queue; Ctrl-C again hands them back now",
+                hurry_signal=signal.SIGTERM,  # the worker: a second signal ends the drain
+                grace_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
+            )
+        _wait_ready(system, base_url, settings.ready_timeout, settings.worker)
+        if not system.stopping:
+            print(_banner(base_url, settings, auth_off), flush=True)
+        while not system.stopping:
             if system.dead():
                 names = ", ".join(c.name for c in system.dead())
                 print(f"inferq up: {names} exited; stopping the rest", file=sys.stderr)
@@ -297,7 +379,7 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
         print(f"inferq up: error: {exc}", file=sys.stderr)
         code = 2
     finally:
-        print("inferq up: stopping ...", flush=True)
+        print("inferq up: stopping (Ctrl-C again: at once, jobs go back to the queue)", flush=True)
         system.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)

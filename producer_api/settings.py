@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer_api.auth import KeyTable, hash_api_key, is_key_hash
 from schemas import DEFAULT_PREFIX
-from schemas.defaults import DEFAULT_REDIS_URL
+from schemas.defaults import DEFAULT_REDIS_URL, PREFIX_HELP, REDIS_URL_HELP
 from schemas.sampling import MAX_N
 
 log = logging.getLogger(__name__)
@@ -27,10 +27,10 @@ class ApiSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
 
-    redis_url: str = DEFAULT_REDIS_URL
-    prefix: str = DEFAULT_PREFIX
-    host: str = "127.0.0.1"
-    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    redis_url: str = Field(DEFAULT_REDIS_URL, description=REDIS_URL_HELP)
+    prefix: str = Field(DEFAULT_PREFIX, description=PREFIX_HELP)
+    host: str = Field("127.0.0.1", description="address the API listens on")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port the API listens on")
 
     # auth: owner name -> "sha256:<hex of the key>" (a bare key is hashed when loaded, and only
     # the hash is kept). `python -m producer_api.auth KEY` prints the hash to paste here.

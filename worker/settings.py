@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from engine.config import EngineConfig
 from schemas import DEFAULT_PREFIX
-from schemas.defaults import DEFAULT_MODEL, DEFAULT_REDIS_URL
+from schemas.defaults import DEFAULT_MODEL, DEFAULT_REDIS_URL, PREFIX_HELP, REDIS_URL_HELP
 from schemas.keys import (
     DEFAULT_CLAIM_MIN_IDLE_MS,
     DEFAULT_MAX_ATTEMPTS,
@@ -38,8 +38,8 @@ class WorkerSettings(EngineSettings):
     served_model_name: str | None = Field(
         None, description="queue name to serve (default: `model`); jobs name this model"
     )
-    redis_url: str = DEFAULT_REDIS_URL
-    prefix: str = DEFAULT_PREFIX
+    redis_url: str = Field(DEFAULT_REDIS_URL, description=REDIS_URL_HELP)
+    prefix: str = Field(DEFAULT_PREFIX, description=PREFIX_HELP)
     name: str = Field(default_factory=default_worker_name, min_length=1)
 
     # how the engine is made (its arguments: the engine settings, inherited)
@@ -72,7 +72,12 @@ class WorkerSettings(EngineSettings):
     chunk_interval_ms: float = Field(0.0, ge=0)
 
     # lifecycle
-    drain_timeout_s: float = Field(30.0, ge=0)
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM / SIGINT, how long running jobs may finish before the rest are "
+        "handed back to the queue (a second signal: at once)",
+    )
     heartbeat_interval_s: float = Field(HEARTBEAT_INTERVAL_S, gt=0)
     heartbeat_ttl_s: int = Field(HEARTBEAT_TTL_S, ge=1)
     reconnect_min_s: float = Field(0.05, gt=0)

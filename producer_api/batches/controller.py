@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 ADVANCE = "advance_batch"
 _MAX_TRIES = 20  # Redis blips: arq retries a run, which picks up where the last one stopped
+_RESUME_CRON = "cron:resume_batches"  # arq's name of the cron job, in its log lines
 
 
 async def enqueue_advance(arq: ArqRedis, keys: RedisKeys, batch_id: str, tag: str) -> None:
@@ -85,7 +86,25 @@ async def resume_batches(ctx: dict[str, Any]) -> int:
     return resumed
 
 
+class QuietResumeCron(logging.Filter):
+    """Drops arq's INFO lines about runs of the resume cron (a start and a finish line every
+    `batch_resume_every_s`) unless arq logs at DEBUG: `resume_batches` says itself when it
+    resumes something, so the lines only bury what matters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or _RESUME_CRON not in record.getMessage():
+            return True
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def quiet_resume_cron_logs() -> None:
+    arq_log = logging.getLogger("arq.worker")
+    if not any(isinstance(f, QuietResumeCron) for f in arq_log.filters):
+        arq_log.addFilter(QuietResumeCron())
+
+
 async def startup(ctx: dict[str, Any]) -> None:
+    quiet_resume_cron_logs()
     settings = BatchControllerSettings()
     ctx["settings"] = settings
     ctx["keys"] = RedisKeys(settings.prefix)
@@ -109,7 +128,12 @@ class WorkerSettings:
 
     functions = [advance_batch]
     cron_jobs = [
-        cron(resume_batches, second=_every(_SETTINGS.batch_resume_every_s), run_at_startup=False)
+        cron(
+            resume_batches,
+            name=_RESUME_CRON,
+            second=_every(_SETTINGS.batch_resume_every_s),
+            run_at_startup=False,
+        )
     ]
     on_startup = startup
     on_shutdown = shutdown

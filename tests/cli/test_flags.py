@@ -85,6 +85,8 @@ def test_a_refused_setting_ends_the_command_with_its_reason(
     assert not ran
     err = capsys.readouterr().err
     assert "inferq demo: error" in err and "count" in err
+    assert len(err.strip().splitlines()) == 1  # which flag / variable and why, on one line
+    assert "--count / DEMO_COUNT: Input should be greater than or equal to 1" in err
 
 
 def test_same_setting_copies_default_bounds_and_help() -> None:

@@ -47,10 +47,14 @@ def test_no_auth_only_on_loopback(monkeypatch):
 
 
 def test_banner_shows_a_working_curl_and_warns_without_auth():
-    banner = up._banner("http://127.0.0.1:8123", MODEL, auth_off=True)
+    settings = up.UpSettings(model=MODEL, port=8123, redis_url="redis://:pw@127.0.0.1:6390/0")
+    banner = up._banner("http://127.0.0.1:8123", settings, auth_off=True)
     assert "AUTHENTICATION IS DISABLED" in banner
     assert "curl -s http://127.0.0.1:8123/v1/completions" in banner
     assert f'"model": "{MODEL}"' in banner
+    # other commands are told where this system is, without the Redis password
+    assert "INFERQ_API_URL=http://127.0.0.1:8123" in banner
+    assert "INFERQ_REDIS_URL=redis://:***@127.0.0.1:6390/0" in banner
 
 
 def test_existing_redis_is_used_not_started(redis_url):
