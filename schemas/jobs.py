@@ -42,6 +42,20 @@ PRIORITY_BULK = 5
 """Offline / batch work that may wait behind interactive jobs."""
 MAX_PRIORITY = 9
 
+
+class PriorityClass(StrEnum):
+    """The two kinds of work a model serves, as the queues, metrics and dashboard split them:
+    `batch` is priority PRIORITY_BULK or more (the bulk stream: the Batch API, offline work that
+    waits on purpose), `interactive` everything else (a person is waiting)."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+    @classmethod
+    def of(cls, priority: int) -> PriorityClass:
+        return cls.BATCH if priority >= PRIORITY_BULK else cls.INTERACTIVE
+
+
 JOB_ID_PREFIX = "job_"
 _JOB_ID_RE = re.compile(r"^job_[A-Za-z0-9_-]{16,64}$")
 # No whitespace or control characters: names travel in keys, logs and headers.
