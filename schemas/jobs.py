@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from schemas.chunks import TokenId
-from schemas.errors import ErrorBody
+from schemas.errors import ErrorBody, field_error
 from schemas.results import JobResult, as_utc
 from schemas.sampling import SamplingParams
 
@@ -151,12 +151,13 @@ class JobRequest(BaseModel):
         ]
         if len(given) != 1:
             got = ", ".join(given) or "none"
-            raise ValueError(
-                f"exactly one of prompt, messages, prompt_token_ids must be given (got {got})"
+            raise field_error(
+                given[1] if len(given) > 1 else "prompt",
+                f"exactly one of prompt, messages, prompt_token_ids must be given (got {got})",
             )
         if self.timeout_s is not None:
             if self.deadline is not None:
-                raise ValueError("give deadline or timeout_s, not both")
+                raise field_error("timeout_s", "give deadline or timeout_s, not both")
             self.deadline = utc_now() + timedelta(seconds=self.timeout_s)
             self.timeout_s = None
         return self
