@@ -219,7 +219,8 @@ async def read_model_queues(redis: Redis, keys: RedisKeys, model: str) -> list[Q
         replies = await pipe.execute(raise_on_error=False)
     queues = []
     for i, (key, kind) in enumerate(streams):
-        backlog = await stream_backlog(redis, keys, key, *replies[2 * i : 2 * i + 2], now)
+        length, groups = replies[2 * i], replies[2 * i + 1]
+        backlog = await stream_backlog(redis, keys, key, length, groups, now)
         queues.append(QueueView(model, kind, key, *backlog))
     return queues
 
