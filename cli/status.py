@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 from cli.addresses import redacted
 from cli.flags import SettingsFlags, add_settings_arguments, same_setting
 from producer_api.settings import ApiSettings
-from producer_api.status import StatusSnapshot, read_snapshot
+from producer_api.status import StatusSnapshot, TtftStats, read_snapshot
 from producer_api.workers import parse_heartbeat
 from schemas import RedisKeys
 
@@ -91,6 +91,10 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}ms"
 
 
+def _ttft(stats: TtftStats) -> str:
+    return f"{_ms(stats.ttft_p50_s)}/{_ms(stats.ttft_p99_s)}"
+
+
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -115,7 +119,12 @@ def render(snapshot: StatusSnapshot, redis_url: str) -> str:
     headers = ["MODEL", "workers", "KV used", "running", "waiting", "queued", "dead"]
     for window in windows:
         label = f"{window // 60}m" if window % 60 == 0 else f"{window}s"
-        headers += [f"tok/s {label}", f"TTFT p50/p99 {label}", f"jobs {label}"]
+        headers += [
+            f"tok/s {label}",
+            f"TTFT p50/p99 {label}",
+            f"batch TTFT {label}",
+            f"jobs {label}",
+        ]
     rows = []
     for model in snapshot.models:
         row = [
@@ -130,7 +139,8 @@ def render(snapshot: StatusSnapshot, redis_url: str) -> str:
         for w in model.windows:
             row += [
                 _rate(w.tokens_per_s),
-                f"{_ms(w.ttft_p50_s)}/{_ms(w.ttft_p99_s)}",
+                _ttft(w.interactive),
+                _ttft(w.batch),
                 str(w.jobs_finished),
             ]
         rows.append(row)

@@ -18,6 +18,7 @@ from producer_api.deps import ApiState
 from producer_api.errors import error_response, install_error_handlers
 from producer_api.limits import BodySizeLimitMiddleware
 from producer_api.metrics import ApiMetrics, RequestMetricsMiddleware
+from producer_api.openapi import install_openapi
 from producer_api.routes import dashboard, jobs, openai, ops
 from producer_api.settings import ApiSettings
 from producer_api.workers import WorkerDirectory
@@ -62,6 +63,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app, settings.retry_after_s)
+    install_openapi(app)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

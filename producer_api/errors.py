@@ -2,26 +2,30 @@
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "n", "code": "..."}}
 
-`code` is a `schemas.ErrorCode` value and `param` the offending field. Jobs routes answer with
+`code` is a `schemas.ErrorCode` value and `param` the offending field (every validation error
+names one: "body" when the body itself is not JSON or not an object). Jobs routes answer with
 the status `ErrorCode.http_status` gives; the OpenAI routes answer 400 where that is 422, as
-OpenAI does for invalid requests and too-long contexts.
+OpenAI does for invalid requests and too-long contexts. `ErrorResponse` is the body's schema
+and `error_responses` documents a route's error statuses with it in the OpenAPI file.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producer_api.queue import QueueError, QueueFullError
 from schemas import ErrorBody, ErrorCode
-from schemas.errors import field_path
+from schemas.errors import error_location, field_path
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +37,58 @@ OPENAI_PATHS = (
     "/v1/batches",
 )
 
-_ERROR_TYPES = {
+ErrorType = Literal[
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "rate_limit_error",
+    "server_error",
+]
+_ERROR_TYPES: dict[int, ErrorType] = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_error",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what went wrong, for people")
+    type: ErrorType = Field(description="OpenAI's error class of the HTTP status")
+    param: str | None = Field(description="the offending field, as a dotted path")
+    code: ErrorCode = Field(description="a stable code clients can branch on")
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer."""
+
+    error: ErrorDetail
+
+
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "seconds to wait before trying again",
+        "schema": {"type": "integer"},
+    }
+}
+_STATUS_DOCS: dict[int, dict[str, Any]] = {
+    400: {"description": "Invalid request or a context too long: `param` names the field"},
+    401: {"description": "Missing or unknown API key"},
+    404: {"description": "No such job, file, batch or model (or not the caller's)"},
+    408: {"description": "The job's deadline passed before it finished"},
+    409: {"description": "Conflicts with the current state (e.g. cancelled meanwhile)"},
+    413: {"description": "The request body is larger than the API accepts"},
+    422: {"description": "Invalid request or a context too long: `param` names the field"},
+    429: {"description": "The model's queue is full", "headers": _RETRY_AFTER},
+    500: {"description": "The job failed in the engine, or an internal error"},
+    503: {"description": "The queue (Redis) cannot be reached", "headers": _RETRY_AFTER},
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI documentation of a route's error statuses, each with the ErrorResponse body."""
+    return {status: {"model": ErrorResponse, **_STATUS_DOCS[status]} for status in statuses}
 
 
 class ApiError(Exception):
@@ -70,16 +120,10 @@ def error_status(code: ErrorCode, path: str) -> int:
     return status
 
 
-def error_payload(error: ErrorBody, status: int) -> dict[str, object]:
+def error_payload(error: ErrorBody, status: int) -> dict[str, Any]:
     kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {
-        "error": {
-            "message": error.message,
-            "type": kind,
-            "param": error.param,
-            "code": error.code.value,
-        }
-    }
+    detail = ErrorDetail(message=error.message, type=kind, param=error.param, code=error.code)
+    return ErrorResponse(error=detail).model_dump(mode="json")
 
 
 def error_response(
@@ -101,22 +145,19 @@ def queue_error_response(exc: QueueError, path: str, retry_after_s: int) -> JSON
 
 
 def validation_error_body(exc: RequestValidationError) -> ErrorBody:
-    """Name each bad field as the client wrote it (`messages.0.role`, not `body.messages...`)."""
+    """Name each bad field as the client wrote it (`messages.0.role`, not `body.messages...`);
+    a body that is not JSON, or not an object, is the field `body`."""
     problems = []
     first_param = None
     for error in exc.errors():
-        loc = tuple(error.get("loc", ()))
+        loc = error_location(error)
         if loc and loc[0] in ("body", "query", "path", "header"):
             loc = loc[1:]
-        if error.get("type") == "json_invalid":
-            loc = ()
-        path = field_path(loc)
+        invalid_json = error.get("type") == "json_invalid"
+        path = "body" if invalid_json else field_path(loc) or "body"
         if first_param is None:
             first_param = path
-        reason = (
-            "the body is not valid JSON" if error.get("type") == "json_invalid" else error["msg"]
-        )
-        problems.append(f"{path}: {reason}" if path else reason)
+        problems.append(f"{path}: {'not valid JSON' if invalid_json else error['msg']}")
     return ErrorBody.of(
         ErrorCode.INVALID_REQUEST, "; ".join(problems) or "invalid request", first_param
     )

@@ -55,7 +55,7 @@ class BodySizeLimitMiddleware:
 
     async def _refuse(self, scope: Scope, send: Send, limit: int) -> None:
         body = ErrorBody.of(
-            ErrorCode.INVALID_REQUEST, f"the request body is larger than {limit} bytes"
+            ErrorCode.INVALID_REQUEST, f"the request body is larger than {limit} bytes", "body"
         )
         response = error_response(body, scope.get("path", ""), status=413)
         await response(scope, _no_receive, send)

@@ -10,7 +10,7 @@ from producer_api.errors import ApiError
 from producer_api.openai_models import ChatCompletionRequest, CompletionRequest, _GenerationFields
 from schemas import ErrorCode, Job, JobRequest, TokenChunk, Usage
 from schemas.chunks import TokenLogprob
-from schemas.errors import field_path
+from schemas.errors import error_location, field_path
 
 # OpenAI knows stop and length (and content_filter / tool_calls, which never happen here).
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -39,7 +39,7 @@ def _job_request(fields: dict[str, Any]) -> JobRequest:
     except ValidationError as exc:
         problems, first = [], None
         for error in exc.errors(include_url=False):
-            param = _openai_param(tuple(error["loc"]))
+            param = _openai_param(error_location(error))
             first = first or param
             problems.append(f"{param}: {error['msg']}" if param else error["msg"])
         raise ApiError(ErrorCode.INVALID_REQUEST, "; ".join(problems), first) from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 MAX_ERROR_MESSAGE_CHARS = 4096
 
@@ -69,6 +70,25 @@ class ErrorBody(BaseModel):
         return cls(code=code, message=message[:MAX_ERROR_MESSAGE_CHARS], param=param)
 
 
+FIELD_ERROR_TYPE = "invalid_field"
+
+
+def field_error(field: str, message: str) -> PydanticCustomError:
+    """The error a model validator raises about one of the model's fields. Pydantic reports
+    model validator errors at the model itself, so the field rides in the error's context and
+    `error_location` puts it back on the path: every validation error names a field."""
+    return PydanticCustomError(FIELD_ERROR_TYPE, message, {"field": field})
+
+
+def error_location(error: ErrorDetails) -> tuple[int | str, ...]:
+    """Where a pydantic error is: its `loc`, plus the field a `field_error` names."""
+    loc = tuple(error["loc"])
+    ctx = error.get("ctx") or {}
+    if error["type"] == FIELD_ERROR_TYPE and isinstance(ctx.get("field"), str):
+        return (*loc, ctx["field"])
+    return loc
+
+
 def field_path(loc: tuple[int | str, ...]) -> str | None:
     """`("messages", 0, "role")` -> `"messages.0.role"`; the empty location -> None."""
     return ".".join(str(part) for part in loc) or None
@@ -82,7 +102,7 @@ def error_from_validation(
     problems = []
     first_param: str | None = None
     for error in exc.errors(include_url=False):
-        path = field_path(tuple(error["loc"]))
+        path = field_path(error_location(error))
         if first_param is None:
             first_param = path
         reason = error["msg"]

@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from schemas.chunks import TokenId
-from schemas.errors import ErrorBody
+from schemas.errors import ErrorBody, field_error
 from schemas.results import JobResult, as_utc
 from schemas.sampling import SamplingParams
 
@@ -41,6 +41,20 @@ PRIORITY_INTERACTIVE = 0
 PRIORITY_BULK = 5
 """Offline / batch work that may wait behind interactive jobs."""
 MAX_PRIORITY = 9
+
+
+class PriorityClass(StrEnum):
+    """The two kinds of work a model serves, as the queues, metrics and dashboard split them:
+    `batch` is priority PRIORITY_BULK or more (the bulk stream: the Batch API, offline work that
+    waits on purpose), `interactive` everything else (a person is waiting)."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+    @classmethod
+    def of(cls, priority: int) -> PriorityClass:
+        return cls.BATCH if priority >= PRIORITY_BULK else cls.INTERACTIVE
+
 
 JOB_ID_PREFIX = "job_"
 _JOB_ID_RE = re.compile(r"^job_[A-Za-z0-9_-]{16,64}$")
@@ -137,12 +151,13 @@ class JobRequest(BaseModel):
         ]
         if len(given) != 1:
             got = ", ".join(given) or "none"
-            raise ValueError(
-                f"exactly one of prompt, messages, prompt_token_ids must be given (got {got})"
+            raise field_error(
+                given[1] if len(given) > 1 else "prompt",
+                f"exactly one of prompt, messages, prompt_token_ids must be given (got {got})",
             )
         if self.timeout_s is not None:
             if self.deadline is not None:
-                raise ValueError("give deadline or timeout_s, not both")
+                raise field_error("timeout_s", "give deadline or timeout_s, not both")
             self.deadline = utc_now() + timedelta(seconds=self.timeout_s)
             self.timeout_s = None
         return self

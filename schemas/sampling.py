@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas.errors import field_error
+
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -63,9 +65,9 @@ class SamplingParams(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
+            raise field_error("min_tokens", "min_tokens must not exceed max_tokens")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+            raise field_error("top_logprobs", "top_logprobs requires logprobs=true")
         return self
 
     @property

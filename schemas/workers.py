@@ -3,7 +3,8 @@
 `WorkerInfo` is the hash `{p}:worker:{name}` (refreshed every heartbeat, TTL). The two sample
 sorted sets below hold recent history per model, so an API (the dashboard) or `inferq status`
 can compute tokens/s and TTFT percentiles over the last minutes from Redis alone, without
-keeping state of its own: `{p}:ttft:{model}` (one member per finished job) and
+keeping state of its own, and the API's /metrics can feed its latency histograms:
+`{p}:ttft:{model}` (one member per succeeded job: its TTFT and other latencies) and
 `{p}:tokens:{model}` (one member per heartbeat of each worker: its cumulative token counts).
 Both are scored by unix time, trimmed to `LIVE_STATS_WINDOW_S` and `LIVE_STATS_MAXLEN` by the
 worker in its heartbeat pipeline, and expire when no worker writes them any more.
@@ -11,15 +12,16 @@ worker in its heartbeat pipeline, and expire when no worker writes them any more
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
-from schemas.jobs import format_time
+from schemas.jobs import PriorityClass, format_time
 from schemas.keys import decode_segment, encode_segment
-from schemas.results import as_utc
+from schemas.results import JobResult, as_utc
 
 LIVE_STATS_WINDOW_S = 15 * 60  # history kept in the sample sets
 LIVE_STATS_MAXLEN = 50_000  # members kept at most per sample set (a busy model's TTFTs)
@@ -75,21 +77,77 @@ class WorkerInfo(BaseModel):
 
 @dataclass(frozen=True)
 class TtftSample:
-    """One finished job's time to first token, in `{p}:ttft:{model}` (score: `finished_at`)."""
+    """One succeeded job's latencies, in `{p}:ttft:{model}` (score: `finished_at`): its time to
+    first token, and (members written since they were added) its priority class, end-to-end
+    latency and mean inter-token latency over its `output_tokens`."""
 
     finished_at: float  # unix seconds
     ttft_s: float
     job_id: str
+    priority: PriorityClass = PriorityClass.INTERACTIVE
+    e2e_s: float | None = None  # queued -> finished
+    itl_s: float | None = None  # mean time between two output tokens of its longest choice
+    output_tokens: int = 0  # tokens of its longest choice (itl_s spans output_tokens - 1 gaps)
+
+    @classmethod
+    def of_result(
+        cls, job_id: str, priority: int, result: JobResult, finished_at: float | None = None
+    ) -> TtftSample | None:
+        """The sample of a succeeded job's result; None when it has no first token time."""
+        timings = result.timings
+        if timings.ttft_s is None:
+            return None
+        tokens = max(len(choice.token_ids) for choice in result.choices)
+        itl = None
+        if timings.decode_s is not None and tokens > 1:
+            itl = timings.decode_s / (tokens - 1)
+        if finished_at is None:
+            done = timings.finished_at
+            finished_at = done.timestamp() if done is not None else time.time()
+        return cls(
+            finished_at,
+            timings.ttft_s,
+            job_id,
+            PriorityClass.of(priority),
+            timings.total_s,
+            itl,
+            tokens,
+        )
 
     def member(self) -> str:
-        # The job id keeps members unique: two jobs with the same TTFT are two samples.
-        return f"{self.ttft_s:.6f}:{self.job_id}"
+        # The job id keeps members unique: two jobs with the same TTFT are two samples. It comes
+        # second, as in the first member format (`ttft:job`), which `parse` still reads.
+        return ":".join(
+            (
+                f"{self.ttft_s:.6f}",
+                self.job_id,
+                self.priority.value,
+                _optional(self.e2e_s),
+                _optional(self.itl_s),
+                str(self.output_tokens),
+            )
+        )
 
     @classmethod
     def parse(cls, member: str | bytes, score: float) -> TtftSample:
         text = member.decode() if isinstance(member, bytes) else member
-        ttft, _, job_id = text.partition(":")
-        return cls(float(score), float(ttft), job_id)
+        parts = text.split(":")
+        if len(parts) == 2:
+            return cls(float(score), float(parts[0]), parts[1])
+        ttft, job_id, priority, e2e, itl, tokens = parts
+        return cls(
+            float(score),
+            float(ttft),
+            job_id,
+            PriorityClass(priority),
+            float(e2e) if e2e else None,
+            float(itl) if itl else None,
+            int(tokens),
+        )
+
+
+def _optional(value: float | None) -> str:
+    return "" if value is None else f"{value:.6f}"
 
 
 @dataclass(frozen=True)

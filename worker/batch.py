@@ -15,6 +15,7 @@ from engine.outputs import EngineRequest, RequestDelta, RequestOutput
 from schemas import (
     ErrorBody,
     ErrorCode,
+    Job,
     JobField,
     JobRequest,
     JobResult,
@@ -22,6 +23,7 @@ from schemas import (
     Timings,
     utc_now,
 )
+from schemas.workers import TtftSample
 from worker.chunking import ChunkPolicy, absorb, take_chunks
 from worker.engine_api import EngineLike
 from worker.heartbeat import TtftBuffer
@@ -46,8 +48,8 @@ class AbortReason(Enum):
 class Batch:
     """The jobs of one worker's engine, from `queue()` to result, abort or hand-back.
 
-    The TTFTs of succeeded jobs wait in `ttfts` for the next heartbeat (worker.heartbeat), so
-    noting them adds no command to the step's pipeline."""
+    The latency samples of succeeded jobs wait in `ttfts` for the next heartbeat
+    (worker.heartbeat), so noting them adds no command to the step's pipeline."""
 
     def __init__(
         self,
@@ -327,13 +329,15 @@ class Batch:
             stream=held.queue_stream,
         )
         self.count("succeeded")
-        self._observe_timings(held.job_id, result)
+        self._observe_timings(held.job, result)
 
-    def _observe_timings(self, job_id: str, result: JobResult) -> None:
+    def _observe_timings(self, job: Job, result: JobResult) -> None:
         t, m = result.timings, self.metrics.model
+        sample = TtftSample.of_result(job.id, job.request.priority, result)
+        if sample is not None:
+            self.ttfts.add(sample)
         if t.ttft_s is not None:
             self.metrics.ttft.labels(m).observe(t.ttft_s)
-            self.ttfts.add(job_id, t.ttft_s)
         if t.queue_wait_s is not None:
             self.metrics.queue_wait.labels(m).observe(t.queue_wait_s)
         if t.total_s is not None:

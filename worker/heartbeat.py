@@ -1,11 +1,11 @@
 """The worker's heartbeat: its hash `{p}:worker:{name}` (capacity and load, refreshed with a TTL)
 and, in the same pipeline, the live-stats samples of its model (see `schemas.workers`): its
-cumulative token counts, and the TTFTs of the jobs it finished since the last beat. Batching the
-samples here keeps the engine's step path at one round trip per step."""
+cumulative token counts, and the latencies (TTFT, end to end, inter-token) of the jobs it
+finished since the last beat. Batching the samples here keeps the engine's step path at one round
+trip per step."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
 from datetime import datetime
@@ -28,7 +28,8 @@ def worker_version() -> str:
 
 
 class TtftBuffer:
-    """TTFTs of jobs finished since the last heartbeat; the heartbeat writes them in one go."""
+    """Latency samples of jobs finished since the last heartbeat; the heartbeat writes them in
+    one go."""
 
     def __init__(self, maxlen: int = MAX_BUFFERED_TTFTS) -> None:
         self._samples: deque[TtftSample] = deque(maxlen=maxlen)
@@ -36,9 +37,8 @@ class TtftBuffer:
     def __len__(self) -> int:
         return len(self._samples)
 
-    def add(self, job_id: str, ttft_s: float, finished_at: float | None = None) -> None:
-        at = time.time() if finished_at is None else finished_at
-        self._samples.append(TtftSample(at, ttft_s, job_id))
+    def add(self, sample: TtftSample) -> None:
+        self._samples.append(sample)
 
     def take(self) -> list[TtftSample]:
         samples = list(self._samples)

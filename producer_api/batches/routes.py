@@ -23,7 +23,7 @@ from producer_api.batches.files import (
 )
 from producer_api.batches.store import CANCELLABLE, BatchStore, now_s
 from producer_api.deps import Caller, State
-from producer_api.errors import ApiError
+from producer_api.errors import ApiError, error_responses
 from schemas import BatchObject, BatchStatus, ErrorCode, FileObject
 from schemas.batches import (
     BATCH_ENDPOINTS,
@@ -31,7 +31,7 @@ from schemas.batches import (
     completion_window_seconds,
 )
 
-router = APIRouter(prefix="/v1", tags=["batches"])
+router = APIRouter(prefix="/v1", tags=["batches"], responses=error_responses(401, 503))
 
 
 class CreateBatch(BaseModel):
@@ -70,7 +70,7 @@ async def _visible_file(state: State, file_id: str, caller: Principal) -> Stored
     return stored
 
 
-@router.post("/files")
+@router.post("/files", responses=error_responses(400, 413))
 async def upload_file(
     state: State,
     caller: Caller,
@@ -113,7 +113,7 @@ async def upload_file(
     return body
 
 
-@router.get("/files")
+@router.get("/files", responses=error_responses(400))
 async def list_files(
     state: State,
     caller: Caller,
@@ -129,7 +129,7 @@ async def list_files(
     return _page(files, has_more)
 
 
-@router.delete("/files/{file_id}")
+@router.delete("/files/{file_id}", responses=error_responses(404, 409))
 async def delete_file(file_id: str, state: State, caller: Caller) -> dict[str, Any]:
     """Free a file's Redis memory before its retention ends. Refused (409) while a batch
     still reads it as its input."""
@@ -147,12 +147,16 @@ async def delete_file(file_id: str, state: State, caller: Caller) -> dict[str, A
     return {"id": file_id, "object": "file", "deleted": True}
 
 
-@router.get("/files/{file_id}")
+@router.get("/files/{file_id}", responses=error_responses(404))
 async def read_file(file_id: str, state: State, caller: Caller) -> FileObject:
     return (await _visible_file(state, file_id, caller)).info
 
 
-@router.get("/files/{file_id}/content")
+@router.get(
+    "/files/{file_id}/content",
+    response_class=Response,
+    responses={200: {"content": {"application/jsonl": {}}}, **error_responses(404)},
+)
 async def file_content(file_id: str, state: State, caller: Caller) -> Response:
     await _visible_file(state, file_id, caller)
     content = await FileStore(state.redis, state.keys).content(file_id)
@@ -161,7 +165,7 @@ async def file_content(file_id: str, state: State, caller: Caller) -> Response:
     return Response(content.encode(), media_type="application/jsonl")
 
 
-@router.post("/batches")
+@router.post("/batches", responses=error_responses(400, 413))
 async def create_batch(body: CreateBatch, state: State, caller: Caller) -> BatchObject:
     if body.endpoint not in BATCH_ENDPOINTS:
         raise _bad(f"endpoint: must be one of {', '.join(BATCH_ENDPOINTS)}", "endpoint")
@@ -194,12 +198,12 @@ async def _visible_batch(state: State, batch_id: str, caller: Principal) -> Batc
     return BatchObject.from_redis_hash(data)
 
 
-@router.get("/batches/{batch_id}")
+@router.get("/batches/{batch_id}", responses=error_responses(404))
 async def read_batch(batch_id: str, state: State, caller: Caller) -> BatchObject:
     return await _visible_batch(state, batch_id, caller)
 
 
-@router.post("/batches/{batch_id}/cancel")
+@router.post("/batches/{batch_id}/cancel", responses=error_responses(404, 409, 413))
 async def cancel_batch(batch_id: str, state: State, caller: Caller) -> BatchObject:
     """Ask the controller to stop: status `cancelling` now, `cancelled` once the jobs still out
     are cancelled; results already in stay in the output file."""
@@ -216,7 +220,7 @@ async def cancel_batch(batch_id: str, state: State, caller: Caller) -> BatchObje
     return await _visible_batch(state, batch_id, caller)
 
 
-@router.get("/batches")
+@router.get("/batches", responses=error_responses(400))
 async def list_batches(
     state: State,
     caller: Caller,

@@ -13,7 +13,9 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from redis.exceptions import RedisError
 
 from producer_api.deps import State
+from producer_api.errors import error_response, error_responses
 from producer_api.status import read_snapshot
+from schemas import ErrorBody, ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ async def dashboard() -> HTMLResponse:
     return HTMLResponse(dashboard_page(), headers={"Cache-Control": "no-cache"})
 
 
-@router.get("/dashboard/data", responses={503: {"description": "Redis unreachable"}})
+@router.get("/dashboard/data", responses=error_responses(503))
 async def dashboard_data(state: State) -> JSONResponse:
     """Models (queue depth, workers, KV usage, tokens/s, TTFT p50/p99 over the last 1 and 5
     minutes, a tokens/s series), workers, queues and dead letters, read from Redis now."""
@@ -39,5 +41,7 @@ async def dashboard_data(state: State) -> JSONResponse:
         snapshot = await read_snapshot(state.redis, state.keys)
     except (RedisError, OSError) as exc:
         log.warning("dashboard data unavailable: %s", exc)
-        return JSONResponse({"error": "redis_unavailable"}, status_code=503)
+        body = ErrorBody.of(ErrorCode.UNAVAILABLE, "the queue (Redis) cannot be reached")
+        retry = {"Retry-After": str(state.settings.retry_after_s)}
+        return error_response(body, "/dashboard/data", headers=retry)
     return JSONResponse(snapshot.to_dict(), headers={"Cache-Control": "no-store"})

@@ -17,20 +17,26 @@ from producer_api.admission import (
     submit,
 )
 from producer_api.deps import ApiState, Caller, State, check_visible
-from producer_api.errors import ApiError
+from producer_api.errors import ApiError, error_responses
 from producer_api.sse import EventStreamResponse, sse_event
 from producer_api.views import JobView, job_view, job_view_json
 from schemas import ErrorCode, Job, JobRequest
 from schemas.jobs import MAX_IDEMPOTENCY_KEY_CHARS
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(401, 503))
 
 # How long the stream's closing event waits for the job to reach its terminal status after the
 # final chunk (the worker writes the chunk and the status in one pipeline: normally at once).
 FINAL_STATUS_WAIT_S = 5.0
 
 
-@router.post("", status_code=202, response_model=JobView, response_model_exclude_none=True)
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobView,
+    response_model_exclude_none=True,
+    responses=error_responses(404, 413, 422, 429),
+)
 async def create_job(
     body: JobRequest,
     state: State,
@@ -73,20 +79,35 @@ async def _visible_job(state: ApiState, job_id: str, caller: Caller) -> Job:
     return check_visible(await queue.get_job(state.redis, state.keys, job_id), caller)
 
 
-@router.get("/{job_id}", response_model=JobView, response_model_exclude_none=True)
+@router.get(
+    "/{job_id}",
+    response_model=JobView,
+    response_model_exclude_none=True,
+    responses=error_responses(404),
+)
 async def read_job(job_id: str, state: State, caller: Caller) -> JobView:
     """The job's status, and its result, error and timings once it has them."""
     return job_view(await _visible_job(state, job_id, caller))
 
 
-@router.delete("/{job_id}", response_model=JobView, response_model_exclude_none=True)
+@router.delete(
+    "/{job_id}",
+    response_model=JobView,
+    response_model_exclude_none=True,
+    responses=error_responses(404),
+)
 async def cancel_job(job_id: str, state: State, caller: Caller) -> JobView:
     """Cancel a queued or running job (a finished job is returned as it is)."""
     await _visible_job(state, job_id, caller)
     return job_view(await queue.cancel_job(state.redis, state.keys, job_id))
 
 
-@router.get("/{job_id}/wait", response_model=JobView, response_model_exclude_none=True)
+@router.get(
+    "/{job_id}/wait",
+    response_model=JobView,
+    response_model_exclude_none=True,
+    responses=error_responses(404, 422),
+)
 async def wait_for_job(
     job_id: str,
     state: State,
@@ -127,7 +148,10 @@ def _resume_index(header: str | None, query: int | None) -> int:
 @router.get(
     "/{job_id}/stream",
     response_class=EventStreamResponse,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "SSE of chunks"}},
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "SSE of chunks"},
+        **error_responses(404, 422),
+    },
 )
 async def stream_job(
     job_id: str,

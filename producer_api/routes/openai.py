@@ -28,7 +28,7 @@ from producer_api.admission import (
 )
 from producer_api.auth import Principal
 from producer_api.deps import ApiState, Caller, State
-from producer_api.errors import ApiError, error_payload, error_status
+from producer_api.errors import ApiError, error_payload, error_responses, error_status
 from producer_api.openai_convert import (
     ChatChunks,
     CompletionChunks,
@@ -46,7 +46,10 @@ from producer_api.sse import EventStreamResponse, sse_event
 from producer_api.streams import ClientGone, merge_indexed, unless_disconnected
 from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus, TokenChunk
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], responses=error_responses(401, 503))
+# A generation answers with its job's failure too: 408 past its deadline, 409 cancelled meanwhile,
+# 500 failed in the engine.
+GENERATION_ERRORS = error_responses(400, 404, 408, 409, 413, 429, 500)
 
 FINAL_STATUS_WAIT_S = 5.0
 WAIT_GRACE_S = 5.0  # past the jobs' own deadline, before the API gives up waiting
@@ -64,7 +67,7 @@ async def list_models(state: State, caller: Caller) -> dict[str, Any]:
     return {"object": "list", "data": [_model_card(m) for _, m in sorted(served.items())]}
 
 
-@router.get("/models/{model:path}")
+@router.get("/models/{model:path}", responses=error_responses(404))
 async def read_model(model: str, state: State, caller: Caller) -> dict[str, Any]:
     served = await state.require_model(model, allow_configured=False)
     assert served is not None
@@ -82,7 +85,7 @@ def _model_card(served: Any) -> dict[str, Any]:
     }
 
 
-@router.post("/completions")
+@router.post("/completions", responses=GENERATION_ERRORS)
 async def completions(
     body: CompletionRequest, request: Request, state: State, caller: Caller
 ) -> Response:
@@ -111,7 +114,7 @@ async def completions(
     return JSONResponse(completion_body(body, finished))
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=GENERATION_ERRORS)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, state: State, caller: Caller
 ) -> Response:

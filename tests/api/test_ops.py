@@ -31,6 +31,16 @@ def test_health_and_ready(stack):
         ready = http.get("/ready")
         assert ready.status_code == 200
         assert ready.json()["models"] == [MODEL] and ready.json()["workers"] == 1
+        (load,) = ready.json()["load"]
+        assert load == {
+            "model": MODEL,
+            "workers": 1,
+            "running": 0,
+            "waiting": 0,
+            "queued": 0,
+            "kv_cache_usage": 0.0,
+            "max_model_len": None,
+        }
 
 
 def test_ready_is_503_when_redis_is_down(stack, redis_server):
@@ -58,6 +68,13 @@ def test_metrics(stack):
         assert http.delete(f"/v1/jobs/{bulk['id']}").status_code == 200
         assert before[("inferq_queue_pending", (("model", MODEL),))] == 0
         assert before[("inferq_queue_oldest_queued_age_seconds", (("model", MODEL),))] > 0
+        # the bulk queue apart, and vLLM's waiting gauge counting every queued job
+        by_class = "inferq_queue_waiting"
+        assert before[(by_class, (("model", MODEL), ("priority", "interactive")))] == 2
+        assert before[(by_class, (("model", MODEL), ("priority", "batch")))] == 1
+        assert before[("vllm:num_requests_waiting", (("model_name", MODEL),))] == 3
+        assert before[("vllm:num_requests_running", (("model_name", MODEL),))] == 0
+        assert before[("inferq_dead_letters", (("model", MODEL),))] == 0
         created = (
             "inferq_api_requests_total",
             (("method", "POST"), ("route", "/v1/jobs"), ("status", "202")),

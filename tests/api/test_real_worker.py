@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack, auth
 from tests.api.test_jobs_api import sse_events
@@ -161,3 +162,57 @@ def test_jobs_stream_resumes_with_last_event_id(system, reference):
     assert [c["index"] for c in chunks] == list(range(len(chunks)))
     assert "".join(c.get("text", "") for c in chunks) == want.text
     assert json.loads(rest[-1].data)["result"]["choices"][0]["text"] == want.text
+
+
+def test_a_prometheus_scrape_has_the_vllm_series(system, sdk):
+    """After a few requests, the vLLM-named series a vLLM Grafana board reads, with sane values
+    (counters and histogram counts may include the other tests' requests)."""
+    model = {"model_name": MODEL}
+    interactive = {**model, "priority": "interactive"}
+    ttft_count = "vllm:time_to_first_token_seconds_count"
+    with httpx.Client(base_url=system.servers[0].url, timeout=10) as http:
+        before = _value(_scrape(http), ttft_count, **interactive)
+        usage = [
+            sdk.completions.create(
+                model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0
+            ).usage
+            for p in PROMPTS
+        ]
+        give_up = time.monotonic() + 30  # the samples come with the worker's next heartbeats
+        while True:
+            scraped = _scrape(http)
+            counted = _value(scraped, ttft_count, **interactive) >= before + len(PROMPTS)
+            if counted and _value(scraped, "vllm:num_requests_running", **model) == 0:
+                break
+            assert time.monotonic() < give_up, "the requests did not reach /metrics"
+            time.sleep(0.5)
+    assert _value(scraped, "vllm:generation_tokens_total", **model) >= sum(
+        u.completion_tokens for u in usage
+    )
+    assert _value(scraped, "vllm:prompt_tokens_total", **model) >= sum(
+        u.prompt_tokens for u in usage
+    )
+    assert 0.0 <= _value(scraped, "vllm:kv_cache_usage_perc", **model) <= 1.0
+    assert _value(scraped, "vllm:num_requests_waiting", **model) == 0
+    ttft_sum = _value(scraped, "vllm:time_to_first_token_seconds_sum", **interactive)
+    e2e_sum = _value(scraped, "vllm:e2e_request_latency_seconds_sum", **interactive)
+    assert 0.0 < ttft_sum < e2e_sum
+    gaps = _value(scraped, "vllm:inter_token_latency_seconds_count", **interactive)
+    assert gaps >= sum(u.completion_tokens - 1 for u in usage)
+    assert (
+        0.0 < _value(scraped, "vllm:inter_token_latency_seconds_sum", **interactive) / gaps < 10.0
+    )
+
+
+def _value(
+    scraped: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
+    return scraped.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _scrape(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(http.get("/metrics").text)
+        for s in family.samples
+    }

@@ -117,6 +117,7 @@ def test_dashboard_shows_the_running_stacks_numbers(stack, tmp_path):
     assert float(shown["ttft_p99"].removesuffix(" ms")) == pytest.approx(
         nearest_rank(ttfts, 0.99) * 1000, abs=1
     )
+    assert shown["batch_ttft_p50"] == "\u2013"  # no batch job ran: an en dash, not a number
     assert "dash-worker" in dom
 
     screenshot = tmp_path / "dashboard.png"

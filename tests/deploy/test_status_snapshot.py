@@ -18,8 +18,9 @@ from cli.main import main as inferq
 from cli.status import redacted
 from producer_api.app import create_app
 from producer_api.settings import ApiSettings
-from producer_api.status import percentile, read_snapshot, token_rates
+from producer_api.status import TtftStats, percentile, read_snapshot, token_rates
 from schemas import RedisKeys
+from schemas.jobs import PriorityClass
 from schemas.workers import TokenSample, TtftSample
 from worker.heartbeat import TtftBuffer, beat
 
@@ -39,8 +40,9 @@ def stats(free: int, total: int, running: int, waiting: int, prompt: int, genera
 
 
 async def _populate(url: str) -> dict[str, float]:
-    """Two heartbeats of one worker 0.5 s apart (+200 generated tokens), three TTFTs, a queue
-    with one job running and two waiting, one dead letter."""
+    """Two heartbeats of one worker 0.5 s apart (+200 generated tokens), three TTFTs of
+    interactive jobs and two of batch jobs, a queue with one job running and two waiting, one
+    dead letter."""
     redis = Redis.from_url(url, decode_responses=True)
     started = datetime.now(UTC)
     first = await beat(
@@ -50,7 +52,9 @@ async def _populate(url: str) -> dict[str, float]:
     await asyncio.sleep(0.5)
     ttfts = TtftBuffer()
     for i, ttft in enumerate((0.05, 0.10, 0.40)):
-        ttfts.add(f"job{i}", ttft)
+        ttfts.add(TtftSample(time.time(), ttft, f"job{i}"))
+    for i, ttft in enumerate((2.0, 3.0)):
+        ttfts.add(TtftSample(time.time(), ttft, f"bulk{i}", PriorityClass.BATCH))
     second = await beat(
         redis, KEYS, name="gpu-0", model=MODEL, stats=stats(60, 100, 3, 1, 400, 250),
         started_at=started, ttl_s=30, ttfts=ttfts.take(),
@@ -97,9 +101,9 @@ def test_snapshot_reports_what_the_worker_wrote(redis_url, populated):
     assert one_minute.window_s == 60 and one_minute.generated_tokens == 200
     assert one_minute.tokens_per_s == pytest.approx(200 / populated["span"], rel=1e-3)
     assert one_minute.prompt_tokens_per_s == pytest.approx(390 / populated["span"], rel=1e-3)
-    assert (one_minute.jobs_finished, one_minute.ttft_p50_s, one_minute.ttft_p99_s) == (
-        3, 0.10, 0.40,
-    )  # fmt: skip
+    assert one_minute.jobs_finished == 5
+    assert one_minute.interactive == TtftStats(3, 0.10, 0.40)
+    assert one_minute.batch == TtftStats(2, 2.0, 3.0)
     assert sum(rate for _, rate in model.tokens_per_s_series) * 10 == pytest.approx(200)
 
 
@@ -107,7 +111,7 @@ def test_inferq_status_prints_the_tables(redis_url, populated, capsys):
     assert inferq(["status", "--redis-url", redis_url]) == 0
     out = capsys.readouterr().out
     model_row = next(line for line in out.splitlines() if line.startswith(MODEL))
-    assert "40%" in model_row and "100ms/400ms" in model_row
+    assert "40%" in model_row and "100ms/400ms" in model_row and "2000ms/3000ms" in model_row
     worker_row = next(line for line in out.splitlines() if line.startswith("gpu-0"))
     assert "40% (40/100)" in worker_row and " 250 " in worker_row
     assert "max_attempts_exceeded" in out
@@ -138,7 +142,9 @@ def test_dashboard_page_and_data(redis_url, populated):
         assert "/data" in page.text and "<script>" in page.text
         data = http.get("/dashboard/data").json()
     (model,) = data["models"]
-    assert model["name"] == MODEL and model["windows"][0]["jobs_finished"] == 3
+    assert model["name"] == MODEL and model["windows"][0]["jobs_finished"] == 5
+    assert model["windows"][0]["interactive"]["ttft_p50_s"] == 0.10
+    assert model["windows"][0]["batch"]["jobs_finished"] == 2
     assert data["workers"][0]["kv_blocks_free"] == 60
 
 
@@ -162,6 +168,10 @@ def test_rates_and_percentiles_on_edge_cases():
 def test_sample_members_round_trip():
     ttft = TtftSample(1700000000.5, 0.123456, "job-x")
     assert TtftSample.parse(ttft.member(), ttft.finished_at) == ttft
+    full = TtftSample(1700000000.5, 0.5, "job_y", PriorityClass.BATCH, 2.25, 0.0125, 140)
+    assert TtftSample.parse(full.member(), full.finished_at) == full
+    # members written before the other latencies were added still read
+    assert TtftSample.parse("0.123456:job-x", 1700000000.5) == ttft
     tokens = TokenSample(1700000000.5, "host:1/a", 12, 34)
     assert TokenSample.parse(tokens.member(), tokens.at) == tokens
 
