@@ -38,3 +38,10 @@ def test_every_evicting_policy_is_unsafe(policy, what):
     assert warning is not None
     assert policy in warning and what in warning and "noeviction" in warning
     assert "\n" not in warning  # one log line
+
+
+def test_a_nearly_full_redis_is_worth_a_warning():
+    info = {"maxmemory": 100 * MB, "maxmemory_policy": "noeviction", "used_memory": 95 * MB}
+    warning = redis_memory_warning(info)
+    assert warning is not None and "95%" in warning and "raise maxmemory" in warning
+    assert redis_memory_warning({**info, "used_memory": 50 * MB}) is None
