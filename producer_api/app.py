@@ -19,6 +19,7 @@ from producer_api.errors import error_response, install_error_handlers
 from producer_api.limits import BodySizeLimitMiddleware
 from producer_api.metrics import ApiMetrics, RequestMetricsMiddleware
 from producer_api.openapi import install_openapi
+from producer_api.redis_memory import warn_about_redis_memory
 from producer_api.routes import dashboard, jobs, openai, ops
 from producer_api.settings import ApiSettings
 from producer_api.workers import WorkerDirectory
@@ -46,6 +47,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             workers=WorkerDirectory(redis, keys, settings.worker_cache_s),
             metrics=metrics,
         )
+        await warn_about_redis_memory(redis)
         if settings.auth_disabled:
             log.warning(
                 "AUTHENTICATION IS DISABLED: anyone who can reach this port can use the API "

@@ -16,6 +16,8 @@ from contextlib import asynccontextmanager
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import (
     IDEMPOTENCY_TTL_S,
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_POLL_INTERVAL_S = 1.0
 SUBSCRIBE_TIMEOUT_S = 5.0
+# What Redis being away (down, restarting, unreachable) raises from these functions; OSError
+# covers the socket errors that reach us unwrapped.
+REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class QueueError(Exception):

@@ -39,6 +39,7 @@ from worker.logs import log_event
 from worker.metrics import WorkerMetrics
 from worker.priority import PriorityReader, ReadPacing
 from worker.publisher import Outbox
+from worker.redis_memory import warn_about_redis_memory
 from worker.settings import WorkerSettings
 from worker.tracing import ChunkTracer
 
@@ -127,6 +128,7 @@ class Worker:
         try:
             if not await self._create_group():
                 return
+            await warn_about_redis_memory(self.redis)
             settings = self.settings
             tasks = [
                 asyncio.create_task(

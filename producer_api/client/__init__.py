@@ -29,7 +29,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer_api.client.base import AsyncJobClient
 from producer_api.client.blocking import BlockingClient
-from producer_api.client.http_client import DEFAULT_BASE_URL, AsyncHttpClient, HttpError
+from producer_api.client.http_client import (
+    DEFAULT_BASE_URL,
+    AsyncHttpClient,
+    HttpError,
+    ServiceUnavailable,
+)
 from producer_api.client.redis_client import AsyncRedisClient, RedisClient
 from producer_api.client.resume import DEFAULT_MAX_RETRIES, resuming_stream
 from producer_api.queue import DEFAULT_POLL_INTERVAL_S, JobNotFoundError, QueueError
@@ -136,6 +141,7 @@ __all__ = [
     "JobNotFoundError",
     "QueueError",
     "RedisClient",
+    "ServiceUnavailable",
     "Transport",
     "transport_of",
 ]

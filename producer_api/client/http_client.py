@@ -39,8 +39,13 @@ class HttpError(QueueError):
         self.retry_after = retry_after
 
 
+class ServiceUnavailable(HttpError):
+    """503: the API or the queue (Redis) behind it is away for a moment; worth retrying."""
+
+
 class StreamInterrupted(Exception):
-    """The event stream ended before its `done` event (a proxy or the server cut it)."""
+    """The event stream ended before its `done` event (a proxy or the server cut it, or the
+    server lost Redis mid-stream and said so in an `unavailable` error event)."""
 
 
 @dataclass
@@ -91,7 +96,8 @@ def _raise_for(response: httpx.Response, job_id: str | None = None) -> None:
     if job_id is not None and error.code is ErrorCode.NOT_FOUND:
         raise JobNotFoundError(job_id)
     retry_after = response.headers.get("Retry-After")
-    raise HttpError(
+    kind = ServiceUnavailable if response.status_code == 503 else HttpError
+    raise kind(
         error,
         response.status_code,
         float(retry_after) if retry_after and retry_after.isdigit() else None,
@@ -99,11 +105,15 @@ def _raise_for(response: httpx.Response, job_id: str | None = None) -> None:
 
 
 def _chunk_of_event(event: SseEvent) -> TokenChunk | None:
-    """A chunk event's chunk; None for the closing `done` event; raises for `error`."""
+    """A chunk event's chunk; None for the closing `done` event; raises for `error`
+    (StreamInterrupted, which resumes the stream, when the server lost Redis for a moment)."""
     if event.event == "chunk":
         return TokenChunk.from_json(event.data)
     if event.event == "error":
-        raise QueueError(ErrorBody.model_validate_json(event.data))
+        error = ErrorBody.model_validate_json(event.data)
+        if error.code is ErrorCode.UNAVAILABLE:
+            raise StreamInterrupted(error.message)
+        raise QueueError(error)
     return None
 
 
@@ -123,7 +133,7 @@ def _body(request: JobRequest) -> dict[str, Any]:
 
 
 _STREAM_TIMEOUT = httpx.Timeout(DEFAULT_TIMEOUT_S, read=STREAM_READ_TIMEOUT_S)
-_RETRY_ON = (httpx.TransportError, StreamInterrupted)
+_RETRY_ON = (httpx.TransportError, StreamInterrupted, ServiceUnavailable)
 
 
 class AsyncHttpClient(AsyncJobClient):

@@ -14,6 +14,7 @@ import yaml
 from cli.main import build_parser
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.settings import ApiSettings
+from schemas.redis_memory import redis_memory_warning
 from worker.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,6 +93,16 @@ def test_redis_has_aof_a_volume_and_the_password_from_the_environment(compose, r
     assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
     with pytest.raises(MissingVariable, match="REDIS_PASSWORD"):
         interpolate(raw, {k: v for k, v in ENV.items() if k != "REDIS_PASSWORD"})
+
+
+def test_redis_memory_is_capped_and_never_evicts(compose, raw):
+    command = " ".join(compose["services"]["redis"]["command"])
+    assert "--maxmemory 4gb " in command
+    policy = re.search(r"--maxmemory-policy (\S+)", command)
+    assert policy is not None  # the start-up check of the API and workers finds it safe:
+    assert redis_memory_warning({"maxmemory": 4 << 30, "maxmemory_policy": policy[1]}) is None
+    sized = interpolate(raw, {**ENV, "REDIS_MAXMEMORY": "24gb"})["services"]["redis"]["command"]
+    assert "--maxmemory 24gb " in " ".join(sized)
 
 
 def test_api_port_environment_and_health(compose, raw):
