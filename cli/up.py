@@ -227,6 +227,9 @@ def start_redis(system: System, url: str, data_dir: Path) -> Child | None:
         "--bind", "127.0.0.1" if host != "::1" else "::1",
         "--dir", str(data_dir),
         "--appendonly", "yes",
+        # the same cap and policy as docker-compose.yml: see the README's Redis sizing
+        "--maxmemory", os.environ.get("REDIS_MAXMEMORY", "4gb"),
+        "--maxmemory-policy", "noeviction",
         "--save", "",
         "--daemonize", "no",
         "--logfile", str(data_dir / "redis.log"),
