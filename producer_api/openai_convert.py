@@ -263,31 +263,44 @@ def chat_body(req: ChatCompletionRequest, job: Job) -> dict[str, Any]:
     }
 
 
-class CompletionChunks:
-    """Stream chunks of `/v1/completions` for one request (all its prompts' jobs)."""
+class _StreamChunks:
+    """The fields every stream frame of one response shares, and its closing usage frame."""
 
-    def __init__(self, req: CompletionRequest, first_job: Job) -> None:
-        self.req = req
+    def __init__(
+        self, req: CompletionRequest | ChatCompletionRequest, id_prefix: str, kind: str, job: Job
+    ) -> None:
         self.header = {
-            "id": response_id("cmpl", first_job),
-            "object": "text_completion",
-            "created": int(first_job.created_at.timestamp()),
+            "id": response_id(id_prefix, job),
+            "object": kind,
+            "created": int(job.created_at.timestamp()),
             "model": req.model,
             "system_fingerprint": None,
         }
-        self.offsets: dict[int, int] = {}
+        self.include_usage = req.include_usage
 
-    def _frame(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict:
+    def _frame(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         frame = {**self.header, "choices": choices}
-        if self.req.include_usage:
-            frame["usage"] = usage
+        if self.include_usage:
+            frame["usage"] = None
         return frame
+
+    def usage(self, usages: list[Usage]) -> dict[str, Any]:
+        return {**self.header, "choices": [], "usage": usage_body(usages)}
+
+
+class CompletionChunks(_StreamChunks):
+    """Stream chunks of `/v1/completions` for one request (all its prompts' jobs)."""
+
+    def __init__(self, req: CompletionRequest, first_job: Job) -> None:
+        super().__init__(req, "cmpl", "text_completion", first_job)
+        self.n = req.n
+        self.offsets: dict[int, int] = {}
 
     def start(self) -> list[dict[str, Any]]:
         return []
 
     def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
-        index = prompt_index * self.req.n + chunk.choice
+        index = prompt_index * self.n + chunk.choice
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + len(chunk.text)
         choice = {
@@ -298,42 +311,21 @@ class CompletionChunks:
         }
         if chunk.finish_reason is not None:
             choice["stop_reason"] = chunk.stop_reason
-        return self._frame([choice], None)
-
-    def usage(self, usages: list[Usage]) -> dict[str, Any]:
-        return {**self.header, "choices": [], "usage": usage_body(usages)}
+        return self._frame([choice])
 
 
-class ChatChunks:
+class ChatChunks(_StreamChunks):
     """Stream chunks of `/v1/chat/completions`: a role delta per choice first, then content."""
 
     def __init__(self, req: ChatCompletionRequest, job: Job) -> None:
-        self.req = req
-        self.header = {
-            "id": response_id("chatcmpl", job),
-            "object": "chat.completion.chunk",
-            "created": int(job.created_at.timestamp()),
-            "model": req.model,
-            "system_fingerprint": None,
-        }
-
-    def _frame(self, choice: dict[str, Any]) -> dict[str, Any]:
-        frame = {**self.header, "choices": [choice]}
-        if self.req.include_usage:
-            frame["usage"] = None
-        return frame
+        super().__init__(req, "chatcmpl", "chat.completion.chunk", job)
+        self.n = req.n
 
     def start(self) -> list[dict[str, Any]]:
+        role = {"role": "assistant", "content": ""}
         return [
-            self._frame(
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
-            for i in range(self.req.n)
+            self._frame([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
+            for i in range(self.n)
         ]
 
     def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
@@ -345,7 +337,4 @@ class ChatChunks:
         }
         if chunk.finish_reason is not None:
             choice["stop_reason"] = chunk.stop_reason
-        return self._frame(choice)
-
-    def usage(self, usages: list[Usage]) -> dict[str, Any]:
-        return {**self.header, "choices": [], "usage": usage_body(usages)}
+        return self._frame([choice])
