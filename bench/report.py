@@ -231,10 +231,6 @@ def _flags_without_out(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tune_cpu_runtime(args.threads)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from throughput import warm_up
 
     from engine import LLM
