@@ -27,6 +27,7 @@ from workload import (
     random_workload,
     tune_cpu_runtime,
     workload_line,
+    workload_series,
 )
 
 
@@ -47,9 +48,7 @@ def main() -> None:
     runtime = tune_cpu_runtime(args.threads)
     llm = load_llm(args, enforce_eager=args.enforce_eager)
     vocab = llm.engine.runner.vocab_size
-    requests = random_workload(
-        args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.seed
-    )
+    requests = workload_series(vars(args), vocab, args.seed)(0)
     print(workload_line(requests))
     print(f"# runtime: {runtime}")
 
