@@ -212,8 +212,17 @@ def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
     }
 
 
-def response_id(kind: str, job: Job) -> str:
-    return f"{kind}-{job.id}"
+def response_header(
+    req: CompletionRequest | ChatCompletionRequest, id_prefix: str, kind: str, job: Job
+) -> dict[str, Any]:
+    """The fields every response body and stream frame of `job` starts with."""
+    return {
+        "id": f"{id_prefix}-{job.id}",
+        "object": kind,
+        "created": int(job.created_at.timestamp()),
+        "model": req.model,
+        "system_fingerprint": None,
+    }
 
 
 def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
@@ -231,11 +240,7 @@ def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
                 }
             )
     return {
-        "id": response_id("cmpl", jobs[0]),
-        "object": "text_completion",
-        "created": int(jobs[0].created_at.timestamp()),
-        "model": req.model,
-        "system_fingerprint": None,
+        **response_header(req, "cmpl", "text_completion", jobs[0]),
         "choices": choices,
         "usage": usage_body([job.result.usage for job in jobs if job.result is not None]),
     }
@@ -244,11 +249,7 @@ def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
 def chat_body(req: ChatCompletionRequest, job: Job) -> dict[str, Any]:
     assert job.result is not None
     return {
-        "id": response_id("chatcmpl", job),
-        "object": "chat.completion",
-        "created": int(job.created_at.timestamp()),
-        "model": req.model,
-        "system_fingerprint": None,
+        **response_header(req, "chatcmpl", "chat.completion", job),
         "choices": [
             {
                 "index": choice.index,
@@ -269,13 +270,7 @@ class _StreamChunks:
     def __init__(
         self, req: CompletionRequest | ChatCompletionRequest, id_prefix: str, kind: str, job: Job
     ) -> None:
-        self.header = {
-            "id": response_id(id_prefix, job),
-            "object": kind,
-            "created": int(job.created_at.timestamp()),
-            "model": req.model,
-            "system_fingerprint": None,
-        }
+        self.header = response_header(req, id_prefix, kind, job)
         self.include_usage = req.include_usage
 
     def _frame(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
