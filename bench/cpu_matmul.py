@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workload import describe_runtime, tune_cpu_runtime
+from workload import tune_cpu_runtime
 
 from schemas.defaults import DEFAULT_MODEL
 
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    tune_cpu_runtime(args.threads)
+    runtime = tune_cpu_runtime(args.threads)
 
     import torch
     import torch.nn.functional as F
@@ -55,8 +55,6 @@ def main() -> None:
 
     from engine.model_files import resolve_model_path
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     hf_config = AutoConfig.from_pretrained(str(resolve_model_path(args.model)))
     shapes = layer_shapes(hf_config) * hf_config.num_hidden_layers
     shapes.append((hf_config.vocab_size, hf_config.hidden_size))  # lm_head
@@ -65,7 +63,7 @@ def main() -> None:
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     params = sum(w.numel() for w in weights)
     print(f"# {args.model}: {len(weights)} linear layers, {weight_bytes / 1e6:.0f} MB fp32")
-    print(f"# torch {torch.__version__}, threads={torch.get_num_threads()}, {describe_runtime()}")
+    print(f"# {runtime}")
 
     paths = {
         "torch default (MKL)": lambda x, w: F.linear(x, w),

@@ -18,7 +18,9 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 _BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(_BENCH_DIR))
@@ -33,6 +35,7 @@ from gpu_report import (  # noqa: E402
 
 logger = logging.getLogger("bench.gpu")
 PARTS = ("a", "b", "c")
+C = TypeVar("C")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,19 +115,18 @@ def _environment_line() -> str:
     return f"{device}, {', '.join(versions)}, Python {platform.python_version()}"
 
 
+def config_from_flags(config: type[C], args: argparse.Namespace, **given: Any) -> C:
+    """A bench config: the fields in `given`, the others from the flag of the same name where
+    there is one, else the field's default (e.g. `device`)."""
+    flags = vars(args)
+    from_flags = {f.name: flags[f.name] for f in fields(config) if f.name in flags}
+    return config(**{**from_flags, **given})
+
+
 def _run_attention(args: argparse.Namespace) -> list[tuple[str, str]]:
     from gpu_attention import AttentionBenchConfig, bench_decode, bench_prefill
 
-    cfg = AttentionBenchConfig(
-        decode_batches=args.decode_batches,
-        decode_contexts=args.decode_contexts,
-        prefill_shapes=args.prefill_shapes,
-        num_q_heads=args.num_q_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        block_size=args.block_size,
-        max_gib=args.max_gib,
-    )
+    cfg = config_from_flags(AttentionBenchConfig, args)
     blocks = []
     if cfg.decode_batches and cfg.decode_contexts:
         blocks.append(("(a) attention kernel: decode", bench_decode(cfg)))
@@ -137,22 +139,11 @@ def _run_engine(args: argparse.Namespace, parts: list[str]) -> list[tuple[str, s
     import gpu_engine
 
     with tempfile.TemporaryDirectory(prefix="inferq-llama3-8b-") as folder:
-        cfg = gpu_engine.EngineBenchConfig(
+        cfg = config_from_flags(
+            gpu_engine.EngineBenchConfig,
+            args,
             model_config=dict(LLAMA3_8B_CONFIG),
             model_dir=Path(folder),
-            decode_prompt_len=args.decode_prompt_len,
-            decode_tokens=args.decode_tokens,
-            num_prompts=args.num_prompts,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            hf_prompts=args.hf_prompts,
-            hf_batch_size=args.hf_batch_size,
-            peak_flops=args.peak_flops,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enforce_eager=args.enforce_eager,
-            seed=args.seed,
         )
         # The baseline runs first and frees its weights: both models at once would not fit.
         hf_rates = None

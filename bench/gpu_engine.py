@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from figures import rates
 from gpu_report import (
     bandwidth_floor_ms,
     compute_roofline_tokens_per_s,
     llama_param_counts,
     markdown_table,
 )
+from throughput import greedy
 
 logger = logging.getLogger("bench.gpu")
 _FIRST_ORDINARY_TOKEN = 256  # skip low ids, where vocabularies keep special tokens
@@ -116,18 +118,12 @@ def make_llm(cfg: EngineBenchConfig):
     )
 
 
-def _greedy(max_tokens: int):
-    from engine import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
 def _timed_generate(
     llm, prompts: list[list[int]], max_tokens: int, device: str
 ) -> tuple[float, int]:
     _synchronize(device)
     started = time.perf_counter()
-    outputs = llm.generate(prompts, _greedy(max_tokens), use_tqdm=False)
+    outputs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
     _synchronize(device)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     return time.perf_counter() - started, produced
@@ -175,11 +171,7 @@ def bench_throughput(cfg: EngineBenchConfig, llm, hf_rates: dict | None) -> str:
     expected = cfg.num_prompts * cfg.output_len
     if produced != expected:
         logger.warning("engine produced %d tokens, expected %d", produced, expected)
-    ours = {
-        "output_tok_s": produced / seconds,
-        "total_tok_s": (cfg.num_prompts * cfg.input_len + produced) / seconds,
-        "seconds": seconds,
-    }
+    ours = rates(seconds, cfg.num_prompts * cfg.input_len, produced)
     counts = llama_param_counts(cfg.model_config)
     roofline = compute_roofline_tokens_per_s(counts.matmul, cfg.peak_flops)
     rows = [[
@@ -241,9 +233,4 @@ def bench_transformers(cfg: EngineBenchConfig) -> dict:
     gc.collect()
     if _is_cuda(cfg.device):
         torch.cuda.empty_cache()
-    produced = len(prompts) * cfg.output_len
-    return {
-        "seconds": seconds,
-        "output_tok_s": produced / seconds,
-        "total_tok_s": (len(prompts) * cfg.input_len + produced) / seconds,
-    }
+    return rates(seconds, len(prompts) * cfg.input_len, len(prompts) * cfg.output_len)

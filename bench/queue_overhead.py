@@ -39,9 +39,10 @@ from throughput import greedy, warm_up
 from workload import (
     Request,
     add_workload_args,
-    describe_runtime,
+    load_llm,
     random_workload,
     tune_cpu_runtime,
+    workload_line,
     workload_series,
 )
 
@@ -61,32 +62,13 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = parser.parse_args()
-    tune_cpu_runtime(args.threads)
-
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from engine import LLM
-
-    engine_args = {"dtype": args.dtype, "seed": args.seed}
-    if args.max_num_seqs:
-        engine_args["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens:
-        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(args.model, num_threads=args.threads, **engine_args)
+    runtime = tune_cpu_runtime(args.threads)
+    llm = load_llm(args)
     vocab = llm.engine.runner.vocab_size
 
     workload = workload_series(vars(args), vocab, args.seed)
-    requests = workload(0)
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    output_tokens = sum(r.output_len for r in requests)
-    print(
-        f"# workload: {len(requests)} prompts, {prompt_tokens} prompt + {output_tokens} output tokens"
-    )
-    print(
-        f"# runtime: torch {torch.__version__}, threads={torch.get_num_threads()}, {describe_runtime()}"
-    )
+    print(workload_line(workload(0)))
+    print(f"# runtime: {runtime}")
     options = WorkerOptions(
         model=args.model,
         dtype=args.dtype,

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import describe_machine, machine_one_liner
 from markdown_blocks import replace_block
-from workload import random_workload, shared_prefix_series, tune_cpu_runtime, workload_series
+from workload import shared_prefix_series, tune_cpu_runtime, workload_series
 
 from schemas.defaults import DEFAULT_MODEL
 
@@ -109,14 +109,7 @@ def preset_name(args: argparse.Namespace) -> str:
 def run_offline(llm, sizes: dict, seed: int) -> dict:
     from throughput import load_hf, measure_inferq, measure_transformers
 
-    requests = random_workload(
-        sizes["num_prompts"],
-        sizes["input_len"],
-        sizes["output_len"],
-        sizes["range_ratio"],
-        llm.engine.runner.vocab_size,
-        seed,
-    )
+    requests = workload_series(sizes, llm.engine.runner.vocab_size, seed)(0)
     results = {"ours": measure_inferq(llm, requests)}
     hf_model = load_hf(llm.engine.model_path, llm.engine.runner.dtype)
     best = measure_transformers(hf_model, requests, sizes["baseline_batch_sizes"].split(","))
@@ -231,10 +224,6 @@ def _flags_without_out(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tune_cpu_runtime(args.threads)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from throughput import warm_up
 
     from engine import LLM

@@ -20,6 +20,7 @@ import asyncio
 import gc
 import json
 import random
+import signal
 import socket
 import sys
 import tempfile
@@ -228,12 +229,16 @@ def _spawn_system(system, model: str, data_dir: Path, worker_flags: list[str]):
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
         ],
         env,
+        waits_for="open connections to close",
+        hurry_signal=signal.SIGINT,
     )  # fmt: skip
     system.spawn(
         "worker",
         [sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", model,
          "--redis-url", redis_url, *worker_flags],
         env,
+        waits_for="its running jobs",
+        hurry_signal=signal.SIGTERM,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     give_up = time.monotonic() + 600

@@ -20,7 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from figures import print_row, rates
-from workload import Request, add_workload_args, describe_runtime, random_workload, tune_cpu_runtime
+from workload import (
+    Request,
+    add_workload_args,
+    load_llm,
+    random_workload,
+    tune_cpu_runtime,
+    workload_line,
+    workload_series,
+)
 
 
 def main() -> None:
@@ -37,31 +45,12 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = parser.parse_args()
-    tune_cpu_runtime(args.threads)
-
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from engine import LLM
-
-    engine_args = {"dtype": args.dtype, "seed": args.seed, "enforce_eager": args.enforce_eager}
-    if args.max_num_batched_tokens:
-        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.max_num_seqs:
-        engine_args["max_num_seqs"] = args.max_num_seqs
-    llm = LLM(args.model, num_threads=args.threads, **engine_args)
+    runtime = tune_cpu_runtime(args.threads)
+    llm = load_llm(args, enforce_eager=args.enforce_eager)
     vocab = llm.engine.runner.vocab_size
-    requests = random_workload(
-        args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.seed
-    )
-    print(
-        f"# workload: {len(requests)} prompts, {sum(len(r.prompt_token_ids) for r in requests)} "
-        f"prompt + {sum(r.output_len for r in requests)} output tokens"
-    )
-    print(
-        f"# runtime: torch {torch.__version__}, threads={torch.get_num_threads()}, {describe_runtime()}"
-    )
+    requests = workload_series(vars(args), vocab, args.seed)(0)
+    print(workload_line(requests))
+    print(f"# runtime: {runtime}")
 
     warm_up(llm, args.seed)
     results = {"ours": measure_inferq(llm, requests)}

@@ -7,10 +7,13 @@ import os
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.cpu_runtime import describe_cpu_runtime, reexec_with_cpu_runtime
 from schemas.defaults import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 
 @dataclass
@@ -59,14 +62,46 @@ def random_workload(
     ]
 
 
-def tune_cpu_runtime(threads: int | None) -> None:
+def tune_cpu_runtime(threads: int | None) -> str:
     """Re-exec once with a caching allocator preloaded and OpenMP threads pinned to cores (a
-    benchmark owns the machine); INFERQ_CPU_TUNE=0 runs untuned."""
+    benchmark owns the machine; INFERQ_CPU_TUNE=0 runs untuned), then give torch `threads`
+    (default: all). Returns a line naming torch, its threads and the runtime."""
     reexec_with_cpu_runtime(threads or os.cpu_count(), bind_threads=True)
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    return f"torch {torch.__version__}, threads={torch.get_num_threads()}, {describe_runtime()}"
 
 
 def describe_runtime() -> str:
     return describe_cpu_runtime()
+
+
+def load_llm(args: argparse.Namespace, **engine_args: Any) -> LLM:
+    """The engine a benchmark measures: --model, --dtype, --seed and --threads, plus the
+    scheduler limits --max-num-seqs / --max-num-batched-tokens where given."""
+    from engine import LLM
+
+    limits = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    given = {name: value for name, value in limits.items() if value}
+    return LLM(
+        args.model,
+        num_threads=args.threads,
+        dtype=args.dtype,
+        seed=args.seed,
+        **given,
+        **engine_args,
+    )
+
+
+def workload_line(requests: list[Request]) -> str:
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    output_tokens = sum(r.output_len for r in requests)
+    return f"# workload: {len(requests)} prompts, {prompt_tokens} prompt + {output_tokens} output tokens"
 
 
 def shared_prefix_workload(

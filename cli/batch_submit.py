@@ -67,25 +67,18 @@ def run_submit(settings: SubmitSettings, args: argparse.Namespace) -> int:
     try:
         return _submit(api_url, settings.api_key, args)
     except SubmitError as exc:
-        print(f"inferq batch submit: error: {exc}", file=sys.stderr)
-        return 2
+        problem = str(exc)
     except httpx.TransportError as exc:
-        print(
-            f"inferq batch submit: error: no API answers at {api_url} ({type(exc).__name__}: "
-            f"{exc}); start one with `inferq up`, or pass --api-url / set INFERQ_API_URL",
-            file=sys.stderr,
+        problem = (
+            f"no API answers at {api_url} ({type(exc).__name__}: {exc}); start one with "
+            "`inferq up`, or pass --api-url / set INFERQ_API_URL"
         )
-        return 2
     except httpx.HTTPStatusError as exc:
-        print(
-            f"inferq batch submit: error: {exc.request.method} {exc.request.url} answered "
-            f"{exc.response.status_code}",
-            file=sys.stderr,
-        )
-        return 2
+        problem = f"{exc.request.method} {exc.request.url} answered {exc.response.status_code}"
     except httpx.InvalidURL as exc:
-        print(f"inferq batch submit: error: bad API URL {api_url!r}: {exc}", file=sys.stderr)
-        return 2
+        problem = f"bad API URL {api_url!r}: {exc}"
+    print(f"inferq batch submit: error: {problem}", file=sys.stderr)
+    return 2
 
 
 def _submit(api_url: str, api_key: str | None, args: argparse.Namespace) -> int:
@@ -100,7 +93,7 @@ def _submit(api_url: str, api_key: str | None, args: argparse.Namespace) -> int:
             "/v1/files", files={"file": (args.file.name, raw)}, data={"purpose": "batch"}
         )
         if uploaded.status_code != 200:
-            return _fail("upload", uploaded)
+            raise _failed("upload", uploaded)
         file_id = _field(uploaded, "id", api_url)
         note = uploaded.json().get("status_details")
         if note:
@@ -114,7 +107,7 @@ def _submit(api_url: str, api_key: str | None, args: argparse.Namespace) -> int:
             },
         )
         if created.status_code != 200:
-            return _fail("create batch", created)
+            raise _failed("create batch", created)
         batch_id = _field(created, "id", api_url)
         print(batch_id, flush=True)
         if not (args.wait or args.output):
@@ -193,14 +186,10 @@ def _first_url(raw: bytes) -> str:
     return BATCH_ENDPOINTS[0]
 
 
-def _fail(what: str, response: httpx.Response) -> int:
+def _failed(what: str, response: httpx.Response) -> SubmitError:
     try:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text
     where = f"{response.request.method} {response.request.url}"
-    print(
-        f"inferq batch submit: error: {what} failed ({where}: {response.status_code}): {message}",
-        file=sys.stderr,
-    )
-    return 2
+    return SubmitError(f"{what} failed ({where}: {response.status_code}): {message}")

@@ -181,10 +181,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestDelta]:

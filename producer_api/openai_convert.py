@@ -212,8 +212,17 @@ def chat_logprobs(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
     }
 
 
-def response_id(kind: str, job: Job) -> str:
-    return f"{kind}-{job.id}"
+def response_header(
+    req: CompletionRequest | ChatCompletionRequest, id_prefix: str, kind: str, job: Job
+) -> dict[str, Any]:
+    """The fields every response body and stream frame of `job` starts with."""
+    return {
+        "id": f"{id_prefix}-{job.id}",
+        "object": kind,
+        "created": int(job.created_at.timestamp()),
+        "model": req.model,
+        "system_fingerprint": None,
+    }
 
 
 def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
@@ -231,11 +240,7 @@ def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
                 }
             )
     return {
-        "id": response_id("cmpl", jobs[0]),
-        "object": "text_completion",
-        "created": int(jobs[0].created_at.timestamp()),
-        "model": req.model,
-        "system_fingerprint": None,
+        **response_header(req, "cmpl", "text_completion", jobs[0]),
         "choices": choices,
         "usage": usage_body([job.result.usage for job in jobs if job.result is not None]),
     }
@@ -244,11 +249,7 @@ def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
 def chat_body(req: ChatCompletionRequest, job: Job) -> dict[str, Any]:
     assert job.result is not None
     return {
-        "id": response_id("chatcmpl", job),
-        "object": "chat.completion",
-        "created": int(job.created_at.timestamp()),
-        "model": req.model,
-        "system_fingerprint": None,
+        **response_header(req, "chatcmpl", "chat.completion", job),
         "choices": [
             {
                 "index": choice.index,
@@ -263,31 +264,38 @@ def chat_body(req: ChatCompletionRequest, job: Job) -> dict[str, Any]:
     }
 
 
-class CompletionChunks:
+class _StreamChunks:
+    """The fields every stream frame of one response shares, and its closing usage frame."""
+
+    def __init__(
+        self, req: CompletionRequest | ChatCompletionRequest, id_prefix: str, kind: str, job: Job
+    ) -> None:
+        self.header = response_header(req, id_prefix, kind, job)
+        self.include_usage = req.include_usage
+
+    def _frame(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        frame = {**self.header, "choices": choices}
+        if self.include_usage:
+            frame["usage"] = None
+        return frame
+
+    def usage(self, usages: list[Usage]) -> dict[str, Any]:
+        return {**self.header, "choices": [], "usage": usage_body(usages)}
+
+
+class CompletionChunks(_StreamChunks):
     """Stream chunks of `/v1/completions` for one request (all its prompts' jobs)."""
 
     def __init__(self, req: CompletionRequest, first_job: Job) -> None:
-        self.req = req
-        self.header = {
-            "id": response_id("cmpl", first_job),
-            "object": "text_completion",
-            "created": int(first_job.created_at.timestamp()),
-            "model": req.model,
-            "system_fingerprint": None,
-        }
+        super().__init__(req, "cmpl", "text_completion", first_job)
+        self.n = req.n
         self.offsets: dict[int, int] = {}
-
-    def _frame(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict:
-        frame = {**self.header, "choices": choices}
-        if self.req.include_usage:
-            frame["usage"] = usage
-        return frame
 
     def start(self) -> list[dict[str, Any]]:
         return []
 
     def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
-        index = prompt_index * self.req.n + chunk.choice
+        index = prompt_index * self.n + chunk.choice
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + len(chunk.text)
         choice = {
@@ -298,42 +306,21 @@ class CompletionChunks:
         }
         if chunk.finish_reason is not None:
             choice["stop_reason"] = chunk.stop_reason
-        return self._frame([choice], None)
-
-    def usage(self, usages: list[Usage]) -> dict[str, Any]:
-        return {**self.header, "choices": [], "usage": usage_body(usages)}
+        return self._frame([choice])
 
 
-class ChatChunks:
+class ChatChunks(_StreamChunks):
     """Stream chunks of `/v1/chat/completions`: a role delta per choice first, then content."""
 
     def __init__(self, req: ChatCompletionRequest, job: Job) -> None:
-        self.req = req
-        self.header = {
-            "id": response_id("chatcmpl", job),
-            "object": "chat.completion.chunk",
-            "created": int(job.created_at.timestamp()),
-            "model": req.model,
-            "system_fingerprint": None,
-        }
-
-    def _frame(self, choice: dict[str, Any]) -> dict[str, Any]:
-        frame = {**self.header, "choices": [choice]}
-        if self.req.include_usage:
-            frame["usage"] = None
-        return frame
+        super().__init__(req, "chatcmpl", "chat.completion.chunk", job)
+        self.n = req.n
 
     def start(self) -> list[dict[str, Any]]:
+        role = {"role": "assistant", "content": ""}
         return [
-            self._frame(
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
-            for i in range(self.req.n)
+            self._frame([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}])
+            for i in range(self.n)
         ]
 
     def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
@@ -345,7 +332,4 @@ class ChatChunks:
         }
         if chunk.finish_reason is not None:
             choice["stop_reason"] = chunk.stop_reason
-        return self._frame(choice)
-
-    def usage(self, usages: list[Usage]) -> dict[str, Any]:
-        return {**self.header, "choices": [], "usage": usage_body(usages)}
+        return self._frame([choice])

@@ -199,14 +199,6 @@ class RedisKeys:
         """The stream a job of `priority` is queued on: bulk work has its own stream."""
         return self.bulk_stream(model) if priority >= PRIORITY_BULK else self.jobs_stream(model)
 
-    def model_of_stream(self, key: str | bytes) -> str:
-        """The model of a jobs or bulk stream key (inverse of both)."""
-        text = key.decode() if isinstance(key, bytes) else key
-        head = f"{self.prefix}:bulk:"
-        if text.startswith(head):
-            return decode_segment(text[len(head) :])
-        return self.model_of_jobs_stream(text)
-
     def file(self, file_id: str) -> str:
         return f"{self.prefix}:file:{encode_segment(file_id)}"
 

@@ -18,10 +18,6 @@ class Backoff:
         self.failures = 0
         self._retry_at = 0.0
 
-    @property
-    def healthy(self) -> bool:
-        return self.failures == 0
-
     def failed(self) -> float:
         """Record a failure; returns the seconds until the next attempt."""
         self.failures += 1

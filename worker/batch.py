@@ -241,14 +241,7 @@ class Batch:
                 error = ErrorBody.of(
                     ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while running"
                 )
-                self.outbox.finish(
-                    job_id,
-                    held.entry_id,
-                    JobStatus.EXPIRED,
-                    {JobField.ERROR: error},
-                    stream=held.queue_stream,
-                )
-                self.count("expired")
+                self._finish_with_error(held, error, JobStatus.EXPIRED)
             else:
                 self.count("lost")
 
@@ -311,7 +304,7 @@ class Batch:
             result = job_result(output, timings, held.choices)
         except Exception as exc:  # an output the schema refuses is an engine bug
             logger.exception("no result for %s", held.job_id)
-            self._finish_failed(
+            self._finish_with_error(
                 held, ErrorBody.of(ErrorCode.ENGINE_ERROR, f"invalid engine output: {exc}")
             )
             return
@@ -346,15 +339,14 @@ class Batch:
         if t.decode_s is not None and generated > 1:
             self.metrics.tpot.labels(m).observe(t.decode_s / (generated - 1))
 
-    def _finish_failed(self, held: HeldJob, error: ErrorBody) -> None:
+    def _finish_with_error(
+        self, held: HeldJob, error: ErrorBody, status: JobStatus = JobStatus.FAILED
+    ) -> None:
+        """End the job as `status` (failed or expired) with `error`, counted by that status."""
         self.outbox.finish(
-            held.job_id,
-            held.entry_id,
-            JobStatus.FAILED,
-            {JobField.ERROR: error},
-            stream=held.queue_stream,
+            held.job_id, held.entry_id, status, {JobField.ERROR: error}, stream=held.queue_stream
         )
-        self.count("failed")
+        self.count(status.value)
 
     def _fail_all(self, error: BaseException) -> None:
         """A step raised: the engine cannot say which job caused it, so the batch fails (with a
@@ -370,7 +362,7 @@ class Batch:
                 choice.finish_reason = choice.finish_reason or "error"
             for chunk in take_chunks(held, self.policy, now, force=True):
                 self.outbox.chunk(chunk)
-            self._finish_failed(held, body)
+            self._finish_with_error(held, body)
         self.held.clear()
         self._buffered.clear()
 

@@ -22,82 +22,51 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         self.model = model
         labels = ["model"]
-        r = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
         self.requests = Counter(
             "inferq_worker_requests",
             "Jobs ended by this worker, by outcome",
             [*labels, "outcome"],
-            registry=r,
+            registry=self.registry,
         )
-        self.running = Gauge(
-            "inferq_worker_running", "Requests in the running batch", labels, registry=r
+        self.running = gauge("inferq_worker_running", "Requests in the running batch")
+        self.waiting = gauge("inferq_worker_waiting", "Requests admitted, not yet running")
+        self.kv_usage = gauge("inferq_worker_kv_cache_usage", "Fraction of KV blocks in use")
+        self.kv_free = gauge("inferq_worker_kv_blocks_free", "Free KV blocks")
+        self.prefix_hit_rate = gauge(
+            "inferq_worker_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache"
         )
-        self.waiting = Gauge(
-            "inferq_worker_waiting", "Requests admitted, not yet running", labels, registry=r
+        self.prompt_tokens = counter("inferq_worker_prompt_tokens", "Prompt tokens computed")
+        self.generation_tokens = counter("inferq_worker_generation_tokens", "Tokens generated")
+        self.ttft = histogram(
+            "inferq_worker_time_to_first_token_seconds", "Enqueue to first token", _LATENCY_BUCKETS
         )
-        self.kv_usage = Gauge(
-            "inferq_worker_kv_cache_usage", "Fraction of KV blocks in use", labels, registry=r
-        )
-        self.kv_free = Gauge("inferq_worker_kv_blocks_free", "Free KV blocks", labels, registry=r)
-        self.prefix_hit_rate = Gauge(
-            "inferq_worker_prefix_cache_hit_rate",
-            "Prompt tokens found in the prefix cache",
-            labels,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "inferq_worker_prompt_tokens", "Prompt tokens computed", labels, registry=r
-        )
-        self.generation_tokens = Counter(
-            "inferq_worker_generation_tokens", "Tokens generated", labels, registry=r
-        )
-        self.ttft = Histogram(
-            "inferq_worker_time_to_first_token_seconds",
-            "Enqueue to first token",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "inferq_worker_time_per_output_token_seconds",
             "Decode time per output token",
-            labels,
-            buckets=_TOKEN_TIME_BUCKETS,
-            registry=r,
+            _TOKEN_TIME_BUCKETS,
         )
-        self.queue_wait = Histogram(
-            "inferq_worker_queue_wait_seconds",
-            "Enqueue to start",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.queue_wait = histogram(
+            "inferq_worker_queue_wait_seconds", "Enqueue to start", _LATENCY_BUCKETS
         )
-        self.e2e = Histogram(
-            "inferq_worker_request_seconds",
-            "Enqueue to result",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = histogram("inferq_worker_request_seconds", "Enqueue to result", _LATENCY_BUCKETS)
+        self.step_time = histogram(
+            "inferq_worker_step_seconds", "Engine step duration", _TOKEN_TIME_BUCKETS
         )
-        self.step_time = Histogram(
-            "inferq_worker_step_seconds",
-            "Engine step duration",
-            labels,
-            buckets=_TOKEN_TIME_BUCKETS,
-            registry=r,
+        self.flush_time = histogram(
+            "inferq_worker_publish_seconds", "One outbox pipeline round trip", _TOKEN_TIME_BUCKETS
         )
-        self.flush_time = Histogram(
-            "inferq_worker_publish_seconds",
-            "One outbox pipeline round trip",
-            labels,
-            buckets=_TOKEN_TIME_BUCKETS,
-            registry=r,
-        )
-        self.redis_errors = Counter(
-            "inferq_worker_redis_errors",
-            "Redis calls that failed (connection lost)",
-            labels,
-            registry=r,
+        self.redis_errors = counter(
+            "inferq_worker_redis_errors", "Redis calls that failed (connection lost)"
         )
         self._last_prompt_tokens = 0
         self._last_generation_tokens = 0

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.reference import rms_norm_ref
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -21,19 +23,14 @@ class RMSNorm(nn.Module):
             from kernels import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
+        if x.dtype != torch.float32:
+            # HF's order of operations: normalize in fp32, cast, then scale
+            return rms_norm_ref(x, self.weight, self.eps, residual)
+        # one fused op; in fp32 it is HF's arithmetic exactly
         if residual is not None:
             residual = x + residual
             return self._normalize(residual), residual
         return self._normalize(x)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; in fp32 it is HF's arithmetic exactly
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return rms_norm_reference(x, self.weight, self.eps)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as HF's LlamaRMSNorm: normalize in fp32, cast, then scale.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,6 +22,7 @@ from worker_fakes import FakeEngine
 
 from producer_api.batches import controller
 from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack
+from tests.batch.batch_calls import BatchCalls
 from worker.settings import WorkerSettings
 from worker.worker import Worker
 
@@ -52,7 +52,7 @@ def arq_worker(redis_url: str) -> ArqWorker:
     )
 
 
-class BatchStack:
+class BatchStack(BatchCalls):
     def __init__(self, redis_url: str, bg: BackgroundLoop) -> None:
         self.redis_url = redis_url
         self.bg = bg
@@ -102,42 +102,6 @@ class BatchStack:
             running.cancel()
         self.http.close()
         self.stack.close()
-
-    # ------------------------------------------------------------------ client helpers
-
-    def upload(self, text: str, name: str = "input.jsonl") -> dict[str, Any]:
-        response = self.http.post(
-            "/v1/files", files={"file": (name, text.encode())}, data={"purpose": "batch"}
-        )
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    def create(self, file_id: str, endpoint: str = "/v1/completions", **extra: Any) -> dict:
-        body = {"input_file_id": file_id, "endpoint": endpoint, "completion_window": "24h"}
-        response = self.http.post("/v1/batches", json={**body, **extra})
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    def batch(self, batch_id: str) -> dict[str, Any]:
-        return self.http.get(f"/v1/batches/{batch_id}").json()
-
-    def wait(self, batch_id: str, statuses: set[str], timeout: float = 60.0) -> dict[str, Any]:
-        give_up = time.monotonic() + timeout
-        while True:
-            batch = self.batch(batch_id)
-            if batch["status"] in statuses:
-                return batch
-            assert time.monotonic() < give_up, f"batch stuck at {batch}"
-            time.sleep(0.1)
-
-    def content(self, file_id: str | None) -> list[dict[str, Any]]:
-        if file_id is None:
-            return []
-        response = self.http.get(f"/v1/files/{file_id}/content")
-        assert response.status_code == 200, response.text
-        import json
-
-        return [json.loads(line) for line in response.text.splitlines()]
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack
+from tests.batch.batch_calls import BatchCalls
 from tests.conftest import RedisServer, _started_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -73,7 +74,10 @@ def stop(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
         process.wait()
 
 
-class RealSystem:
+class RealSystem(BatchCalls):
+    wait_timeout_s = 600.0
+    poll_s = 0.2
+
     def __init__(self, server: RedisServer, worker: subprocess.Popen[bytes]) -> None:
         self.server = server
         self.worker = worker
@@ -96,28 +100,8 @@ class RealSystem:
         stop(self.worker)
 
     def submit(self, lines: list[str]) -> dict[str, Any]:
-        uploaded = self.http.post(
-            "/v1/files",
-            files={"file": ("in.jsonl", ("\n".join(lines) + "\n").encode())},
-            data={"purpose": "batch"},
-        )
-        assert uploaded.status_code == 200, uploaded.text
-        created = self.http.post(
-            "/v1/batches",
-            json={"input_file_id": uploaded.json()["id"], "endpoint": "/v1/completions"},
-        )
-        assert created.status_code == 200, created.text
-        return created.json()
-
-    def batch(self, batch_id: str) -> dict[str, Any]:
-        return self.http.get(f"/v1/batches/{batch_id}").json()
-
-    def wait(self, batch_id: str, statuses: set[str], timeout: float = 600) -> dict[str, Any]:
-        give_up = time.monotonic() + timeout
-        while (batch := self.batch(batch_id))["status"] not in statuses:
-            assert time.monotonic() < give_up, f"batch stuck at {batch}"
-            time.sleep(0.2)
-        return batch
+        uploaded = self.upload("\n".join(lines) + "\n", name="in.jsonl")
+        return self.create(uploaded["id"])
 
     def wait_completed(self, batch_id: str, count: int, timeout: float = 300) -> dict[str, Any]:
         give_up = time.monotonic() + timeout
@@ -125,13 +109,6 @@ class RealSystem:
             assert time.monotonic() < give_up, f"batch stuck at {batch}"
             time.sleep(0.1)
         return batch
-
-    def content(self, file_id: str | None) -> list[dict[str, Any]]:
-        if file_id is None:
-            return []
-        response = self.http.get(f"/v1/files/{file_id}/content")
-        assert response.status_code == 200, response.text
-        return [json.loads(line) for line in response.text.splitlines()]
 
 
 @contextmanager

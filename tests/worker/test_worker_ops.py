@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from redis.asyncio import Redis
 from worker_fakes import FakeEngine
-from worker_harness import KEYS, running_worker, start_worker_process, wait_for
+from worker_harness import KEYS, running_worker, start_slow_fake_worker, wait_for
 
 from producer_api.client.redis_client import AsyncRedisClient
 from schemas import JobStatus
@@ -78,13 +78,7 @@ async def test_a_restarted_worker_resumes_its_own_pending_jobs_at_once(redis_url
             )
             for i in range(4)
         ]
-        first = start_worker_process(
-            redis_url,
-            fake=True,
-            model=MODEL,
-            name="phoenix",
-            extra_env={"INFERQ_FAKE_STEP_SECONDS": "0.05"},
-        )
+        first = start_slow_fake_worker(redis_url, MODEL, "phoenix")
         redis = Redis.from_url(redis_url, decode_responses=True)
 
         async def started() -> bool:

@@ -16,7 +16,7 @@ from worker_harness import (
     check_delivery,
     replay_chunks,
     running_worker,
-    start_worker_process,
+    start_slow_fake_worker,
     stop_process,
     stream_all,
     wait_for,
@@ -55,13 +55,7 @@ async def test_sigkill_mid_generation_another_worker_resumes_every_job(redis_url
     async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
         jobs = await _enqueue_batch(client, 20, max_tokens=40)
         streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
-        first = start_worker_process(
-            redis_url,
-            fake=True,
-            model=MODEL,
-            name="doomed",
-            extra_env={"INFERQ_FAKE_STEP_SECONDS": "0.05"},
-        )
+        first = start_slow_fake_worker(redis_url, MODEL, "doomed")
         try:
             await wait_for(lambda: _all_have_chunks(redis, jobs, 5), 60)
         finally:
@@ -83,14 +77,7 @@ async def test_sigterm_exits_0_and_hands_unfinished_jobs_to_another_worker(redis
     async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
         jobs = await _enqueue_batch(client, 12, max_tokens=60)
         streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
-        leaving = start_worker_process(
-            redis_url,
-            fake=True,
-            model=MODEL,
-            name="leaving",
-            drain_timeout_s=0.3,
-            extra_env={"INFERQ_FAKE_STEP_SECONDS": "0.05"},
-        )
+        leaving = start_slow_fake_worker(redis_url, MODEL, "leaving", drain_timeout_s=0.3)
         try:
             await wait_for(lambda: _all_have_chunks(redis, jobs, 5), 60)
         finally:
@@ -137,14 +124,7 @@ async def test_sigterm_lets_running_jobs_finish_within_the_drain_timeout(redis_u
     redis = Redis.from_url(redis_url, decode_responses=True)
     async with AsyncRedisClient(redis_url) as client:
         jobs = await _enqueue_batch(client, 6, max_tokens=30)
-        drainer = start_worker_process(
-            redis_url,
-            fake=True,
-            model=MODEL,
-            name="drainer",
-            drain_timeout_s=30,
-            extra_env={"INFERQ_FAKE_STEP_SECONDS": "0.05"},
-        )
+        drainer = start_slow_fake_worker(redis_url, MODEL, "drainer", drain_timeout_s=30)
         try:
             await wait_for(lambda: _all_have_chunks(redis, jobs, 3), 30)
             drainer.send_signal(signal.SIGTERM)

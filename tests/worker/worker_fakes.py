@@ -136,10 +136,6 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._requests)
-
     # -- capacity
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)

@@ -84,6 +84,16 @@ def start_worker_process(
     return process
 
 
+def start_slow_fake_worker(
+    redis_url: str, model: str, name: str, **settings: Any
+) -> subprocess.Popen[bytes]:
+    """A FakeEngine worker process at 50 ms a step: slow enough to stop mid-generation."""
+    extra_env = {"INFERQ_FAKE_STEP_SECONDS": "0.05"}
+    return start_worker_process(
+        redis_url, fake=True, model=model, name=name, extra_env=extra_env, **settings
+    )
+
+
 def stop_process(
     process: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 60
 ) -> int:
