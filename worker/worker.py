@@ -260,12 +260,15 @@ class Worker:
             self._recover_pending = True  # reads cut off while Redis was away left entries
 
     async def _redis_failed(self, exc: BaseException) -> None:
+        """Back off before the next round. Only a lost connection is Redis being away; anything
+        else is a bug here (entries that cannot be read are dead-lettered on their own), and is
+        not reported as an outage."""
         wait = self._redis.failed()
         self.metrics.redis_errors.labels(self.model).inc()
         log_event(
             logger,
             logging.WARNING,
-            "redis_unavailable",
+            "redis_unavailable" if isinstance(exc, REDIS_DOWN) else "redis_round_failed",
             worker=self.name,
             error=exc,
             retry_in=f"{wait:.2f}s",
