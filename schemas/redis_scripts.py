@@ -16,6 +16,7 @@ from string import Template
 from schemas.batches import BatchField
 from schemas.jobs import JobField, JobStatus
 from schemas.keys import JOB_ENTRY_FIELD
+from schemas.transitions import UNKNOWN_STATUS_SOURCE
 
 
 class EnqueueOutcome(StrEnum):
@@ -36,6 +37,7 @@ PLACEHOLDERS: Mapping[str, str] = {
     **{f"ENQUEUE_{outcome.name}": outcome.value for outcome in EnqueueOutcome},
     "ENTRY_FIELD": JOB_ENTRY_FIELD,
     "BATCH_STATUS_ARGS_END": BATCH_STATUS_ARGS_END,
+    "UNKNOWN_STATUS_SOURCE": UNKNOWN_STATUS_SOURCE,
 }
 """`$NAME` -> text, for every name a script may use."""
 
@@ -61,7 +63,8 @@ def _if_lease_holder(command: str) -> str:
 # Compare-and-set of a job's status (see schemas.transitions, which builds KEYS and ARGV).
 # KEYS[1] job hash, KEYS[2] job channel
 # ARGV[1] new status
-# ARGV[2] statuses the job may be in now, separated by spaces
+# ARGV[2] statuses the job may be in now, separated by spaces; $UNKNOWN_STATUS_SOURCE among them
+#         also allows any stored status that is no JobStatus (a corrupt writer's)
 # ARGV[3] TTL in seconds to set on the hash when applied (0: leave as is)
 # ARGV[4] message to PUBLISH on KEYS[2] when applied ('': none)
 # ARGV[5..] field, value pairs written together with the status
@@ -70,9 +73,10 @@ TRANSITION_SCRIPT = _render(
     """
 local current = redis.call('HGET', KEYS[1], '$JOB_STATUS')
 if not current then return {0, ''} end
+local known = ($KNOWN_STATUSES)[current] or false
 local allowed = false
 for s in string.gmatch(ARGV[2], '%S+') do
-  if s == current then allowed = true break end
+  if s == current or (s == '$UNKNOWN_STATUS_SOURCE' and not known) then allowed = true break end
 end
 if not allowed then return {0, current} end
 redis.call('HSET', KEYS[1], '$JOB_STATUS', ARGV[1])
@@ -82,6 +86,7 @@ if ARGV[4] ~= '' then redis.call('PUBLISH', KEYS[2], ARGV[4]) end
 return {1, current}
 """,
     SET_FIELDS=_hset_argv_pairs("5"),
+    KNOWN_STATUSES="{" + ", ".join(f"['{status.value}'] = true" for status in JobStatus) + "}",
 )
 
 # Enqueue: idempotency lookup, backlog limit, stream entry, job hash and idempotency key in one

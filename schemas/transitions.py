@@ -4,6 +4,8 @@ make them.
     queued  -> running (a worker starts it), cancelled, expired, failed (dead letter)
     running -> running (another worker reclaimed it), succeeded, failed, cancelled, expired
     terminal statuses (succeeded, failed, cancelled, expired) never change again.
+    a stored status that is no JobStatus at all (a corrupt writer) -> failed only
+
 
 Always change `status` through `TRANSITION_SCRIPT` (compare-and-set inside Redis, text in
 `schemas.redis_scripts`), never with a bare HSET: a worker finishing a job must not overwrite a
@@ -28,6 +30,13 @@ ALLOWED_FROM: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.EXPIRED: frozenset({JobStatus.QUEUED, JobStatus.RUNNING}),
 }
 
+REPLACES_UNKNOWN: frozenset[JobStatus] = frozenset({JobStatus.FAILED})
+"""The statuses that may overwrite a stored status that is no JobStatus value: such a job can
+never run or end otherwise, so failing it is the only way out."""
+
+UNKNOWN_STATUS_SOURCE = "?"
+"""Stands for "any stored status that is no JobStatus" among the script's allowed sources."""
+
 
 def can_transition(current: JobStatus, new: JobStatus) -> bool:
     return current in ALLOWED_FROM[new]
@@ -49,6 +58,8 @@ def transition_call(
         ttl_s = RESULT_TTL_S if terminal else 0
     event = StatusEvent(job_id=job_id, status=new_status).to_json() if terminal else ""
     sources = " ".join(sorted(ALLOWED_FROM[new_status]))
+    if new_status in REPLACES_UNKNOWN:
+        sources += f" {UNKNOWN_STATUS_SOURCE}"
     args = [new_status.value, sources, str(ttl_s), event]
     for name, value in hash_fields(**dict(fields or {})).items():
         args += [name, value]
@@ -56,7 +67,15 @@ def transition_call(
 
 
 def transition_applied(reply: list[int | str | bytes]) -> tuple[bool, JobStatus | None]:
-    """Decode the script's reply: (applied, previous-or-current status; None if no such job)."""
+    """Decode the script's reply: (applied, previous-or-current status; None if no such job or
+    when the stored status is no JobStatus value)."""
     applied, status = reply
-    text = status.decode() if isinstance(status, bytes) else str(status)
-    return bool(int(applied)), (JobStatus(text) if text else None)
+    text = status.decode(errors="replace") if isinstance(status, bytes) else str(status)
+    return bool(int(applied)), _job_status(text)
+
+
+def _job_status(text: str) -> JobStatus | None:
+    try:
+        return JobStatus(text)
+    except ValueError:
+        return None

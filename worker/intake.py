@@ -34,11 +34,20 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Entry:
     """One jobs-stream entry as delivered; `fields` is None when the entry was deleted.
-    `stream`: the stream it came from ("" for the worker's jobs stream)."""
+    `stream`: the stream it came from ("" for the worker's jobs stream). `unreadable`: why the
+    entry cannot be read (its `fields` are then a lossy copy, for the dead letter)."""
 
     entry_id: str
     fields: dict[str, str] | None
     stream: str = ""
+    unreadable: str | None = None
+
+
+@dataclass(frozen=True)
+class UnreadableJob:
+    """A job hash that could not be read (not UTF-8 text, or the key is no hash)."""
+
+    reason: str
 
 
 @dataclass
@@ -78,11 +87,18 @@ class Reject:
 Verdict = Admit | Skip | Expire | Reject
 
 
-def classify(
-    entry: Entry, stored: dict[str, str] | None, max_attempts: int, now: datetime
-) -> Verdict:
+StoredJob = dict[str, str] | UnreadableJob | None
+"""What an entry's job key holds: its hash, why it cannot be read, or None (nothing stored)."""
+
+
+def classify(entry: Entry, stored: StoredJob, max_attempts: int, now: datetime) -> Verdict:
     """Decide one entry given its job hash (`stored`, None when the entry names no job)."""
-    verdict = _classify(entry, stored, max_attempts, now)
+    try:
+        verdict = _classify(entry, stored, max_attempts, now)
+    except Exception as exc:  # one entry nobody foresaw must not stop the entries read with it
+        logger.exception("could not classify entry %s", entry.entry_id)
+        error = ErrorBody.of(ErrorCode.UNPARSEABLE_JOB, f"the entry could not be parsed: {exc}")
+        verdict = Reject(entry.entry_id, None, error, entry.fields or {})
     if isinstance(verdict, Admit):
         verdict.held.queue_stream = entry.stream
     else:
@@ -90,17 +106,23 @@ def classify(
     return verdict
 
 
-def _classify(
-    entry: Entry, stored: dict[str, str] | None, max_attempts: int, now: datetime
-) -> Verdict:
+def _classify(entry: Entry, stored: StoredJob, max_attempts: int, now: datetime) -> Verdict:
     if entry.fields is None:
         return Skip(entry.entry_id, None, "entry deleted")
     job_id = entry.fields.get(JOB_ENTRY_FIELD)
     if not job_id or not is_valid_job_id(job_id):
+        job_id = None
+    if entry.unreadable is not None:
+        error = ErrorBody.of(ErrorCode.UNPARSEABLE_JOB, entry.unreadable)
+        return Reject(entry.entry_id, job_id, error, entry.fields)
+    if job_id is None:
         error = ErrorBody.of(
             ErrorCode.UNPARSEABLE_JOB, f"stream entry has no valid '{JOB_ENTRY_FIELD}' field"
         )
         return Reject(entry.entry_id, None, error, entry.fields)
+    if isinstance(stored, UnreadableJob):
+        error = ErrorBody.of(ErrorCode.UNPARSEABLE_JOB, stored.reason)
+        return Reject(entry.entry_id, job_id, error, entry.fields)
     if not stored:
         return Skip(entry.entry_id, job_id, "job hash missing")
     status = stored.get(JobField.STATUS)
@@ -136,7 +158,12 @@ def _int(value: str | None) -> int:
 
 
 class StreamReader:
-    """The reads of one worker on its model's jobs stream (consumer group `keys.group`)."""
+    """The reads of one worker on its model's jobs stream (consumer group `keys.group`).
+
+    `redis` must not decode replies (`decode_responses=False`): redis-py decodes a reply whole,
+    so one entry or job hash that is not UTF-8 would fail every read that returns it, and the
+    entries read with it. Here each entry and hash is decoded on its own, and one that cannot be
+    becomes a dead letter like any other unreadable entry."""
 
     def __init__(self, redis: Redis, keys: RedisKeys, stream: str, consumer: str) -> None:
         self.redis = redis
@@ -187,10 +214,8 @@ class StreamReader:
             count=count,
         )
         next_cursor, claimed = reply[0], reply[1]
-        self._claim_cursor = next_cursor or "0-0"
-        return [
-            Entry(entry_id, fields or None, self.stream) for entry_id, fields in claimed if entry_id
-        ]
+        self._claim_cursor = _text(next_cursor) or "0-0"
+        return [_entry(entry_id, fields, self.stream) for entry_id, fields in claimed if entry_id]
 
     async def load(self, entries: list[Entry], max_attempts: int, now: datetime) -> list[Verdict]:
         """Classify entries (one pipeline of HGETALLs) and, for jobs that earlier attempts
@@ -201,13 +226,14 @@ class StreamReader:
             e.entry_id: e.fields.get(JOB_ENTRY_FIELD, "") for e in entries if e.fields
         }
         named = {entry: job for entry, job in job_ids.items() if is_valid_job_id(job)}
-        stored: dict[str, dict[str, str]] = {}
+        stored: dict[str, StoredJob] = {}
         if named:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for job_id in named.values():
                     pipe.hgetall(self.keys.job(job_id))
-                for entry_id, values in zip(named, await pipe.execute(), strict=True):
-                    stored[entry_id] = values
+                replies = await pipe.execute(raise_on_error=False)
+            for entry_id, reply in zip(named, replies, strict=True):
+                stored[entry_id] = _job_hash(reply)
         verdicts = [classify(e, stored.get(e.entry_id), max_attempts, now) for e in entries]
         resuming = [
             v.held
@@ -219,13 +245,16 @@ class StreamReader:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for held in resuming:
                     pipe.xrange(self.keys.out_stream(held.job_id), "-", "+")
-                for held, replay in zip(resuming, await pipe.execute(), strict=True):
-                    held.resume_from(_chunks(held.job_id, replay))
+                replays = await pipe.execute(raise_on_error=False)
+            for held, replay in zip(resuming, replays, strict=True):
+                held.resume_from(_chunks(held.job_id, replay))
         return verdicts
 
 
-# XREADGROUP's reply: per stream, its entries as (id, fields); fields None for a deleted entry.
-StreamReply = list[tuple[str | bytes, list[tuple[str | None, dict[str, str] | None]]]]
+# XREADGROUP's reply, undecoded: per stream, its entries as (id, fields); fields None for a
+# deleted entry.
+RawFields = dict[bytes, bytes]
+StreamReply = list[tuple[bytes, list[tuple[bytes | None, RawFields | None]]]]
 
 
 def _entries(reply: StreamReply | None) -> list[Entry]:
@@ -235,16 +264,57 @@ def _entries(reply: StreamReply | None) -> list[Entry]:
     for stream, items in reply:
         for entry_id, fields in items:
             if entry_id is not None:
-                name = stream.decode() if isinstance(stream, bytes) else stream
-                out.append(Entry(entry_id, fields or None, name))
+                out.append(_entry(entry_id, fields, _text(stream)))
     return out
 
 
-def _chunks(job_id: str, replay: list[tuple[str, dict[str, str]]]) -> list[TokenChunk]:
+def _entry(entry_id: bytes | str, fields: RawFields | None, stream: str) -> Entry:
+    """Decode one entry on its own; text that is not UTF-8 makes it unreadable."""
+    if not fields:
+        return Entry(_text(entry_id), None, stream)
+    try:
+        return Entry(_text(entry_id), _decoded(fields), stream)
+    except UnicodeDecodeError:
+        lossy = {
+            key.decode(errors="backslashreplace"): value.decode(errors="backslashreplace")
+            for key, value in fields.items()
+        }
+        return Entry(_text(entry_id), lossy, stream, "stream entry is not UTF-8 text")
+
+
+def _job_hash(reply: RawFields | Exception) -> StoredJob:
+    if isinstance(reply, ResponseError):  # WRONGTYPE: the job key holds no hash
+        return UnreadableJob(f"the job key cannot be read as a hash: {reply}")
+    if isinstance(reply, Exception):  # the connection went: the whole read is retried
+        raise reply
+    try:
+        return _decoded(reply)
+    except UnicodeDecodeError:
+        return UnreadableJob("the job hash is not UTF-8 text")
+
+
+def _decoded(fields: RawFields) -> dict[str, str]:
+    return {key.decode(): value.decode() for key, value in fields.items()}
+
+
+def _text(value: bytes | str) -> str:
+    """An id or name Redis made (entry ids, stream names): always ASCII."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _chunks(job_id: str, replay: list[tuple[bytes, RawFields]] | Exception) -> list[TokenChunk]:
+    if isinstance(replay, ResponseError):  # the replay key holds no stream: nothing to resume
+        log_event(logger, logging.WARNING, "unreadable_replay", job=job_id, error=replay)
+        return []
+    if isinstance(replay, Exception):
+        raise replay
     chunks = []
+    field = REPLAY_FIELD.encode()
     for entry_id, fields in replay:
         try:
-            chunks.append(TokenChunk.from_json(fields[REPLAY_FIELD]))
-        except (KeyError, ValueError):
-            log_event(logger, logging.WARNING, "unreadable_chunk", job=job_id, entry=entry_id)
+            chunks.append(TokenChunk.from_json(fields[field].decode()))
+        except (KeyError, ValueError):  # UnicodeDecodeError is a ValueError
+            log_event(
+                logger, logging.WARNING, "unreadable_chunk", job=job_id, entry=_text(entry_id)
+            )
     return chunks

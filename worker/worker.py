@@ -70,14 +70,11 @@ class Worker:
                 self._engine_thread.shutdown(wait=False)
                 raise
         self.engine = engine
-        self.redis = Redis.from_url(
-            settings.redis_url,
-            decode_responses=True,
-            socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
-            socket_connect_timeout=min(settings.socket_timeout_s, 5.0),
-        )
-        # interactive jobs stream first, the bulk stream with the room left
-        self.reader = PriorityReader(self.redis, self.keys, self.model, self.name)
+        self.redis = self._connect(decode=True)
+        # interactive jobs stream first, the bulk stream with the room left; its own
+        # connections, which leave decoding to it (see StreamReader)
+        self.intake_redis = self._connect(decode=False)
+        self.reader = PriorityReader(self.intake_redis, self.keys, self.model, self.name)
         self.pacing = ReadPacing(settings.bulk_max_held, self.reader.bulk_stream)
         self.outbox = Outbox(self.keys, self.jobs_stream, self.name)
         self.metrics = WorkerMetrics(self.model)
@@ -100,6 +97,16 @@ class Worker:
         self._drain_deadline = float("inf")
         self._next_janitor = 0.0
         self._recover_pending = True  # read our own pending entries first
+
+    def _connect(self, *, decode: bool) -> Redis:
+        settings = self.settings
+        client: Redis = Redis.from_url(
+            settings.redis_url,
+            decode_responses=decode,
+            socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
+            socket_connect_timeout=min(settings.socket_timeout_s, 5.0),
+        )
+        return client
 
     @property
     def outcomes(self) -> dict[str, int]:
@@ -185,6 +192,7 @@ class Worker:
         self.tracer.close()
         self._engine_thread.shutdown(wait=True)
         await self.redis.aclose()
+        await self.intake_redis.aclose()
 
     # ------------------------------------------------------------------ the main loop
 
@@ -252,12 +260,15 @@ class Worker:
             self._recover_pending = True  # reads cut off while Redis was away left entries
 
     async def _redis_failed(self, exc: BaseException) -> None:
+        """Back off before the next round. Only a lost connection is Redis being away; anything
+        else is a bug here (entries that cannot be read are dead-lettered on their own), and is
+        not reported as an outage."""
         wait = self._redis.failed()
         self.metrics.redis_errors.labels(self.model).inc()
         log_event(
             logger,
             logging.WARNING,
-            "redis_unavailable",
+            "redis_unavailable" if isinstance(exc, REDIS_DOWN) else "redis_round_failed",
             worker=self.name,
             error=exc,
             retry_in=f"{wait:.2f}s",

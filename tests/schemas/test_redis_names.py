@@ -138,6 +138,19 @@ def test_transition_script_applies_exactly_the_allowed_changes(client, current):
         listener.close()
 
 
+def test_only_failed_replaces_a_status_that_is_no_status(client):
+    """A corrupt writer's status (no JobStatus value) can only end as failed."""
+    for new in JobStatus:
+        job = _stored_job(client, JobStatus.QUEUED)
+        client.hset(KEYS.job(job.id), "status", "banana")
+        keys_, args = transition_call(KEYS, job.id, new, {"worker": "w9"})
+        applied, previous = transition_applied(client.eval(TRANSITION_SCRIPT, 2, *keys_, *args))
+        assert applied == (new is JobStatus.FAILED)
+        assert previous is None
+        expected = new.value if applied else "banana"
+        assert client.hget(KEYS.job(job.id), "status") == expected
+
+
 def test_transition_of_a_missing_job_reports_none(client):
     keys_, args = transition_call(KEYS, new_job_id(), JobStatus.CANCELLED)
     assert transition_applied(client.eval(TRANSITION_SCRIPT, 2, *keys_, *args)) == (False, None)

@@ -21,6 +21,7 @@ from schemas.redis_scripts import (
     PLACEHOLDERS,
     EnqueueOutcome,
 )
+from schemas.transitions import UNKNOWN_STATUS_SOURCE
 
 # Redis commands and their keyword arguments the scripts call.
 REDIS_WORDS = frozenset(
@@ -55,6 +56,7 @@ PROTOCOL_NAMES = frozenset(
         *(outcome.value for outcome in EnqueueOutcome),
         JOB_ENTRY_FIELD,
         BATCH_STATUS_ARGS_END,
+        UNKNOWN_STATUS_SOURCE,
     }
 )
 _LUA_STRING = re.compile(r"'([^'\n]*)'")
