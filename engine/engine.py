@@ -25,6 +25,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stop import Stop, StopRules, append_until_stop
+from engine.token_text import TokenTexts
 from engine.tokenizer import load_tokenizer, read_eos_token_ids
 from schemas.sampling import SamplingParams
 
@@ -67,6 +68,7 @@ class Engine:
         self.runner = ModelRunner(config, model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.eos_token_ids = read_eos_token_ids(model_path, self.tokenizer, self.runner.hf_config)
+        self.token_texts = TokenTexts(self.tokenizer)
         self.block_size = self.runner.block_size
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, self.block_size, config.enable_prefix_caching
@@ -225,7 +227,8 @@ class Engine:
             logprob = None
             if sampled.logprobs[row] is not None:
                 top = sampled.top_logprobs[row] or []
-                logprob = TokenLogprob(token_id, sampled.logprobs[row], top)
+                texts = self.token_texts([token_id, *(top_id for top_id, _ in top)])
+                logprob = TokenLogprob(token_id, sampled.logprobs[row], top, texts)
             choice = request.choices[seq.choice_index]
             deltas.append(self._advance_choice(request, choice, token_id, logprob, stops[row]))
         return deltas

@@ -30,6 +30,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # The text of the token and of each alternative, by id; empty when the model has no
+    # tokenizer.
+    token_texts: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -40,15 +40,18 @@ def convert_logprobs(items: None) -> None: ...
 
 
 def convert_logprobs(items: Iterable[outputs.TokenLogprob] | None) -> list[TokenLogprob] | None:
-    """Engine TokenLogprob(token_id, logprob, top_logprobs=[(id, lp)]) -> wire TokenLogprob."""
+    """Engine TokenLogprob(token_id, logprob, top_logprobs=[(id, lp)], token_texts) -> wire
+    TokenLogprob, each token with its text where the engine decoded it."""
     if items is None:
         return None
     return [
         TokenLogprob(
             token_id=item.token_id,
             logprob=float(item.logprob),
+            token=item.token_texts.get(item.token_id),
             top_logprobs=[
-                Logprob(token_id=int(tid), logprob=float(lp)) for tid, lp in item.top_logprobs
+                Logprob(token_id=int(tid), logprob=float(lp), token=item.token_texts.get(int(tid)))
+                for tid, lp in item.top_logprobs
             ],
         )
         for item in items

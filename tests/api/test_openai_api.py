@@ -115,6 +115,33 @@ def test_logprobs_in_both_apis(client):
     assert lp.text_offset == [0, len(lp.tokens[0])]
 
 
+def test_streamed_logprobs_name_tokens_with_offsets_and_bytes(client):
+    pieces = expected(4, prompt=PROMPT).pieces
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, logprobs=2, max_tokens=4, stream=True
+    )
+    tokens, offsets, tops = [], [], []
+    for chunk in stream:
+        logprobs = chunk.choices[0].logprobs if chunk.choices else None
+        if logprobs is not None:
+            tokens += logprobs.tokens
+            offsets += logprobs.text_offset
+            tops += logprobs.top_logprobs
+    assert tokens == pieces
+    assert offsets == [len("".join(pieces[:i])) for i in range(len(pieces))]
+    assert [next(iter(top)) for top in tops] == pieces
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2, max_tokens=3, stream=True
+    )
+    content = [
+        token for c in chat if c.choices and c.choices[0].logprobs
+        for token in c.choices[0].logprobs.content
+    ]  # fmt: skip
+    assert [t.token for t in content] == expected(3, messages=MESSAGES).pieces
+    assert all(t.bytes == list(t.token.encode()) for t in content)
+    assert all(top.bytes == list(top.token.encode()) for t in content for top in t.top_logprobs)
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="no-such-model", prompt="hi")

@@ -142,6 +142,73 @@ def test_too_long_prompt_is_400_context_length_exceeded(sdk):
     assert caught.value.code == "context_length_exceeded"
 
 
+@pytest.fixture(scope="module")
+def token_text():
+    """What a logprob names a token: its id decoded on its own (as vLLM does)."""
+    from engine.model_files import resolve_model_path
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path(MODEL))
+    special = set(tokenizer.all_special_tokens)
+    return lambda token_id: tokenizer.decode([token_id]), special
+
+
+def _completion_logprobs(sdk: openai.OpenAI, stream: bool) -> tuple[str, dict[str, list]]:
+    response = sdk.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, logprobs=2,
+        stream=stream,
+    )  # fmt: skip
+    parts = list(response) if stream else [response]
+    text = "".join(p.choices[0].text for p in parts if p.choices)
+    merged: dict[str, list] = {"tokens": [], "top_logprobs": [], "text_offset": []}
+    for part in parts:
+        logprobs = part.choices[0].logprobs if part.choices else None
+        for name, values in merged.items():
+            values += getattr(logprobs, name, None) or []
+    return text, merged
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_logprobs_name_real_tokens(sdk, reference, token_text, stream):
+    decode, special = token_text
+    want = reference["completions"][0].outputs[0]
+    text, logprobs = _completion_logprobs(sdk, stream)
+    tokens = logprobs["tokens"]
+    assert text == want.text
+    assert tokens == [decode(t) for t in want.token_ids]
+    assert "".join(t for t in tokens if t not in special) == text
+    assert logprobs["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    for token, top in zip(tokens, logprobs["top_logprobs"], strict=True):
+        assert len(top) == 2 and token in top  # greedy: the chosen token is the likeliest
+        assert not any(key.startswith("token_id:") for key in top)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_name_real_tokens_and_their_bytes(sdk, reference, token_text, stream):
+    decode, special = token_text
+    want = reference["chat"].outputs[0]
+    response = sdk.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
+        top_logprobs=2, stream=stream,
+    )  # fmt: skip
+    if stream:
+        parts = [c.choices[0] for c in response if c.choices]
+        text = "".join(p.delta.content or "" for p in parts)
+        content = [t for p in parts if p.logprobs for t in p.logprobs.content or []]
+    else:
+        text = response.choices[0].message.content
+        content = response.choices[0].logprobs.content
+    assert text == want.text
+    assert [t.token for t in content] == [decode(t) for t in want.token_ids]
+    assert "".join(t.token for t in content if t.token not in special) == text
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 2
+        for top in entry.top_logprobs:
+            assert not top.token.startswith("token_id:")
+            assert top.bytes == list(top.token.encode())
+
+
 def test_jobs_stream_resumes_with_last_event_id(system, reference):
     want = reference["completions"][0].outputs[0]
     body = {

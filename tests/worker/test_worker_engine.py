@@ -111,6 +111,29 @@ async def test_oversize_prompt_fails_while_chat_and_text_jobs_go_on(redis_url, s
             assert done.result.choices[0].token_ids == want.token_ids
 
 
+async def test_logprobs_name_each_token_by_its_text(redis_url, smollm):
+    """Streamed chunks and the stored result carry the decoded token, not only its id."""
+    greedy = {"temperature": 0, "max_tokens": 8, "logprobs": True, "top_logprobs": 2}
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    async with (
+        AsyncRedisClient(redis_url) as client,
+        running_worker(redis_url, smollm.engine, model=MODEL),
+    ):
+        job = await client.enqueue(
+            model=MODEL, prompt="The capital of France is", stream=True, sampling=greedy
+        )
+        done = await client.wait(job.id, timeout=60)
+    assert done.status is JobStatus.SUCCEEDED, done.error
+    choice = done.result.choices[0]
+    streamed = [lp for _, c in await replay_chunks(redis, job.id) for lp in c.logprobs or []]
+    assert streamed == choice.logprobs
+    assert "".join(lp.token or "" for lp in choice.logprobs) == choice.text
+    decode = smollm.engine.tokenizer.decode
+    for lp in choice.logprobs:
+        assert lp.token == decode([lp.token_id])
+        assert [t.token for t in lp.top_logprobs] == [decode([t.token_id]) for t in lp.top_logprobs]
+
+
 async def test_cancel_frees_the_real_engines_blocks_within_one_step(redis_url, smollm):
     engine = smollm.engine
     aborted_after: dict[str, int] = {}

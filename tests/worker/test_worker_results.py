@@ -56,3 +56,18 @@ def test_logprobs_of_an_earlier_attempt_come_first_or_none_when_lost():
     lost = ChoiceState(0, prior_token_ids=[5])  # the earlier attempt published no logprobs
     [choice] = job_result(resumed, TIMINGS, [lost]).choices
     assert choice.logprobs is None
+
+
+def test_logprobs_carry_the_engines_token_texts():
+    decoded = outputs.TokenLogprob(7, -0.5, [(7, -0.5), (9, -2.0)], {7: " the", 9: " a"})
+    undecoded = outputs.TokenLogprob(8, -0.1, [(8, -0.1)])  # a model without a tokenizer
+    result = job_result(
+        output(
+            outputs.CompletionOutput(0, " the", [7, 8], "length", logprobs=[decoded, undecoded])
+        ),
+        TIMINGS,
+    )
+    first, second = result.choices[0].logprobs or []
+    assert first.token == " the"
+    assert [(t.token_id, t.token) for t in first.top_logprobs] == [(7, " the"), (9, " a")]
+    assert second.token is None and second.top_logprobs[0].token is None
