@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisFullError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -82,7 +83,7 @@ _STATUS_DOCS: dict[int, dict[str, Any]] = {
     422: {"description": "Invalid request or a context too long: `param` names the field"},
     429: {"description": "The model's queue is full", "headers": _RETRY_AFTER},
     500: {"description": "The job failed in the engine, or an internal error"},
-    503: {"description": "The queue (Redis) cannot be reached", "headers": _RETRY_AFTER},
+    503: {"description": "The queue (Redis) cannot be reached or is full", "headers": _RETRY_AFTER},
 }
 
 
@@ -187,4 +188,13 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
         log.warning("Redis unavailable: %s", exc)
         body = ErrorBody.of(ErrorCode.UNAVAILABLE, "the queue (Redis) cannot be reached")
+        return error_response(body, request.url.path, headers={"Retry-After": str(retry_after_s)})
+
+    # maxmemory reached under noeviction: nothing is lost, new work must wait for results to expire
+    @app.exception_handler(RedisFullError)
+    async def _redis_full(request: Request, exc: RedisFullError) -> JSONResponse:
+        log.warning("Redis is full (maxmemory): %s", exc)
+        body = ErrorBody.of(
+            ErrorCode.UNAVAILABLE, "the queue (Redis) is full: it takes new jobs as results expire"
+        )
         return error_response(body, request.url.path, headers={"Retry-After": str(retry_after_s)})
