@@ -9,6 +9,7 @@ runs the model, and returns logits only for the sequences that are caught up and
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from engine.layers import cpu_glue
 from engine.models import sliding_window_limit
 from engine.models.llama import head_dim_of
 from engine.models.loader import build_model
@@ -95,6 +97,10 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if self._wants_cuda_graphs():
             self.decode_graphs = self._capture_decode_graphs()
+        self.glue = cpu_glue.EAGER
+        if self.device.type == "cpu" and not config.enforce_eager:
+            self.glue = cpu_glue.compiled()
+            self._compile_cpu_forward()
         logger.info(
             "model runner: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), backend %s",
             type(self.model).__name__,
@@ -159,6 +165,24 @@ class ModelRunner:
         return DecodeGraphs(
             model_fn, self.config.max_num_seqs, self.max_model_len, self.block_size, self.device
         )
+
+    def _compile_cpu_forward(self) -> None:
+        """Compile the forward's glue for both token-count shapes now, not in the first request.
+
+        One sequence's decode has 1 token, which the compiler specialises; any other count
+        shares one graph with a symbolic token dimension, compiled by the second shape seen.
+        """
+        started = time.perf_counter()
+        for num_tokens in (1, 3):
+            seq = Sequence(
+                request_id="compile",
+                token_ids=[0] * num_tokens,
+                num_prompt_tokens=num_tokens,
+                params=SamplingParams(),
+                block_table=[0],
+            )
+            self.execute([ScheduledSeq(seq, num_tokens)])
+        logger.info("compiled the CPU forward in %.1f s", time.perf_counter() - started)
 
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -228,7 +252,10 @@ class ModelRunner:
         self.kv_cache.copy_blocks(block_copies)
         if not batch:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        inputs = self.prepare_inputs(batch)
+        with cpu_glue.using(self.glue):
+            return self._run_model(self.prepare_inputs(batch))
+
+    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.sample_rows is not None and inputs.sample_rows.numel() == 0:
             # Only partial prefill chunks: their K/V matter, no logits are needed.
             self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta)

@@ -1,5 +1,9 @@
 """Paged attention in plain torch: the CPU production path and the reference on any device.
 
+On the CPU, decode rows go through a C++ kernel that reads K/V straight from the cache blocks
+(kernels.cpu_ops) when it could be built; everything below describes the portable path, which
+prefill chunks always take.
+
 Every layer first stores the step's K/V into the paged cache (index_copy_ on the flat slot
 dimension), then reads each sequence's whole context back through its block table. Sequences
 with one query token (decodes) are attended together in one padded, masked SDPA call; prefill
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
+from kernels.cpu_ops import cpu_kernels_available, paged_decode_attention
 
 
 @dataclass
@@ -38,6 +43,8 @@ class TorchAttentionPlan:
     write_rows: torch.Tensor | None  # [W] the token rows they come from; None: all rows, in order
     decode_rows: torch.Tensor | None  # rows of single-token sequences; None: every row is one
     decode_blocks: torch.Tensor | None  # [num_decodes * decode_blocks_per_seq] block ids
+    decode_tables: torch.Tensor | None  # [num_decodes, W] int32 block tables (fused kernel)
+    decode_lens: torch.Tensor | None  # [num_decodes] int32 context lengths (fused kernel)
     num_decodes: int
     decode_blocks_per_seq: int
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, ctx] additive; None: nothing padded
@@ -45,8 +52,13 @@ class TorchAttentionPlan:
     max_gather_blocks: int  # workspace size in blocks
 
 
-def build_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> TorchAttentionPlan:
-    """Derive the per-step gather indices and masks from the batch description (once per step)."""
+def build_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, fused_decode: bool
+) -> TorchAttentionPlan:
+    """Derive the per-step gather indices and masks from the batch description (once per step).
+
+    fused_decode: decodes read the cache through their block tables (no gather indices, no mask).
+    """
     device = meta.slot_mapping.device
     slot_mapping = meta.slot_mapping.to(torch.int64)
     valid = slot_mapping >= 0
@@ -62,9 +74,16 @@ def build_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> 
         starts[i] = starts[i - 1] + query_lens[i - 1]
 
     decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
-    decode_rows = decode_blocks = decode_mask = None
+    decode_rows = decode_blocks = decode_mask = decode_tables = decode_lens = None
     decode_blocks_per_seq = 0
-    if decode_seqs:
+    if decode_seqs and fused_decode:
+        if len(decode_seqs) == len(query_lens):
+            decode_tables, decode_lens = meta.block_tables, meta.seq_lens
+        else:
+            decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
+            decode_tables = meta.block_tables.index_select(0, decode_rows.new_tensor(decode_seqs))
+            decode_lens = meta.seq_lens.index_select(0, decode_rows.new_tensor(decode_seqs))
+    elif decode_seqs:
         decode_lens = [seq_lens[i] for i in decode_seqs]
         decode_blocks_per_seq = -(-max(decode_lens) // block_size)
         if len(decode_seqs) == len(query_lens):
@@ -101,6 +120,8 @@ def build_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> 
         write_rows=write_rows,
         decode_rows=decode_rows,
         decode_blocks=decode_blocks,
+        decode_tables=decode_tables,
+        decode_lens=decode_lens,
         num_decodes=len(decode_seqs),
         decode_blocks_per_seq=decode_blocks_per_seq,
         decode_mask=decode_mask,
@@ -118,7 +139,9 @@ def _additive(masked_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class TorchAttentionBackend:
     """AttentionBackend in plain torch (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused_decode: bool | None = None) -> None:
+        """fused_decode: None uses the CPU decode kernel wherever it can be built."""
+        self._fused_decode = fused_decode
         # Gathered K/V of the current layer; reused by every layer and step (grown on demand)
         # because fresh multi-MB buffers per layer cost page faults on the CPU.
         self._workspace: torch.Tensor | None = None
@@ -136,7 +159,8 @@ class TorchAttentionBackend:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         plan = meta.backend_plan
         if plan is None:
-            plan = meta.backend_plan = build_plan(meta, block_size, q.dtype)
+            fused = self._use_fused_decode(q)
+            plan = meta.backend_plan = build_plan(meta, block_size, q.dtype, fused)
 
         store_kv(k, v, k_cache, v_cache, plan)
         k_buf, v_buf = self._gather_buffers(plan.max_gather_blocks, k_cache)
@@ -144,7 +168,21 @@ class TorchAttentionBackend:
         gqa = num_heads != num_kv_heads
 
         decode_out = None
-        if plan.num_decodes:
+        if plan.decode_tables is not None:
+            q_dec = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
+            decode_out = torch.empty(q_dec.shape, dtype=q.dtype, device=q.device)
+            paged_decode_attention(
+                decode_out,
+                q_dec.contiguous(),
+                k_cache,
+                v_cache,
+                plan.decode_tables.contiguous(),
+                plan.decode_lens,
+                scale,
+            )
+            if plan.decode_rows is None:
+                return decode_out
+        elif plan.num_decodes:
             q_dec = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
             num_blocks = plan.decode_blocks.numel()
             keys = torch.index_select(k_cache, 0, plan.decode_blocks, out=k_buf[:num_blocks])
@@ -176,6 +214,15 @@ class TorchAttentionBackend:
                 q, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
             )
         return out
+
+    def _use_fused_decode(self, q: torch.Tensor) -> bool:
+        if self._fused_decode is None:
+            self._fused_decode = (
+                q.device.type == "cpu"
+                and q.dtype in (torch.float32, torch.bfloat16)
+                and cpu_kernels_available()
+            )
+        return self._fused_decode
 
     @staticmethod
     def _prefill(

@@ -1,12 +1,11 @@
-"""RMSNorm with an optional fused residual add (Triton kernel on CUDA, plain torch elsewhere)."""
+"""RMSNorm with an optional fused residual add (Triton kernel on CUDA, the CPU glue elsewhere)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference import rms_norm_ref
+from engine.layers import cpu_glue
 
 
 class RMSNorm(nn.Module):
@@ -23,14 +22,7 @@ class RMSNorm(nn.Module):
             from kernels import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
-        if x.dtype != torch.float32:
-            # HF's order of operations: normalize in fp32, cast, then scale
-            return rms_norm_ref(x, self.weight, self.eps, residual)
-        # one fused op; in fp32 it is HF's arithmetic exactly
-        if residual is not None:
-            residual = x + residual
-            return self._normalize(residual), residual
-        return self._normalize(x)
-
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        glue = cpu_glue.current()
+        if residual is None:
+            return glue.rms_norm(x, self.weight, self.eps)
+        return glue.add_rms_norm(x, residual, self.weight, self.eps)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers import cpu_glue
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -109,14 +111,4 @@ class RotaryEmbedding(nn.Module):
             rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_dim)  # in place
             return q.view(num_tokens, -1, self.head_dim), k.view(num_tokens, -1, self.head_dim)
         cos, sin = cos_sin if cos_sin is not None else self.lookup(positions, q.dtype)
-        return (
-            _rotate(q.view(num_tokens, -1, self.head_dim), cos, sin),
-            _rotate(k.view(num_tokens, -1, self.head_dim), cos, sin),
-        )
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # x * cos + rotate_half(x) * sin, with rotate_half's negation folded into signed_sin.
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, signed_sin)
+        return cpu_glue.current().rotate(q, k, cos, sin, self.head_dim)

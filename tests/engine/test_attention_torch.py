@@ -15,6 +15,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from kernels.cpu_ops import cpu_kernels_available
 
 HEAD_DIM = 16
 NUM_BLOCKS = 64
@@ -30,22 +31,27 @@ class Case:
     skip_slots: tuple[int, ...] = ()  # flat token rows whose slot is -1
 
 
-def _run_case(case: Case, seed: int = 0):
+def _run_case(
+    case: Case,
+    seed: int = 0,
+    fused_decode: bool | None = None,
+    dtype: torch.dtype = torch.float32,
+):
     """Returns (backend output, oracle output, cache before, cache after, metadata)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     bs, hkv, num_heads = case.block_size, case.num_kv_heads, case.num_kv_heads * case.group
-    k_cache = torch.randn(NUM_BLOCKS, bs, hkv, HEAD_DIM)
-    v_cache = torch.randn(NUM_BLOCKS, bs, hkv, HEAD_DIM)
+    k_cache = torch.randn(NUM_BLOCKS, bs, hkv, HEAD_DIM).to(dtype)
+    v_cache = torch.randn(NUM_BLOCKS, bs, hkv, HEAD_DIM).to(dtype)
     free_blocks = list(range(NUM_BLOCKS))
     rng.shuffle(free_blocks)  # non-contiguous, unordered block tables
 
     seq_lens = [c + n for c, n in zip(case.contexts, case.query_lens, strict=True)]
     tables = [[free_blocks.pop() for _ in range(-(-n // bs))] for n in seq_lens]
     total = sum(case.query_lens)
-    q = torch.randn(total, num_heads, HEAD_DIM)
-    k = torch.randn(total, hkv, HEAD_DIM)
-    v = torch.randn(total, hkv, HEAD_DIM)
+    q = torch.randn(total, num_heads, HEAD_DIM).to(dtype)
+    k = torch.randn(total, hkv, HEAD_DIM).to(dtype)
+    v = torch.randn(total, hkv, HEAD_DIM).to(dtype)
 
     slots, row = [], 0
     for context, n, table in zip(case.contexts, case.query_lens, tables, strict=True):
@@ -72,7 +78,8 @@ def _run_case(case: Case, seed: int = 0):
     )
     before = (k_cache.clone(), v_cache.clone())
     scale = HEAD_DIM**-0.5
-    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    backend = TorchAttentionBackend(fused_decode)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     expected = _dense_oracle(q, k, v, before, tables, case, scale)
     return out, expected, before, (k_cache, v_cache), slots
 
@@ -111,10 +118,24 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("fused_decode", [False, None], ids=["gather", "cpu kernel"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_matches_dense_attention(case: Case) -> None:
-    out, expected, *_ = _run_case(case)
+def test_matches_dense_attention(case: Case, fused_decode: bool | None) -> None:
+    out, expected, *_ = _run_case(case, fused_decode=fused_decode)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_decode_kernel_builds_here() -> None:
+    # Decodes take the gather path silently when the kernel is missing; CI must notice that.
+    assert cpu_kernels_available()
+
+
+@pytest.mark.parametrize("fused_decode", [False, None], ids=["gather", "cpu kernel"])
+def test_bfloat16_decodes_match_the_oracle(fused_decode: bool | None) -> None:
+    case = Case(contexts=[0, 5, 40, 31], query_lens=[1, 1, 1, 1], num_kv_heads=3, group=3)
+    out, expected, *_ = _run_case(case, fused_decode=fused_decode, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())

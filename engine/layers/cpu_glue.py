@@ -1,0 +1,129 @@
+"""The CPU forward's elementwise glue (norms, rotary, SiLU-and-mul), eager or compiled.
+
+Between two matmuls a layer runs a handful of small ops that each make a pass over memory and a
+Python dispatch: the residual add and RMSNorm, the rotary rotation of q and k, SiLU times up.
+TorchInductor fuses each group into one C++ loop. The compiled functions take the weights as
+arguments, so one compiled graph serves every layer of every model of the same shapes; the
+token dimension is compiled once as 1 (decode of one sequence) and once as a symbol (everything
+else), so a serving worker compiles at start-up and never again.
+
+A model forward reads the glue of the runner that calls it (`using`), so engines in one process
+may differ (one compiled, one eager). A compiled function that fails logs a warning once and
+hands its work back to the eager one for good: compiling is an optimisation, never an outage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+
+from kernels.reference import rms_norm_ref, silu_and_mul_ref
+
+logger = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # HF's fp32 arithmetic exactly
+    out = rms_norm_ref(x, weight, eps)  # HF's order: normalize in fp32, cast, then scale
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotate(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary for q [T, H*D] and k [T, Hkv*D] with per-token cos / signed sin [T, 1, D]."""
+    num_tokens = q.shape[0]
+    return (
+        _rotate(q.view(num_tokens, -1, head_dim), cos, signed_sin),
+        _rotate(k.view(num_tokens, -1, head_dim), cos, signed_sin),
+    )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x * cos + rotate_half(x) * sin, with rotate_half's negation folded into signed_sin.
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+@dataclass(frozen=True)
+class Glue:
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    rotate: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+        tuple[torch.Tensor, torch.Tensor],
+    ]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+EAGER = Glue(rms_norm, add_rms_norm, rotate, silu_and_mul_ref)
+_current: ContextVar[Glue] = ContextVar("inferq_cpu_glue", default=EAGER)
+
+
+def current() -> Glue:
+    return _current.get()
+
+
+@contextlib.contextmanager
+def using(glue: Glue) -> Iterator[None]:
+    token = _current.set(glue)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+F_ = TypeVar("F_", bound=Callable[..., object])
+
+
+def _compiled_or_eager(eager: F_) -> F_:
+    compiled = torch.compile(eager, fullgraph=True)
+    failed = False
+
+    def call(*args: object) -> object:
+        nonlocal failed
+        if not failed:
+            try:
+                return compiled(*args)
+            except Exception as error:  # noqa: BLE001 - any compiler failure falls back
+                failed = True
+                logger.warning("compiled %s failed (%s); it runs eagerly", eager.__name__, error)
+        return eager(*args)
+
+    return call  # type: ignore[return-value]
+
+
+_compiled_glue: Glue | None = None
+
+
+def compiled() -> Glue:
+    """The process-wide compiled glue (compiled lazily, per input shape, on first calls)."""
+    global _compiled_glue
+    if _compiled_glue is None:
+        _compiled_glue = Glue(
+            _compiled_or_eager(rms_norm),
+            _compiled_or_eager(add_rms_norm),
+            _compiled_or_eager(rotate),
+            _compiled_or_eager(silu_and_mul_ref),
+        )
+    return _compiled_glue

@@ -1,0 +1,129 @@
+// Paged attention for decode steps on the CPU: one query token per sequence, attending over its
+// context read straight from the KV-cache blocks through its block table (no gathered copy).
+//
+// Each (sequence, KV head) pair is one work item: the query heads that share that KV head (GQA)
+// are scored together, so every K and V row is read from memory once per step. Scores are kept
+// for the whole context (at most max_model_len floats per head), then softmaxed and used to
+// weight V in a second pass: two sequential sweeps over the blocks, accumulated in float32.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename scalar_t>
+void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, double scale) {
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_width = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k_base = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_base = value_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const float scale_f = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_rows(group * head_dim);
+    std::vector<float> acc(group * head_dim);
+    std::vector<float> scores;
+    std::vector<float> inv_sums(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads;
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t len = lens[seq];
+      const int32_t* table = tables + seq * table_width;
+      const scalar_t* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) q_rows[i] = as_float(q_seq[i]) * scale_f;
+      scores.resize(group * len);
+
+      for (int64_t t = 0; t < len; ++t) {
+        const scalar_t* k_row = k_base + table[t / block_size] * block_stride +
+                                (t % block_size) * token_stride + kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q_rows.data() + g * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * as_float(k_row[d]);
+          scores[g * len + t] = dot;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = scores.data() + g * len;
+        const float top = *std::max_element(row, row + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          row[t] = std::exp(row[t] - top);
+          sum += row[t];
+        }
+        inv_sums[g] = 1.f / sum;
+      }
+
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const scalar_t* v_row = v_base + table[t / block_size] * block_stride +
+                                (t % block_size) * token_stride + kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * as_float(v_row[d]);
+        }
+      }
+      scalar_t* o_seq = o + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t d = 0; d < head_dim; ++d) {
+          o_seq[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sums[g]);
+        }
+      }
+    }
+  });
+}
+
+// out [S, H, D] = softmax(q k^T * scale) v for q [S, H, D] over each sequence's cached context
+// (key/value_cache [num_blocks, block_size, Hkv, D], block_tables [S, W] int32, seq_lens [S] int32).
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
+  if (query.scalar_type() == at::kFloat) {
+    paged_decode<float>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    paged_decode<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(inferq_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

@@ -1,0 +1,84 @@
+"""C++ kernels for the CPU path, compiled on first use with torch's extension builder.
+
+The build is cached by torch (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) under a
+name that hashes the source, the flags and this CPU's instruction-set flags, so a process on the
+same machine loads the shared library in milliseconds and a different CPU gets its own build
+(`-march=native`). Building needs a C++ compiler and ninja; where either is missing the caller
+keeps its plain-torch path, and `cpu_kernels_available()` says so once in the log.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = (Path(__file__).parent / "cpu" / "paged_decode.cpp",)
+# -ffast-math lets the compiler vectorize the softmax's exp; the kernel never sees inf or NaN
+# inputs (it reads only the valid part of each context).
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(_CFLAGS).encode())
+    digest.update(_cpu_flags().encode())
+    digest.update(torch.__version__.encode())
+    return f"inferq_cpu_{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """Build (or load the cached build of) the CPU kernels once per process; False if impossible."""
+    from torch.utils import cpp_extension
+
+    started = time.perf_counter()
+    try:
+        cpp_extension.load(
+            name=_build_name(),
+            sources=[str(source) for source in _SOURCES],
+            extra_cflags=list(_CFLAGS),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as error:  # a missing compiler or ninja: the plain-torch path still works
+        logger.warning("CPU attention kernels unavailable (%s); decoding gathers KV blocks", error)
+        return False
+    logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
+    return True
+
+
+def paged_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """out [S, H, D] <- attention of one query row per sequence over its paged context.
+
+    key/value_cache [num_blocks, block_size, Hkv, D]; block_tables [S, W] and seq_lens [S] int32.
+    """
+    torch.ops.inferq_cpu.paged_decode_attention(
+        out, query, key_cache, value_cache, block_tables, seq_lens, scale
+    )
