@@ -83,6 +83,13 @@ def format_time(value: datetime) -> str:
     return value.astimezone(UTC).isoformat(timespec="microseconds")
 
 
+class RunState(StrEnum):
+    """How far a job's latest start got, while it has not ended (see worker.crashes)."""
+
+    STARTED = "started"  # a worker started it; no output yet
+    PROGRESSED = "progressed"  # the engine produced output for it in this start
+
+
 class JobStatus(StrEnum):
     """queued -> running -> succeeded | failed | cancelled | expired (see schemas.transitions)."""
 
@@ -180,7 +187,7 @@ class JobField(StrEnum):
     """Field names of the job hash `{p}:job:{id}`. Every value is a string:
 
     id, status, model, owner, worker, entry_id: plain strings;
-    priority, attempts: decimal integers;
+    priority, attempts, crash_resumes: decimal integers; run_state: a RunState;
     created_at, started_at, finished_at: ISO 8601 UTC (`format_time`);
     request, result, error: compact JSON of JobRequest, JobResult, ErrorBody.
     A field whose value is None is absent from the hash. `model` and `priority` repeat the
@@ -195,7 +202,14 @@ class JobField(StrEnum):
     CREATED_AT = "created_at"
     STARTED_AT = "started_at"
     FINISHED_AT = "finished_at"
-    ATTEMPTS = "attempts"  # how many times a worker started it (HINCRBY on each start)
+    ATTEMPTS = "attempts"  # how many times a worker started it (less starts handed back)
+    # starts cut off by a worker's death that are not held against the job (it made progress
+    # in them); `attempts - crash_resumes` is what `max_attempts` limits (see worker.crashes)
+    CRASH_RESUMES = "crash_resumes"
+    # how far the latest start got (a RunState); present while a start has not ended (cleared
+    # by a graceful hand-back), so whoever takes the job over after its worker died can tell
+    # whether the job made progress in that start
+    RUN_STATE = "run_state"
     WORKER = "worker"  # name of the worker that runs / ran it
     ENTRY_ID = "entry_id"  # its entry id in the model's jobs stream
     ERROR = "error"
@@ -234,6 +248,8 @@ class Job(BaseModel):
     started_at: AwareDatetime | None = None
     finished_at: AwareDatetime | None = None
     attempts: int = Field(0, ge=0)
+    crash_resumes: int = Field(0, ge=0)
+    run_state: RunState | None = None
     worker: str | None = None
     entry_id: str | None = None
     error: ErrorBody | None = None
@@ -266,6 +282,8 @@ class Job(BaseModel):
             JobField.STARTED_AT: self.started_at,
             JobField.FINISHED_AT: self.finished_at,
             JobField.ATTEMPTS: self.attempts,
+            JobField.CRASH_RESUMES: self.crash_resumes,
+            JobField.RUN_STATE: self.run_state,
             JobField.WORKER: self.worker,
             JobField.ENTRY_ID: self.entry_id,
             JobField.ERROR: self.error,

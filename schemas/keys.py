@@ -108,7 +108,12 @@ HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TTL_S = 10
 JOB_ENTRY_FIELD = "job"  # the one field of a jobs-stream entry
 # Worker policy defaults (a worker's config may override them):
-DEFAULT_MAX_ATTEMPTS = 3  # starts of one job before it is dead-lettered (max_attempts_exceeded)
+# starts held against a job (it failed to finish in them and is suspected of the worker's
+# death, see worker.crashes) before it is dead-lettered with max_attempts_exceeded
+DEFAULT_MAX_ATTEMPTS = 3
+# starts cut off by worker deaths the job is not suspected of, before it is dead-lettered all
+# the same: the bound that keeps a job from cycling forever
+DEFAULT_MAX_CRASH_RESUMES = 20
 DEFAULT_CLAIM_MIN_IDLE_MS = 30_000  # XAUTOCLAIM min-idle: a job's lease if not renewed
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._~-]+(:[A-Za-z0-9._~-]+)*$")

@@ -148,7 +148,8 @@ return {written, errors}
 
 # Hand a job back to its queue (worker shutdown), atomic per job: retire the old entry and queue
 # a fresh one for the same job, unless the job ended meanwhile. A graceful hand-back is no
-# failed attempt, so the attempt counted when the job was started is given back.
+# failed attempt, so the attempt counted when the job was started is given back, and the start
+# is marked ended (no `run_state`: nobody takes it for a start cut off by a crash).
 # KEYS[1] jobs stream, KEYS[2] job hash
 # ARGV[1] group, ARGV[2] entry id held, ARGV[3] job id, ARGV[4] '1': return our attempt
 # returns the new entry id, or false when the job is over (entry just retired)
@@ -160,8 +161,11 @@ local status = redis.call('HGET', KEYS[2], '$JOB_STATUS')
 if status ~= '$STATUS_QUEUED' and status ~= '$STATUS_RUNNING' then return false end
 local entry = redis.call('XADD', KEYS[1], '*', '$ENTRY_FIELD', ARGV[3])
 redis.call('HSET', KEYS[2], '$JOB_ENTRY_ID', entry)
-if ARGV[4] == '1' and tonumber(redis.call('HGET', KEYS[2], '$JOB_ATTEMPTS') or '0') > 0 then
-  redis.call('HINCRBY', KEYS[2], '$JOB_ATTEMPTS', -1)
+if ARGV[4] == '1' then
+  if tonumber(redis.call('HGET', KEYS[2], '$JOB_ATTEMPTS') or '0') > 0 then
+    redis.call('HINCRBY', KEYS[2], '$JOB_ATTEMPTS', -1)
+  end
+  redis.call('HDEL', KEYS[2], '$JOB_RUN_STATE')
 end
 return entry
 """

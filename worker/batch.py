@@ -20,6 +20,7 @@ from schemas import (
     JobRequest,
     JobResult,
     JobStatus,
+    RunState,
     Timings,
     utc_now,
 )
@@ -74,6 +75,9 @@ class Batch:
         self.outcomes: dict[str, int] = {}
         self._aborts: dict[str, AbortReason] = {}
         self._buffered: set[str] = set()  # jobs with output held back by chunk coalescing
+        # a quarantined job joined the engine this turn: its start must reach Redis before the
+        # step (see worker.crashes); the worker sends the outbox first and clears it
+        self.quarantine_start_unsent = False
         self._prompt_estimate = float(prompt_estimate)
         self._max_tokens_estimate = 16.0
 
@@ -147,12 +151,34 @@ class Batch:
             max(1, round(self._prompt_estimate)), max(1, round(self._max_tokens_estimate))
         )
         admissible -= len(self.ready)
+        if self._quarantine_holds_admission():
+            return 0  # whoever was read would wait; leave them to other workers
         if admissible <= 0 and not self.engine.has_unfinished() and not self.ready:
             admissible = 1  # an idle engine always tries one job, whatever the estimate says
         return max(0, min(admissible, max_pull))
 
+    def _quarantine_holds_admission(self) -> bool:
+        """A quarantined job runs as the only job in the engine that has not made progress in
+        its run yet: while one waits for that, or runs without progress, nothing joins."""
+        return any(h.quarantined for h in self.ready) or any(
+            h.quarantined and not h.progressed for h in self.held.values()
+        )
+
+    def _admissions(self) -> list[HeldJob]:
+        """The ready jobs that join the engine now; the rest stay ready."""
+        waiting = [h for h in self.ready if h.quarantined]
+        if any(h.quarantined and not h.progressed for h in self.held.values()):
+            return []
+        if not waiting:
+            return self.ready
+        if all(h.progressed for h in self.held.values()):
+            return waiting[:1]
+        return []  # the engine's newcomers make progress first (no new ones meanwhile)
+
     def _admit_ready(self) -> None:
-        ready, self.ready = self.ready, []
+        ready = self._admissions()
+        joining = {id(h) for h in ready}
+        self.ready = [h for h in self.ready if id(h) not in joining]
         for held in ready:
             request = held.job.request
             try:
@@ -178,6 +204,7 @@ class Batch:
                 continue
             held.prompt_len = len(prompt_ids)
             held.started_at = utc_now()
+            self.quarantine_start_unsent |= held.quarantined
             self.held[held.job_id] = held
             self._learn_size(held.prompt_len, request.sampling.max_tokens)
             self._start(held)
@@ -199,6 +226,8 @@ class Batch:
         fields: dict[str, object] = {
             JobField.WORKER: self.worker_name,
             JobField.ATTEMPTS: held.job.attempts + 1,
+            JobField.CRASH_RESUMES: held.crash_resumes,
+            JobField.RUN_STATE: RunState.STARTED,
         }
         if held.job.started_at is None:
             fields[JobField.STARTED_AT] = held.started_at  # queue wait counts from the first start
@@ -217,6 +246,7 @@ class Batch:
             prompt_tokens=held.prompt_len,
             resumed_at_chunk=held.next_index,
             attempt=held.job.attempts + 1,
+            quarantined=held.quarantined,
         )
 
     def _apply_aborts(self) -> None:
@@ -269,6 +299,8 @@ class Batch:
             if held is None:
                 continue
             absorb(held, delta, now)
+            if not held.progressed and (delta.token_ids or delta.finish_reason):
+                self._mark_progress(held)
             if delta.token_ids and held.first_token_at is None and not held.resumed:
                 held.first_token_at = wall
             touched[held.job_id] = held
@@ -290,6 +322,15 @@ class Batch:
         for held, output in finished:
             self._complete(held, output, wall)
         self.tracer.flush()
+
+    def _mark_progress(self, held: HeldJob) -> None:
+        """Record that this start got past the job's first step: if the worker dies now, the
+        job rode along (worker.crashes). Running -> running, so a job that ended meanwhile
+        is left alone."""
+        held.progressed = True
+        self.outbox.transition(
+            held.job_id, JobStatus.RUNNING, {JobField.RUN_STATE: RunState.PROGRESSED}
+        )
 
     def _complete(self, held: HeldJob, output: RequestOutput, wall: datetime) -> None:
         del self.held[held.job_id]

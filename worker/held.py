@@ -45,6 +45,9 @@ class HeldJob:
     start_confirmed: bool = False  # our transition to running was applied
     ttl_set: bool = False  # this attempt has set its replay stream's TTL
     queue_stream: str = ""  # the stream the entry came from ("": the worker's jobs stream)
+    crash_resumes: int = 0  # stored with this run's start (see worker.crashes)
+    quarantined: bool = False  # suspected of a worker's death: runs as the only newcomer
+    progressed: bool = False  # the engine produced output for it in this run
 
     @property
     def job_id(self) -> str:
@@ -68,7 +71,13 @@ class HeldJob:
     def fresh(cls, job: Job, entry_id: str, stream: str = "") -> HeldJob:
         n = job.request.sampling.n
         choices = [ChoiceState(i) for i in range(n)]
-        return cls(job=job, entry_id=entry_id, choices=choices, queue_stream=stream)
+        return cls(
+            job=job,
+            entry_id=entry_id,
+            choices=choices,
+            queue_stream=stream,
+            crash_resumes=job.crash_resumes,
+        )
 
     def resume_from(self, chunks: list[TokenChunk]) -> None:
         """Continue after the chunks earlier attempts published (in index order)."""

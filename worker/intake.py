@@ -25,6 +25,7 @@ from schemas import (
 )
 from schemas.chunks import REPLAY_FIELD
 from schemas.keys import JOB_ENTRY_FIELD
+from worker.crashes import CrashPolicy, settle_cut_off_start
 from worker.held import HeldJob
 from worker.logs import log_event
 
@@ -35,12 +36,15 @@ logger = logging.getLogger(__name__)
 class Entry:
     """One jobs-stream entry as delivered; `fields` is None when the entry was deleted.
     `stream`: the stream it came from ("" for the worker's jobs stream). `unreadable`: why the
-    entry cannot be read (its `fields` are then a lossy copy, for the dead letter)."""
+    entry cannot be read (its `fields` are then a lossy copy, for the dead letter). `reclaimed`:
+    delivered before, to a worker that did not finish it (taken over, or re-read after a
+    restart)."""
 
     entry_id: str
     fields: dict[str, str] | None
     stream: str = ""
     unreadable: str | None = None
+    reclaimed: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,10 +95,11 @@ StoredJob = dict[str, str] | UnreadableJob | None
 """What an entry's job key holds: its hash, why it cannot be read, or None (nothing stored)."""
 
 
-def classify(entry: Entry, stored: StoredJob, max_attempts: int, now: datetime) -> Verdict:
-    """Decide one entry given its job hash (`stored`, None when the entry names no job)."""
+def classify(entry: Entry, stored: StoredJob, now: datetime) -> Verdict:
+    """Decide one entry given its job hash (`stored`, None when the entry names no job). Whether
+    earlier starts leave the job any is decided once its chunks are read (`settle`)."""
     try:
-        verdict = _classify(entry, stored, max_attempts, now)
+        verdict = _classify(entry, stored, now)
     except Exception as exc:  # one entry nobody foresaw must not stop the entries read with it
         logger.exception("could not classify entry %s", entry.entry_id)
         error = ErrorBody.of(ErrorCode.UNPARSEABLE_JOB, f"the entry could not be parsed: {exc}")
@@ -106,7 +111,7 @@ def classify(entry: Entry, stored: StoredJob, max_attempts: int, now: datetime) 
     return verdict
 
 
-def _classify(entry: Entry, stored: StoredJob, max_attempts: int, now: datetime) -> Verdict:
+def _classify(entry: Entry, stored: StoredJob, now: datetime) -> Verdict:
     if entry.fields is None:
         return Skip(entry.entry_id, None, "entry deleted")
     job_id = entry.fields.get(JOB_ENTRY_FIELD)
@@ -141,13 +146,19 @@ def _classify(entry: Entry, stored: StoredJob, max_attempts: int, now: datetime)
         return Skip(entry.entry_id, job_id, f"superseded by entry {job.entry_id}")
     if job.request.is_past_deadline(now):
         return Expire(entry.entry_id, job_id)
-    if job.attempts >= max_attempts:
-        error = ErrorBody.of(
-            ErrorCode.MAX_ATTEMPTS_EXCEEDED,
-            f"the job was started {job.attempts} times (limit {max_attempts}) without finishing",
-        )
-        return Reject(entry.entry_id, job_id, error, entry.fields, job.attempts)
     return Admit(HeldJob.fresh(job, entry.entry_id))
+
+
+def settle(entry: Entry, verdict: Verdict, policy: CrashPolicy) -> Verdict:
+    """An admitted job, or its dead letter when its earlier starts leave it no more."""
+    if not isinstance(verdict, Admit):
+        return verdict
+    held = verdict.held
+    error = settle_cut_off_start(held, entry.reclaimed, policy)
+    if error is None:
+        return verdict
+    fields = entry.fields or {}
+    return Reject(held.entry_id, held.job_id, error, fields, held.job.attempts, entry.stream)
 
 
 def _int(value: str | None) -> int:
@@ -198,6 +209,8 @@ class StreamReader:
             batch = _entries(reply)
             if not batch:
                 break
+            for entry in batch:
+                entry.reclaimed = True
             out.extend(batch)
             start = batch[-1].entry_id
         return out
@@ -215,11 +228,17 @@ class StreamReader:
         )
         next_cursor, claimed = reply[0], reply[1]
         self._claim_cursor = _text(next_cursor) or "0-0"
-        return [_entry(entry_id, fields, self.stream) for entry_id, fields in claimed if entry_id]
+        entries = [
+            _entry(entry_id, fields, self.stream) for entry_id, fields in claimed if entry_id
+        ]
+        for entry in entries:
+            entry.reclaimed = True
+        return entries
 
-    async def load(self, entries: list[Entry], max_attempts: int, now: datetime) -> list[Verdict]:
+    async def load(self, entries: list[Entry], policy: CrashPolicy, now: datetime) -> list[Verdict]:
         """Classify entries (one pipeline of HGETALLs) and, for jobs that earlier attempts
-        already started, read their published chunks (one more pipeline) to resume from."""
+        already started, read their published chunks (one more pipeline) to resume from; then
+        settle their cut-off starts (worker.crashes)."""
         if not entries:
             return []
         job_ids = {  # entry id -> the job it names
@@ -234,12 +253,16 @@ class StreamReader:
                 replies = await pipe.execute(raise_on_error=False)
             for entry_id, reply in zip(named, replies, strict=True):
                 stored[entry_id] = _job_hash(reply)
-        verdicts = [classify(e, stored.get(e.entry_id), max_attempts, now) for e in entries]
+        verdicts = [classify(e, stored.get(e.entry_id), now) for e in entries]
         resuming = [
             v.held
             for v in verdicts
             if isinstance(v, Admit)
-            and (v.held.job.status is JobStatus.RUNNING or v.held.job.attempts)
+            and (
+                v.held.job.status is JobStatus.RUNNING
+                or v.held.job.attempts
+                or v.held.job.run_state is not None
+            )
         ]
         if resuming:
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -248,7 +271,7 @@ class StreamReader:
                 replays = await pipe.execute(raise_on_error=False)
             for held, replay in zip(resuming, replays, strict=True):
                 held.resume_from(_chunks(held.job_id, replay))
-        return verdicts
+        return [settle(e, v, policy) for e, v in zip(entries, verdicts, strict=True)]
 
 
 # XREADGROUP's reply, undecoded: per stream, its entries as (id, fields); fields None for a

@@ -11,6 +11,7 @@ from datetime import datetime
 from redis.asyncio import Redis
 
 from schemas import RedisKeys
+from worker.crashes import CrashPolicy
 from worker.held import HeldJob
 from worker.intake import Entry, StreamReader, Verdict
 
@@ -71,8 +72,8 @@ class PriorityReader:
         """New interactive entries only, without waiting."""
         return await self.interactive.read_new(count, None)
 
-    async def load(self, entries: list[Entry], max_attempts: int, now: datetime) -> list[Verdict]:
-        return await self.interactive.load(entries, max_attempts, now)
+    async def load(self, entries: list[Entry], policy: CrashPolicy, now: datetime) -> list[Verdict]:
+        return await self.interactive.load(entries, policy, now)
 
 
 class ReadPacing:

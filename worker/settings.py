@@ -19,6 +19,7 @@ from schemas.defaults import DEFAULT_MODEL, DEFAULT_REDIS_URL, PREFIX_HELP, REDI
 from schemas.keys import (
     DEFAULT_CLAIM_MIN_IDLE_MS,
     DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_CRASH_RESUMES,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
 )
@@ -59,7 +60,18 @@ class WorkerSettings(EngineSettings):
         description="most bulk-stream jobs held at once (None: KV admission only); leaves "
         "sequence slots to interactive jobs",
     )
-    max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, ge=1)
+    max_attempts: int = Field(
+        DEFAULT_MAX_ATTEMPTS,
+        ge=1,
+        description="starts held against a job before it is dead-lettered: starts cut off by "
+        "a worker's death before the job made progress in them (see worker/crashes.py)",
+    )
+    max_crash_resumes: int = Field(
+        DEFAULT_MAX_CRASH_RESUMES,
+        ge=0,
+        description="starts cut off by a worker's death after the job made progress in them "
+        "(not held against it) before it is dead-lettered all the same",
+    )
     claim_min_idle_ms: int = Field(DEFAULT_CLAIM_MIN_IDLE_MS, ge=10)
     janitor_interval_s: float | None = Field(
         None, gt=0, description="how often to look for dead workers' jobs (default min_idle/3)"

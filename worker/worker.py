@@ -30,6 +30,7 @@ from worker.backoff import Backoff
 from worker.batch import AbortReason, Batch
 from worker.chunking import ChunkPolicy
 from worker.control import REDIS_DOWN, ended_jobs, listen_for_cancels
+from worker.crashes import CrashPolicy
 from worker.engine_api import EngineLike, build_engine
 from worker.handback import hand_back
 from worker.heartbeat import beat
@@ -76,6 +77,7 @@ class Worker:
         self.intake_redis = self._connect(decode=False)
         self.reader = PriorityReader(self.intake_redis, self.keys, self.model, self.name)
         self.pacing = ReadPacing(settings.bulk_max_held, self.reader.bulk_stream)
+        self.crash_policy = CrashPolicy(settings.max_attempts, settings.max_crash_resumes)
         self.outbox = Outbox(self.keys, self.jobs_stream, self.name)
         self.metrics = WorkerMetrics(self.model)
         self.tracer = ChunkTracer(settings.chunk_trace_path)
@@ -205,6 +207,9 @@ class Worker:
             if self._stop_requested and (not busy or time.monotonic() >= self._drain_deadline):
                 return
             budget = 0 if self._stop_requested else self.batch.pull_budget(self.settings.max_pull)
+            if busy and self.batch.quarantine_start_unsent:
+                await self._send_quarantine_start()
+                continue
             if busy:
                 turn_started = time.perf_counter()
                 step = asyncio.create_task(self._step())
@@ -308,7 +313,20 @@ class Worker:
         elif block and not entries:
             await asyncio.sleep(self.settings.block_ms / 1000)
         if entries:
-            self._take(await self.reader.load(entries, self.settings.max_attempts, utc_now()))
+            self._take(await self.reader.load(entries, self.crash_policy, utc_now()))
+
+    async def _send_quarantine_start(self) -> None:
+        """Store a quarantined job's start before the engine runs it: the step that follows
+        may kill this process, and only a stored start lets the next worker charge the job
+        with it (otherwise the start is sent concurrently with the step). Redis being away
+        does not stop the engine for it: the start then goes with the next round."""
+        self.batch.quarantine_start_unsent = False
+        if not self._redis.ready():
+            return
+        try:
+            await self._flush()
+        except Exception as exc:
+            await self._redis_failed(exc)
 
     async def _catch_up(self) -> None:
         """Interactive jobs that arrived while the step ran, read now so they join the next
@@ -319,7 +337,7 @@ class Worker:
         try:
             entries = self._not_held(await self.reader.read_interactive(budget))
             if entries:
-                self._take(await self.reader.load(entries, self.settings.max_attempts, utc_now()))
+                self._take(await self.reader.load(entries, self.crash_policy, utc_now()))
         except REDIS_DOWN as exc:
             await self._redis_failed(exc)
 

@@ -32,6 +32,7 @@ REDIS_WORDS = frozenset(
         "EXPIRE",
         "GET",
         "HGET",
+        "HDEL",
         "HINCRBY",
         "HSET",
         "MAXLEN",

@@ -5,11 +5,13 @@ ends with the same text as an uninterrupted run, like greedy decoding. A sequenc
 blocks of its prompt + max_tokens from its first step (no preemption needed); `num_admissible`
 follows the real engine's formula, so admission by free blocks can be tested in milliseconds.
 `step_seconds` makes a step take time (sleeping, so other threads run), to kill or cancel a
-worker mid-generation.
+worker mid-generation; `kill_on_prompt_token` makes a step that runs a prompt holding that id
+SIGKILL its own process at the end of the step (a job that crashes its worker).
 
 Used in-process (`FakeEngine(...)`) and by worker subprocesses through
 `INFERQ_ENGINE_FACTORY=worker_fakes:build_engine` (with this folder on PYTHONPATH); the
-factory reads `INFERQ_FAKE_STEP_SECONDS` and the worker settings' block / seq counts.
+factory reads `INFERQ_FAKE_STEP_SECONDS`, `INFERQ_FAKE_KILL_ON_TOKEN` and the worker settings'
+block / seq counts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,6 +79,7 @@ class FakeEngine:
     max_model_len: int = 512
     step_seconds: float = 0.0
     fail_on_prompt_token: int | None = None  # a prompt holding this id makes step() raise
+    kill_on_prompt_token: int | None = None  # ... makes step() SIGKILL this process
     steps: int = 0
     _requests: dict[str, _Request] = field(default_factory=dict)
     _waiting: list[_Seq] = field(default_factory=list)
@@ -194,6 +198,10 @@ class FakeEngine:
             raise RuntimeError("fake engine failure")
         if self.step_seconds:
             time.sleep(self.step_seconds)
+        if self.kill_on_prompt_token is not None and any(
+            self.kill_on_prompt_token in s.prompt_ids for s in self._running
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
         self.steps += 1
         now = time.monotonic()
         for seq in list(self._running):
@@ -261,4 +269,7 @@ def build_engine(settings) -> FakeEngine:
         num_kv_blocks=settings.num_kv_blocks or 256,
         max_num_seqs=settings.max_num_seqs or 64,
         step_seconds=float(os.environ.get("INFERQ_FAKE_STEP_SECONDS", "0")),
+        kill_on_prompt_token=int(kill)
+        if (kill := os.environ.get("INFERQ_FAKE_KILL_ON_TOKEN"))
+        else None,
     )

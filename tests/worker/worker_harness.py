@@ -85,10 +85,17 @@ def start_worker_process(
 
 
 def start_slow_fake_worker(
-    redis_url: str, model: str, name: str, **settings: Any
+    redis_url: str,
+    model: str,
+    name: str,
+    *,
+    step_seconds: float = 0.05,
+    env: dict[str, str] | None = None,
+    **settings: Any,
 ) -> subprocess.Popen[bytes]:
-    """A FakeEngine worker process at 50 ms a step: slow enough to stop mid-generation."""
-    extra_env = {"INFERQ_FAKE_STEP_SECONDS": "0.05"}
+    """A FakeEngine worker process at 50 ms a step: slow enough to stop mid-generation. `env`:
+    more environment (the fake engine's INFERQ_FAKE_* variables)."""
+    extra_env = {"INFERQ_FAKE_STEP_SECONDS": str(step_seconds), **(env or {})}
     return start_worker_process(
         redis_url, fake=True, model=model, name=name, extra_env=extra_env, **settings
     )
