@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ContextLengthExceededError, DuplicateRequestError, RequestRejectedError
+from engine.errors import (
+    ContextLengthExceededError,
+    DuplicateRequestError,
+    InvalidTokenIdError,
+    RequestRejectedError,
+)
 from engine.model_files import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.outputs import (
@@ -67,6 +72,14 @@ class Engine:
         self.model_path = model_path
         self.runner = ModelRunner(config, model_path)
         self.tokenizer = load_tokenizer(model_path)
+        self.vocab_size: int = self.runner.vocab_size
+        # Advertised in the worker's heartbeat, so an API on the same host counts prompt tokens.
+        tokenizer_json = model_path / "tokenizer.json"
+        self.tokenizer_file = (
+            tokenizer_json.resolve()
+            if self.tokenizer is not None and tokenizer_json.exists()
+            else None
+        )
         self.eos_token_ids = read_eos_token_ids(model_path, self.tokenizer, self.runner.hf_config)
         self.token_texts = TokenTexts(self.tokenizer)
         self.block_size = self.runner.block_size
@@ -153,7 +166,7 @@ class Engine:
             )
         vocab = self.runner.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})")
+            raise InvalidTokenIdError(f"prompt token ids must be in [0, {vocab})")
 
     def _new_choice(self, seq: Sequence) -> _Choice:
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)

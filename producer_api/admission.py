@@ -1,11 +1,13 @@
 """The checks a request passes before it is enqueued: model served, `n` and `max_tokens` within
-limits, queue not full. Each refusal is a 4xx naming the field."""
+limits, the prompt within the model's vocabulary and context (producer_api.prompt_check), queue
+not full. Each refusal is a 4xx naming the field."""
 
 from __future__ import annotations
 
 from producer_api.auth import Principal
 from producer_api.deps import ApiState
 from producer_api.errors import ApiError
+from producer_api.prompt_check import PromptLimits, prompt_limits
 from producer_api.queue import enqueue
 from producer_api.workers import ServedModel
 from schemas import ErrorCode, Job, JobRequest
@@ -35,20 +37,11 @@ def resolve_max_tokens(
     return requested
 
 
-def check_token_prompt(
-    prompt_token_ids: list[int] | None, max_tokens: int, context: int | None, param: str
-) -> None:
-    """Token-id prompts are the one case where the API knows the prompt length exactly."""
-    if context is None or prompt_token_ids is None:
-        return
-    if len(prompt_token_ids) + max_tokens > context:
-        raise ApiError(
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{len(prompt_token_ids) + max_tokens} tokens ({len(prompt_token_ids)} in the prompt, "
-            f"{max_tokens} for the completion). Shorten the prompt or lower max_tokens.",
-            param,
-        )
+async def limits_of(
+    state: ApiState, served: ServedModel | None, context: int | None
+) -> PromptLimits:
+    """What the model's workers accept, for `check_prompt` (producer_api.prompt_check)."""
+    return await prompt_limits(served, context, state.tokenizers)
 
 
 async def submit(state: ApiState, request: JobRequest, principal: Principal) -> Job:

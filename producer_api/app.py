@@ -19,6 +19,7 @@ from producer_api.errors import error_response, install_error_handlers
 from producer_api.limits import BodySizeLimitMiddleware
 from producer_api.metrics import ApiMetrics, RequestMetricsMiddleware
 from producer_api.openapi import install_openapi
+from producer_api.prompt_tokens import TokenizerCache
 from producer_api.redis_memory import warn_about_redis_memory
 from producer_api.routes import dashboard, jobs, openai, ops
 from producer_api.settings import ApiSettings
@@ -46,6 +47,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
             key_table=settings.key_table(),
             workers=WorkerDirectory(redis, keys, settings.worker_cache_s),
             metrics=metrics,
+            tokenizers=TokenizerCache(),
         )
         await warn_about_redis_memory(redis)
         if settings.auth_disabled:

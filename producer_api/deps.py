@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from producer_api.auth import ANONYMOUS, KeyTable, Principal
 from producer_api.errors import ApiError
 from producer_api.metrics import ApiMetrics
+from producer_api.prompt_tokens import TokenizerCache
 from producer_api.settings import ApiSettings
 from producer_api.workers import ServedModel, WorkerDirectory
 from schemas import ErrorCode, Job, RedisKeys
@@ -25,6 +26,7 @@ class ApiState:
     key_table: KeyTable
     workers: WorkerDirectory
     metrics: ApiMetrics
+    tokenizers: TokenizerCache
 
     async def served_model(self, model: str) -> ServedModel | None:
         return (await self.workers.models()).get(model)

@@ -74,13 +74,19 @@ _RETRY_AFTER = {
     }
 }
 _STATUS_DOCS: dict[int, dict[str, Any]] = {
-    400: {"description": "Invalid request or a context too long: `param` names the field"},
+    400: {
+        "description": "Invalid request, a context too long (`context_length_exceeded`) or a "
+        "token id outside the vocabulary (`invalid_token_id`): `param` names the field"
+    },
     401: {"description": "Missing or unknown API key"},
     404: {"description": "No such job, file, batch or model (or not the caller's)"},
     408: {"description": "The job's deadline passed before it finished"},
     409: {"description": "Conflicts with the current state (e.g. cancelled meanwhile)"},
     413: {"description": "The request body is larger than the API accepts"},
-    422: {"description": "Invalid request or a context too long: `param` names the field"},
+    422: {
+        "description": "Invalid request, a context too long (`context_length_exceeded`) or a "
+        "token id outside the vocabulary (`invalid_token_id`): `param` names the field"
+    },
     429: {"description": "The model's queue is full", "headers": _RETRY_AFTER},
     500: {"description": "The job failed in the engine, or an internal error"},
     503: {"description": "The queue (Redis) cannot be reached or is full", "headers": _RETRY_AFTER},

@@ -35,6 +35,25 @@ class ServedModel:
     workers: int
     max_model_len: int | None  # the smallest context among its workers (any may run a job)
     since: float  # unix time the longest-running worker started
+    vocab_size: int | None = None  # the smallest vocabulary among its workers
+    tokenizer_file: str | None = None  # a tokenizer.json one of its workers advertises
+
+    def joined_by(self, worker: LiveWorker) -> ServedModel:
+        """This model with one more live worker: every bound is the tightest of the two."""
+        info = worker.info
+        return ServedModel(
+            self.name,
+            self.workers + 1,
+            _smallest(self.max_model_len, worker.max_model_len),
+            min(self.since, info.started_at.timestamp()),
+            _smallest(self.vocab_size, info.vocab_size),
+            self.tokenizer_file or info.tokenizer_file,
+        )
+
+
+def _smallest(a: int | None, b: int | None) -> int | None:
+    known = [n for n in (a, b) if n is not None]
+    return min(known) if known else None
 
 
 def parse_heartbeat(data: dict[str | bytes, str | bytes]) -> LiveWorker | None:
@@ -97,13 +116,6 @@ class WorkerDirectory:
         served: dict[str, ServedModel] = {}
         for worker in await self.live():
             name = worker.info.model
-            since = worker.info.started_at.timestamp()
-            known = served.get(name)
-            if known is None:
-                served[name] = ServedModel(name, 1, worker.max_model_len, since)
-                continue
-            lengths = [n for n in (known.max_model_len, worker.max_model_len) if n is not None]
-            served[name] = ServedModel(
-                name, known.workers + 1, min(lengths) if lengths else None, min(known.since, since)
-            )
+            known = served.get(name) or ServedModel(name, 0, None, float("inf"))
+            served[name] = known.joined_by(worker)
         return served

@@ -16,6 +16,7 @@ class ErrorCode(StrEnum):
     # refused at the door (HTTP 4xx, nothing enqueued)
     INVALID_REQUEST = "invalid_request"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_TOKEN_ID = "invalid_token_id"  # a prompt token id outside the model's vocabulary
     MODEL_NOT_FOUND = "model_not_found"
     QUEUE_FULL = "queue_full"
     NOT_FOUND = "not_found"
@@ -42,6 +43,7 @@ class ErrorCode(StrEnum):
 _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 422,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 422,
+    ErrorCode.INVALID_TOKEN_ID: 422,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.NOT_FOUND: 404,

@@ -40,6 +40,13 @@ class WorkerInfo(BaseModel):
     waiting: int = Field(0, ge=0)
     version: str = ""
     max_model_len: int | None = Field(None, ge=1, description="longest prompt + output it accepts")
+    vocab_size: int | None = Field(None, ge=1, description="prompt token ids must be below it")
+    tokenizer_file: str | None = Field(
+        None,
+        min_length=1,
+        description="absolute path of the model's tokenizer.json on the worker's host: an API "
+        "that can read it there counts prompt tokens before queueing",
+    )
     prompt_tokens: int = Field(0, ge=0, description="prompt tokens computed since it started")
     generated_tokens: int = Field(0, ge=0, description="tokens generated since it started")
     started_at: AwareDatetime

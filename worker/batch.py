@@ -192,15 +192,17 @@ class Batch:
                         prior_output_token_ids=held.prior_output_token_ids,
                     )
                 )
+            except RequestRejectedError as exc:
+                if exc.caused_by_request:
+                    # The client's mistake (too long once templated, a bad token id): the job
+                    # fails with the engine's code; dead letters stay for what we got wrong.
+                    self._refuse(held, ErrorBody.of(ErrorCode(exc.code), str(exc)))
+                else:
+                    self._dead_letter(held, ErrorBody.of(ErrorCode(exc.code), str(exc)))
+                continue
             except Exception as exc:
-                self.reject(
-                    held.job_id,
-                    held.entry_id,
-                    _rejection(exc),
-                    {"job": held.job_id},
-                    held.job.attempts,
-                    held.queue_stream,
-                )
+                error = f"{type(exc).__name__}: {exc}"
+                self._dead_letter(held, ErrorBody.of(ErrorCode.ENGINE_ERROR, error))
                 continue
             held.prompt_len = len(prompt_ids)
             held.started_at = utc_now()
@@ -208,6 +210,21 @@ class Batch:
             self.held[held.job_id] = held
             self._learn_size(held.prompt_len, request.sampling.max_tokens)
             self._start(held)
+
+    def _refuse(self, held: HeldJob, error: ErrorBody) -> None:
+        log_event(
+            logger,
+            logging.INFO,
+            "job_refused",
+            job=held.job_id,
+            code=error.code.value,
+            message=error.message,
+        )
+        self._finish_with_error(held, error)
+
+    def _dead_letter(self, held: HeldJob, error: ErrorBody) -> None:
+        fields = {"job": held.job_id}
+        self.reject(held.job_id, held.entry_id, error, fields, held.job.attempts, held.queue_stream)
 
     def _prompt_ids(self, request: JobRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -421,9 +438,3 @@ class Batch:
         self.ready = []
         self._buffered.clear()
         return jobs
-
-
-def _rejection(exc: Exception) -> ErrorBody:
-    if isinstance(exc, RequestRejectedError):
-        return ErrorBody.of(ErrorCode(exc.code), str(exc))
-    return ErrorBody.of(ErrorCode.ENGINE_ERROR, f"{type(exc).__name__}: {exc}")

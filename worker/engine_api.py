@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from engine.outputs import EngineRequest, EngineStats, RequestDelta
@@ -14,10 +15,14 @@ if TYPE_CHECKING:
 class EngineLike(Protocol):
     """What the worker calls on an engine (engine.Engine satisfies it; tests use fakes).
 
-    A finished request's output comes only on the delta that finishes it (`delta.output`)."""
+    A finished request's output comes only on the delta that finishes it (`delta.output`).
+    `vocab_size`, `max_model_len` and `tokenizer_file` go into the heartbeat, so the API refuses
+    what the engine would refuse before it is queued."""
 
     max_model_len: int
     block_size: int
+    vocab_size: int
+    tokenizer_file: Path | None  # the model's tokenizer.json; None without a tokenizer
 
     def tokenize(self, text: str) -> list[int]: ...
 

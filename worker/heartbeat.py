@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Iterable
 from datetime import datetime
 from importlib import metadata
+from pathlib import Path
 
 from redis.asyncio import Redis
 
@@ -60,11 +61,13 @@ async def beat(
     started_at: datetime,
     ttl_s: int,
     max_model_len: int | None = None,
+    vocab_size: int | None = None,
+    tokenizer_file: Path | None = None,
     ttfts: Iterable[TtftSample] = (),
 ) -> WorkerInfo:
     """Write one heartbeat from an EngineStats snapshot, with the model's live-stats samples, in
-    one round trip (a MULTI/EXEC transaction). `max_model_len` (the context length) lets the API
-    refuse over-long prompts at the door."""
+    one round trip (a MULTI/EXEC transaction). `max_model_len` (the context length), `vocab_size`
+    and `tokenizer_file` let the API refuse over-long prompts and unknown token ids at the door."""
     info = WorkerInfo(
         name=name,
         model=model,
@@ -74,6 +77,8 @@ async def beat(
         waiting=stats.num_waiting,
         version=worker_version(),
         max_model_len=max_model_len or None,
+        vocab_size=vocab_size or None,
+        tokenizer_file=str(tokenizer_file) if tokenizer_file is not None else None,
         prompt_tokens=max(0, stats.num_prompt_tokens_computed),
         generated_tokens=max(0, stats.num_generation_tokens),
         started_at=started_at,

@@ -412,6 +412,8 @@ class Worker:
                 started_at=self.started_at,
                 ttl_s=self.settings.heartbeat_ttl_s,
                 max_model_len=self.engine.max_model_len,
+                vocab_size=self.engine.vocab_size,
+                tokenizer_file=self.engine.tokenizer_file,
                 ttfts=ttfts,
             )
         except BaseException:

@@ -24,6 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer_api.batches.runner import BatchRunner, Lease
 from producer_api.batches.settings import BatchControllerSettings
+from producer_api.prompt_tokens import TokenizerCache
 from schemas import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ async def advance_batch(ctx: dict[str, Any], batch_id: str) -> str:
         if not await lease.acquire():
             return "busy"  # another run holds it and will queue the next one
         try:
-            runner = BatchRunner(redis, keys, settings, batch_id)
+            runner = BatchRunner(redis, keys, settings, batch_id, ctx["tokenizers"])
             done = await runner.advance(time.monotonic() + settings.batch_tick_s, lease)
         finally:
             await lease.release()
@@ -108,6 +109,7 @@ async def startup(ctx: dict[str, Any]) -> None:
     settings = BatchControllerSettings()
     ctx["settings"] = settings
     ctx["keys"] = RedisKeys(settings.prefix)
+    ctx["tokenizers"] = TokenizerCache()  # loaded once per controller process
     ctx["inferq_redis"] = Redis.from_url(settings.redis_url, decode_responses=True)
     await resume_batches(ctx)
 

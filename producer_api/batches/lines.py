@@ -153,6 +153,11 @@ def batch_job_request(
     )
 
 
+def prompt_param(line: ParsedLine) -> str:
+    """Where a line's prompt is, as the error file names fields."""
+    return "body.prompt" if isinstance(line.openai, CompletionRequest) else "body.messages"
+
+
 def response_body(openai: OpenAIRequest, job: Job) -> dict[str, Any]:
     if isinstance(openai, CompletionRequest):
         return completion_body(openai, [job])
@@ -178,7 +183,8 @@ def line_of_error(line: ParsedLine) -> str:
 
 
 def line_not_run(line: ParsedLine, code: str, message: str) -> str:
-    """The error-file line of a valid line the batch did not finish (cancelled or expired)."""
+    """The error-file line of a valid line the batch did not finish (refused at enqueue,
+    cancelled or expired)."""
     return error_line(line.custom_id, code, message, line=line.number)
 
 

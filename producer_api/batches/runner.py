@@ -2,6 +2,8 @@
 (throttled by that stream's backlog), collect finished jobs into output / error lines, and
 finalize. Every step is idempotent, so a run killed at any point is simply run again:
 
+- a line whose prompt the model's workers would refuse (producer_api.prompt_check) goes to the
+  error file instead of the queue;
 - a line's job is enqueued with the idempotency key `{batch_id}:{line}`: enqueueing it again
   returns the same job, never a second one;
 - a finished line is written to `:out` / `:err` keyed by its line number: writing it twice
@@ -32,9 +34,14 @@ from producer_api.batches.lines import (
     line_of_error,
     line_of_result,
     parse_lines,
+    prompt_param,
 )
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.batches.store import BatchStore, now_s
+from producer_api.errors import ApiError
+from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
+from producer_api.prompt_tokens import TokenizerCache
+from producer_api.workers import WorkerDirectory
 from schemas import TERMINAL_STATUSES, BatchField, BatchStatus, ErrorCode, Job, JobField, RedisKeys
 from schemas.batches import BATCH_ID_PREFIX
 from schemas.redis_scripts import LEASE_RELEASE_SCRIPT, LEASE_RENEW_SCRIPT
@@ -74,13 +81,20 @@ def output_file_ids(batch_id: str) -> tuple[str, str]:
 
 class BatchRunner:
     def __init__(
-        self, redis: Redis, keys: RedisKeys, settings: BatchControllerSettings, batch_id: str
+        self,
+        redis: Redis,
+        keys: RedisKeys,
+        settings: BatchControllerSettings,
+        batch_id: str,
+        tokenizers: TokenizerCache | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.settings = settings
         self.batch_id = batch_id
         self.store = BatchStore(redis, keys)
+        self.workers = WorkerDirectory(redis, keys)
+        self.tokenizers = tokenizers or TokenizerCache()
         self.files = FileStore(redis, keys)
         self.outstanding: dict[int, str] = {}  # line number -> job id, not yet collected
         self.lines: dict[int, ParsedLine] = {}
@@ -173,6 +187,8 @@ class BatchRunner:
         if room <= 0:
             return
         chunk = self.valid[self.submitted : self.submitted + room]
+        refused = await self._refusals(chunk)
+        runnable = [line for line in chunk if line.number not in refused]
         deadline = datetime.fromtimestamp(self.expires_at, UTC)
         results = await asyncio.gather(
             *(
@@ -184,13 +200,12 @@ class BatchRunner:
                     ),  # type: ignore[arg-type]
                     owner=self.owner,
                 )
-                for line in chunk
+                for line in runnable
             ),
             return_exceptions=True,
         )
         enqueued: dict[int, str] = {}
-        refused: dict[int, str] = {}
-        for line, result in zip(chunk, results, strict=True):
+        for line, result in zip(runnable, results, strict=True):
             if isinstance(result, queue.QueueError):
                 refused[line.number] = line_not_run(line, result.code.value, result.error.message)
             elif isinstance(result, BaseException):
@@ -208,6 +223,25 @@ class BatchRunner:
             await pipe.execute()
         self.submitted += len(chunk)
         self.outstanding.update(enqueued)
+
+    async def _refusals(self, lines: list[ParsedLine]) -> dict[int, str]:
+        """Error lines of the lines whose prompt the model's workers would refuse (a token id
+        outside its vocabulary, too long for its context): they are never queued."""
+        served = await self.workers.models()
+        limits: dict[str, PromptLimits] = {}
+        refused: dict[int, str] = {}
+        for line in lines:
+            request = line.request
+            assert request is not None
+            model = served.get(request.model)
+            if request.model not in limits:
+                context = model.max_model_len if model is not None else None
+                limits[request.model] = await prompt_limits(model, context, self.tokenizers)
+            try:
+                await check_prompt(request, limits[request.model], prompt_param(line))
+            except ApiError as exc:
+                refused[line.number] = line_not_run(line, exc.error.code.value, exc.error.message)
+        return refused
 
     async def _collect(self) -> None:
         """Write the lines of jobs that ended since the last look."""

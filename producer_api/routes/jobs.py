@@ -11,13 +11,14 @@ from fastapi.responses import JSONResponse
 from producer_api import queue
 from producer_api.admission import (
     check_n,
-    check_token_prompt,
+    limits_of,
     model_and_context,
     resolve_max_tokens,
     submit,
 )
 from producer_api.deps import ApiState, Caller, State, check_visible
 from producer_api.errors import ApiError, error_responses
+from producer_api.prompt_check import check_prompt
 from producer_api.sse import EventStreamResponse, sse_event
 from producer_api.views import JobView, job_view, job_view_json
 from schemas import ErrorCode, Job, JobRequest
@@ -62,10 +63,10 @@ async def create_job(
             raise ApiError(
                 ErrorCode.INVALID_REQUEST, f"Idempotency-Key: {exc}", "Idempotency-Key"
             ) from exc
-    _, context = await model_and_context(state, body.model, allow_configured=True)
+    served, context = await model_and_context(state, body.model, allow_configured=True)
     check_n(state, body.sampling.n, "sampling.n")
     resolve_max_tokens(state, body.sampling.max_tokens, context, "sampling.max_tokens")
-    check_token_prompt(body.prompt_token_ids, body.sampling.max_tokens, context, "prompt_token_ids")
+    await check_prompt(body, await limits_of(state, served, context), body.input_kind)
     job = await submit(state, body, caller)
     view = job_view(job)
     return JSONResponse(

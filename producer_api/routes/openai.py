@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from producer_api import queue
 from producer_api.admission import (
     check_n,
-    check_token_prompt,
+    limits_of,
     model_and_context,
     resolve_max_tokens,
     submit,
@@ -42,6 +42,7 @@ from producer_api.openai_convert import (
     completion_prompts,
 )
 from producer_api.openai_models import ChatCompletionRequest, CompletionRequest
+from producer_api.prompt_check import check_prompt
 from producer_api.sse import EventStreamResponse, sse_event
 from producer_api.streams import ClientGone, merge_indexed, unless_disconnected
 from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus, TokenChunk
@@ -98,13 +99,16 @@ async def completions(
             f"prompt: at most {state.settings.max_prompts} prompts in one request",
             "prompt",
         )
-    _, context = await model_and_context(state, body.model, allow_configured=False)
+    served, context = await model_and_context(state, body.model, allow_configured=False)
     max_tokens = resolve_max_tokens(state, body.max_tokens, context, "max_tokens")
+    limits = await limits_of(state, served, context)
     requests = []
-    for prompt in prompts:
-        if not isinstance(prompt, str):
-            check_token_prompt(prompt, max_tokens, context, "prompt")
-        requests.append(completion_job(body, prompt, max_tokens, state.settings.request_timeout_s))
+    for index, prompt in enumerate(prompts):
+        job_request = completion_job(body, prompt, max_tokens, state.settings.request_timeout_s)
+        await check_prompt(
+            job_request, limits, "prompt" if len(prompts) == 1 else f"prompt.{index}"
+        )
+        requests.append(job_request)
     jobs = await _submit_all(state, requests, caller)
     if body.stream:
         return await _open_stream(
@@ -120,10 +124,11 @@ async def chat_completions(
 ) -> Response:
     check_chat(body)
     check_n(state, body.n, "n")
-    _, context = await model_and_context(state, body.model, allow_configured=False)
+    served, context = await model_and_context(state, body.model, allow_configured=False)
     requested, param = chat_max_tokens(body)
     max_tokens = resolve_max_tokens(state, requested, context, param)
     job_request = chat_job(body, max_tokens, state.settings.request_timeout_s)
+    await check_prompt(job_request, await limits_of(state, served, context), "messages")
     jobs = await _submit_all(state, [job_request], caller)
     if body.stream:
         return await _open_stream(

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -102,6 +103,7 @@ class Stack:
         max_model_len: int | None = None,
         step_delay_s: float = 0.0,
         name: str | None = None,
+        tokenizer_file: Path | None = None,
     ) -> EchoWorker:
         async def make() -> tuple[EchoWorker, Redis]:
             redis = Redis.from_url(self.redis_url, decode_responses=True)
@@ -112,6 +114,7 @@ class Stack:
                 name=name or f"echo-{len(self.workers) + 1}",
                 max_model_len=max_model_len,
                 step_delay_s=step_delay_s,
+                tokenizer_file=tokenizer_file,
             )
             await worker.create_group()
             await worker.beat()

@@ -1,9 +1,11 @@
 """A contract-following fake worker for the API tests, built on tests/api/fake_worker.py.
 
 It serves jobs one after another until stopped, beats a heartbeat (optionally advertising
-`max_model_len`), and "generates" by echoing the input's words: `echo_output(request)` computes
-what any job must produce, so tests compare against it instead of hard-coded text. Inputs of
-`max_model_len` words or more fail with context_length_exceeded, as a real worker's would.
+`max_model_len`, its vocabulary size and optionally a tokenizer.json that counts words as it
+does), and "generates" by echoing the input's words: `echo_output(request)` computes what any
+job must produce, so tests compare against it instead of hard-coded text. Inputs of
+`max_model_len` words or more fail with context_length_exceeded, and token ids outside its
+vocabulary with invalid_token_id, as a real worker's would.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 
 from redis.asyncio import Redis
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from schemas import (
     TRANSITION_SCRIPT,
@@ -46,8 +50,21 @@ def input_words(request: JobRequest) -> list[str]:
     return text.split()
 
 
+ECHO_VOCAB = 49152
+
+
 def token_id(piece: str) -> int:
-    return sum(piece.encode()) % 49152
+    return sum(piece.encode()) % ECHO_VOCAB
+
+
+def write_echo_tokenizer(folder: Path) -> Path:
+    """A tokenizer.json that counts tokens as the echo worker does (one per whitespace-separated
+    word), for the API to load as it loads a real model's."""
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = folder / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
 
 
 def logprob_of(piece: str) -> float:
@@ -101,9 +118,11 @@ class EchoWorker(FakeWorker):
         name: str = "echo-1",
         max_model_len: int | None = None,
         step_delay_s: float = 0.0,
+        tokenizer_file: Path | None = None,
     ) -> None:
         super().__init__(redis, keys, model, name)
         self.max_model_len = max_model_len
+        self.tokenizer_file = tokenizer_file
         self.step_delay_s = step_delay_s
         self.served: list[str] = []
 
@@ -114,6 +133,8 @@ class EchoWorker(FakeWorker):
             model=self.model,
             kv_blocks_free=100,
             kv_blocks_total=100,
+            vocab_size=ECHO_VOCAB,
+            tokenizer_file=str(self.tokenizer_file) if self.tokenizer_file else None,
             started_at=now,
             updated_at=now,
         ).to_redis_hash()
@@ -153,6 +174,11 @@ class EchoWorker(FakeWorker):
         job = claimed.job
         self.served.append(job.id)
         request = job.request
+        ids = request.prompt_token_ids or []
+        if any(not 0 <= t < ECHO_VOCAB for t in ids):
+            error = ErrorBody.of(ErrorCode.INVALID_TOKEN_ID, f"ids must be below {ECHO_VOCAB}")
+            await self._end(claimed, JobStatus.FAILED, {"error": error, "finished_at": utc_now()})
+            return
         if self.max_model_len is not None and len(input_words(request)) >= self.max_model_len:
             error = ErrorBody.of(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,

@@ -15,7 +15,9 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from redis import Redis
 
+from schemas import RedisKeys
 from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack, auth
 from tests.api.test_jobs_api import sse_events
 from tests.conftest import _started_server
@@ -130,16 +132,25 @@ def test_n_with_a_seed_gives_n_choices(sdk):
     assert response.usage.completion_tokens >= 2
 
 
-def test_too_long_prompt_is_400_context_length_exceeded(sdk):
+def test_too_long_prompt_is_400_context_length_exceeded(sdk, system):
+    """The API counts the prompt with the tokenizer the worker advertises: refused at the door,
+    nothing queued."""
     long_prompt = "hello " * (MAX_MODEL_LEN + 50)
-    with pytest.raises(openai.BadRequestError) as caught:
-        sdk.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
-    assert caught.value.code == "context_length_exceeded"
-    with pytest.raises(openai.BadRequestError) as caught:
-        sdk.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": long_prompt}], stream=True
-        )
-    assert caught.value.code == "context_length_exceeded"
+    stream = RedisKeys().jobs_stream(MODEL)
+    with Redis.from_url(system.redis_url) as redis:
+        queued_before = redis.xinfo_stream(stream)["entries-added"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            sdk.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4)
+        assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "prompt")
+        with pytest.raises(openai.BadRequestError) as caught:
+            sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": long_prompt}], stream=True
+            )
+        assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "messages")
+        with pytest.raises(openai.BadRequestError) as caught:
+            sdk.completions.create(model=MODEL, prompt=[1, 49152], max_tokens=4)
+        assert (caught.value.code, caught.value.param) == ("invalid_token_id", "prompt.1")
+        assert redis.xinfo_stream(stream)["entries-added"] == queued_before
 
 
 @pytest.fixture(scope="module")

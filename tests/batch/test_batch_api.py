@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from redis import Redis
-from worker_fakes import FakeEngine, expected_output
+from worker_fakes import VOCAB, FakeEngine, expected_output
 
 from schemas import RedisKeys
 from tests.api.conftest import ALICE_KEY, BOB_KEY
@@ -297,3 +297,37 @@ def test_files_are_listed_and_deleted_but_not_while_a_batch_reads_them(batch_sta
         assert http.delete(f"/v1/files/{file_id}").json()["deleted"] is True
     assert http.get("/v1/files").json()["data"] == []
     assert http.get(f"/v1/batches/{created['id']}").json()["status"] == "completed"
+
+
+def test_lines_the_model_would_refuse_go_to_the_error_file_and_never_to_the_queue(
+    batch_stack: BatchStack,
+):
+    def token_line(custom_id: str, ids: list[int]) -> str:
+        body = {"model": FAKE_MODEL, "prompt": ids, "max_tokens": MAX_TOKENS}
+        return json.dumps(
+            {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+        )
+
+    lines = [
+        token_line("fits", [11, 12, 13]),
+        token_line("out-of-vocab", [11, VOCAB + 5]),
+        token_line("too-long", [11] * 600),  # the fake engine's context is 512
+    ]
+    uploaded = batch_stack.upload("\n".join(lines) + "\n")
+    batch_stack.start_worker()
+    redis = Redis.from_url(batch_stack.redis_url, decode_responses=True)
+    give_up = time.monotonic() + 10
+    while not redis.exists(KEYS.worker("fw-0")):  # the bounds come from its heartbeat
+        assert time.monotonic() < give_up
+        time.sleep(0.05)
+    batch_stack.start_controller()
+    done = batch_stack.wait(batch_stack.create(uploaded["id"])["id"], {"completed", "failed"})
+
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    errors = {e["custom_id"]: e for e in batch_stack.content(done["error_file_id"])}
+    assert errors["out-of-vocab"]["error"]["code"] == "invalid_token_id"
+    assert errors["too-long"]["error"]["code"] == "context_length_exceeded"
+    assert all(e["response"] is None for e in errors.values())  # never became jobs
+    assert redis.xinfo_stream(KEYS.bulk_stream(FAKE_MODEL))["entries-added"] == 1
+    assert not redis.exists(KEYS.dead_letters(FAKE_MODEL))
+    redis.close()

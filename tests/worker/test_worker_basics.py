@@ -66,6 +66,7 @@ async def test_heartbeat_reports_capacity(redis_url):
         assert fields.pop("max_model_len") == str(engine.max_model_len)
         info = WorkerInfo.from_redis_hash(fields)
         assert (info.model, info.kv_blocks_total, info.kv_blocks_free) == (MODEL, 77, 77)
+        assert info.vocab_size == engine.vocab_size  # the API refuses unknown ids with it
         assert 0 < await redis.ttl(KEYS.worker("hb-worker")) <= worker.settings.heartbeat_ttl_s
     assert not await redis.exists(KEYS.worker("hb-worker"))  # a stopped worker says goodbye
 

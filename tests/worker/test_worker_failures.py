@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 from redis.asyncio import Redis
-from worker_fakes import FakeEngine, expected_output
+from worker_fakes import VOCAB, FakeEngine, expected_output
 from worker_harness import KEYS, replay_chunks, running_worker, wait_for
 
 from producer_api.client.redis_client import AsyncRedisClient
@@ -70,13 +70,48 @@ async def test_poison_entries_fail_with_codes_and_the_batch_goes_on(redis_url):
             await wait_for(lambda: _backlog_is(redis, 0), 10)
             letters = await _dead_letters(redis)
             reasons = {letter["job"]: letter["reason"] for letter in letters}
+            # the too-long prompt is the client's mistake: a failed job, not a dead letter
             assert reasons == {
                 "": "unparseable_job",
-                **{k: v.value for k, v in expected_codes.items()},
+                **{k: v.value for k, v in expected_codes.items() if k != oversize.id},
             }
             garbage = next(letter for letter in letters if letter["job"] == "")
             assert json.loads(garbage["entry"]) == {"garbage": "yes"}
             assert worker.outcomes["succeeded"] == len(good)
+
+
+async def test_client_mistakes_found_at_admission_fail_with_a_code_and_no_dead_letter(redis_url):
+    """What only the engine can find (too long once templated, an id outside the vocabulary,
+    for jobs that skipped the API's checks) fails the job with a code: dead letters are for
+    entries the system could not handle, so an operator can alert on them."""
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    engine = FakeEngine(max_model_len=64)
+    async with (
+        AsyncRedisClient(redis_url) as client,
+        running_worker(redis_url, engine, model=MODEL) as worker,
+    ):
+        out_of_vocab = await client.enqueue(
+            model=MODEL, prompt_token_ids=[12, VOCAB + 3], stream=True
+        )
+        # 60 characters fit the context as text, not once the chat template wraps them
+        too_long = await client.enqueue(
+            model=MODEL, messages=[{"role": "user", "content": "x" * 60}]
+        )
+        good = await client.enqueue(
+            model=MODEL, prompt_token_ids=[12, 13], sampling={"max_tokens": 3}
+        )
+        for job, code in (
+            (out_of_vocab, "invalid_token_id"),
+            (too_long, "context_length_exceeded"),
+        ):
+            failed = await client.wait(job.id, timeout=10)
+            assert failed.status is JobStatus.FAILED
+            assert failed.error.code == code, failed.error
+        assert (await client.wait(good.id, timeout=10)).status is JobStatus.SUCCEEDED
+        await wait_for(lambda: _backlog_is(redis, 0), 10)
+        assert await _dead_letters(redis) == []
+        assert worker.outcomes.get("failed") == 2
+        assert "dead_lettered" not in worker.outcomes
 
 
 async def test_a_failing_engine_step_fails_its_batch_only(redis_url):

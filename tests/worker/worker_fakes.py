@@ -23,9 +23,10 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine import outputs
-from engine.errors import ContextLengthExceededError, RequestRejectedError
+from engine.errors import ContextLengthExceededError, InvalidTokenIdError, RequestRejectedError
 from schemas.sampling import SamplingParams
 
 VOCAB = 1000
@@ -77,6 +78,8 @@ class FakeEngine:
     block_size: int = 16
     max_num_seqs: int = 64
     max_model_len: int = 512
+    vocab_size: int = VOCAB
+    tokenizer_file: Path | None = None  # its tokenizer is a function, with no tokenizer.json
     step_seconds: float = 0.0
     fail_on_prompt_token: int | None = None  # a prompt holding this id makes step() raise
     kill_on_prompt_token: int | None = None  # ... makes step() SIGKILL this process
@@ -109,7 +112,7 @@ class FakeEngine:
                     f"prompt of {len(ids)} tokens, context {self.max_model_len}"
                 )
             if min(ids) < 0 or max(ids) >= VOCAB:
-                raise RequestRejectedError(f"prompt token ids must be in [0, {VOCAB})")
+                raise InvalidTokenIdError(f"prompt token ids must be in [0, {VOCAB})")
             priors = new.prior_output_token_ids or [[] for _ in range(params.n)]
             seqs = [_Seq(request_id, i, ids, params, list(prior)) for i, prior in enumerate(priors)]
             for seq in seqs:

@@ -1,0 +1,99 @@
+"""The one check of a job's prompt against its model before the job is queued, for every route
+that enqueues (jobs, completions, chat, batch lines): token ids inside the vocabulary, and the
+prompt plus `max_tokens` inside the context.
+
+The bounds come from the model's workers' heartbeats (`vocab_size`, `max_model_len`,
+`tokenizer_file`); a bound nobody advertises (no worker yet) is not checked here, and the worker
+decides. Text prompts are counted with the model's tokenizer when the API can load it: a chat's
+count is a lower bound (the contents of what the system, the user and tools said; the template
+only adds to it), so the API never refuses what a worker would run, and what only templating
+makes too long still fails in the worker, as a failed job with the same code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+
+from producer_api.errors import ApiError
+from producer_api.prompt_tokens import PromptTokenizer, TokenizerCache
+from producer_api.workers import ServedModel
+from schemas import ErrorCode, JobRequest
+
+# Roles whose content every chat template keeps (assistant turns may be rewritten, e.g. their
+# reasoning dropped): only these count toward the lower bound.
+_KEPT_ROLES = frozenset({"system", "user", "tool"})
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a model's workers accept; None where it is not known."""
+
+    context: int | None = None
+    vocab_size: int | None = None
+    tokenizer: PromptTokenizer | None = None
+
+
+async def prompt_limits(
+    served: ServedModel | None, context: int | None, tokenizers: TokenizerCache
+) -> PromptLimits:
+    """The limits of a model from its live workers (`served`) and its known context length."""
+    if served is None:
+        return PromptLimits(context)
+    return PromptLimits(context, served.vocab_size, await tokenizers.get(served.tokenizer_file))
+
+
+async def check_prompt(request: JobRequest, limits: PromptLimits, param: str) -> None:
+    """Raise ApiError (invalid_token_id, context_length_exceeded) naming `param`, the prompt's
+    field as the client wrote it, when the job could never run on the model."""
+    ids = request.prompt_token_ids
+    if ids is not None:
+        _check_vocabulary(ids, limits.vocab_size, param)
+        prompt_tokens: int | None = len(ids)
+    else:
+        prompt_tokens = await _least_prompt_tokens(request, limits)
+    if prompt_tokens is not None and limits.context is not None:
+        _check_context(prompt_tokens, request.sampling.max_tokens, limits.context, param)
+
+
+def _check_vocabulary(ids: list[int], vocab_size: int | None, param: str) -> None:
+    if vocab_size is None:
+        return
+    for index, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise ApiError(
+                ErrorCode.INVALID_TOKEN_ID,
+                f"{param}.{index}: token id {token} is not in this model's vocabulary "
+                f"(ids 0 to {vocab_size - 1})",
+                f"{param}.{index}",
+            )
+
+
+def _check_context(prompt_tokens: int, max_tokens: int, context: int, param: str) -> None:
+    if prompt_tokens + max_tokens > context:
+        raise ApiError(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"at least {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Shorten the prompt or lower max_tokens.",
+            param,
+        )
+
+
+async def _least_prompt_tokens(request: JobRequest, limits: PromptLimits) -> int | None:
+    """At least how many tokens the text prompt has, or None when it is not worth counting (no
+    tokenizer, no context, or too short to matter)."""
+    if limits.tokenizer is None or limits.context is None:
+        return None
+    if request.messages is not None:
+        texts = [m.content for m in request.messages if m.role in _KEPT_ROLES]
+    else:
+        texts = [request.prompt or ""]
+    # A token covers at least one byte of its text (plus one word-start marker per text at
+    # most), so prompts this short fit and are not tokenized here; a tokenizer that broke the
+    # rule would only leave the refusal to the worker.
+    most = sum(len(text.encode()) + 1 for text in texts)
+    if most + request.sampling.max_tokens <= limits.context:
+        return None
+    tokenizer = limits.tokenizer
+    return await anyio.to_thread.run_sync(lambda: sum(tokenizer.count(t) for t in texts))
