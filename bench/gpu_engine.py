@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,9 +24,9 @@ from gpu_report import (
     markdown_table,
 )
 from throughput import greedy
+from workload import random_workload
 
 logger = logging.getLogger("bench.gpu")
-_FIRST_ORDINARY_TOKEN = 256  # skip low ids, where vocabularies keep special tokens
 
 
 @dataclass(frozen=True)
@@ -57,11 +56,7 @@ def write_model_dir(cfg: EngineBenchConfig) -> Path:
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [
-        [rng.randrange(_FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(length)]
-        for _ in range(count)
-    ]
+    return [r.prompt_token_ids for r in random_workload(count, length, 1, 0.0, vocab_size, seed)]
 
 
 def _is_cuda(device: str) -> bool:

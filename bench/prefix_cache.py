@@ -23,9 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from serve import RunReport, arrival_times, run_engine, summarize
-from workload import Request, describe_runtime, shared_prefix_series, tune_cpu_runtime
-
-from schemas.defaults import DEFAULT_MODEL
+from workload import (
+    Request,
+    add_engine_args,
+    describe_runtime,
+    make_engine,
+    shared_prefix_series,
+    tune_cpu_runtime,
+)
 
 
 def median_report(reports: list[RunReport]) -> RunReport:
@@ -87,32 +92,16 @@ def measure_prefix_cache(
     return results
 
 
-def make_engine(model: str, dtype: str, seed: int, threads: int | None, prefix_caching: bool):
-    from engine import Engine, EngineConfig
-
-    config = EngineConfig(
-        model=model,
-        dtype=dtype,
-        seed=seed,
-        num_threads=threads,
-        enable_prefix_caching=prefix_caching,
-    )
-    return Engine(config)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    add_engine_args(parser)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--prefix-len", type=int, default=384)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = parser.parse_args()
     tune_cpu_runtime(args.threads)

@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,16 +30,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from figures import median_rates, print_row, quantile, rates
-from throughput import greedy, warm_up
+from throughput import timed_generate, warm_up
 from workload import (
     Request,
     add_workload_args,
+    bench_redis,
     load_llm,
     random_workload,
+    token_counts,
     tune_cpu_runtime,
+    unpinned,
     workload_line,
     workload_series,
 )
+
+from cli.up import Child, System
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -102,51 +102,37 @@ def measure_queue_overhead(
     redis-server + one worker subprocess; medians of both, their ratio, chunk latencies."""
     vocab = llm.engine.runner.vocab_size
     warm = random_workload(4, 32, 8, 0.0, vocab, 1)
-    with tempfile.TemporaryDirectory(prefix="inferq-bench-") as scratch:
-        redis_url, redis_process = _start_redis(Path(scratch))
-        worker = None
-        try:
-            trace = Path(scratch) / "chunks.trace"
-            worker = _start_worker(options, redis_url, trace)
-            asyncio.run(_wait_ready(redis_url, worker))
-            asyncio.run(_queue_run(redis_url, options.model, warm, trace))  # warm the worker too
-            inproc, queued, latencies, reference, tokens = [], [], [], [], []
-            for repeat in range(repeats):
-                # A fresh workload per repeat (same sizes), so no repeat profits from the prefix
-                # cache of the one before; both paths see it for the first time. The order of the
-                # two paths alternates so a slow drift of the machine hits both alike.
-                batch = workload(repeat)
-                runs = {}
-                for path in ("in-process", "queue") if repeat % 2 == 0 else ("queue", "in-process"):
-                    if path == "in-process":
-                        started = time.perf_counter()
-                        outputs = llm.generate(
-                            [r.prompt_token_ids for r in batch],
-                            [greedy(r.output_len) for r in batch],
-                            use_tqdm=False,
-                        )
-                        runs[path] = time.perf_counter() - started
-                        reference = [o.outputs[0].token_ids for o in outputs]
-                    else:
-                        runs[path], lat, tokens = asyncio.run(
-                            _queue_run(redis_url, options.model, batch, trace)
-                        )
-                        latencies += lat
-                sizes = (
-                    sum(len(r.prompt_token_ids) for r in batch),
-                    sum(r.output_len for r in batch),
-                )
-                inproc.append(rates(runs["in-process"], *sizes))
-                queued.append(rates(runs["queue"], *sizes))
-                same = sum(a == b for a, b in zip(tokens, reference, strict=True))
-                print(
-                    f"  repeat {repeat}: in-process {runs['in-process']:.2f} s, queue {runs['queue']:.2f} s, "
-                    f"ratio {runs['in-process'] / runs['queue']:.3f}, identical outputs {same}/{len(batch)}"
-                )
-        finally:
-            if worker is not None:
-                _stop(worker)
-            _stop(redis_process)
+    with (
+        tempfile.TemporaryDirectory(prefix="inferq-bench-") as scratch,
+        bench_redis(Path(scratch)) as (system, redis_url),
+    ):
+        trace = Path(scratch) / "chunks.trace"
+        worker = start_worker(system, options, redis_url, trace)
+        asyncio.run(wait_ready(redis_url, worker))
+        asyncio.run(_queue_run(redis_url, options.model, warm, trace))  # warm the worker too
+        inproc, queued, latencies, reference, tokens = [], [], [], [], []
+        for repeat in range(repeats):
+            # A fresh workload per repeat (same sizes), so no repeat profits from the prefix
+            # cache of the one before; both paths see it for the first time. The order of the
+            # two paths alternates so a slow drift of the machine hits both alike.
+            batch = workload(repeat)
+            runs = {}
+            for path in ("in-process", "queue") if repeat % 2 == 0 else ("queue", "in-process"):
+                if path == "in-process":
+                    runs[path], reference = timed_generate(llm, batch)
+                else:
+                    runs[path], lat, tokens = asyncio.run(
+                        _queue_run(redis_url, options.model, batch, trace)
+                    )
+                    latencies += lat
+            sizes = token_counts(batch)
+            inproc.append(rates(runs["in-process"], *sizes))
+            queued.append(rates(runs["queue"], *sizes))
+            same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+            print(
+                f"  repeat {repeat}: in-process {runs['in-process']:.2f} s, queue {runs['queue']:.2f} s, "
+                f"ratio {runs['in-process'] / runs['queue']:.3f}, identical outputs {same}/{len(batch)}"
+            )
 
     results = {"in_process": median_rates(inproc), "queue": median_rates(queued)}
     results["throughput_ratio"] = (
@@ -236,7 +222,7 @@ def _read_trace(trace: Path) -> dict[tuple[str, int], float]:
     return out
 
 
-def _start_worker(options: WorkerOptions, redis_url: str, trace: Path) -> subprocess.Popen:
+def start_worker(system: System, options: WorkerOptions, redis_url: str, trace: Path) -> Child:
     command = [
         sys.executable,
         "-m",
@@ -267,10 +253,13 @@ def _start_worker(options: WorkerOptions, redis_url: str, trace: Path) -> subpro
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     )
-    return subprocess.Popen(command, cwd=REPO, env=env, preexec_fn=_die_with_parent)
+    with unpinned():
+        return system.spawn(
+            "worker", command, env, waits_for="its running jobs", hurry_signal=signal.SIGTERM
+        )
 
 
-async def _wait_ready(redis_url: str, worker: subprocess.Popen) -> None:
+async def wait_ready(redis_url: str, worker: Child) -> None:
     from redis.asyncio import Redis
 
     from schemas import RedisKeys
@@ -278,71 +267,11 @@ async def _wait_ready(redis_url: str, worker: subprocess.Popen) -> None:
     redis = Redis.from_url(redis_url)
     try:
         while not await redis.exists(RedisKeys().worker("bench-worker")):
-            if worker.poll() is not None:
+            if not worker.alive():
                 raise RuntimeError("the worker exited while starting")
             await asyncio.sleep(0.2)
     finally:
         await redis.aclose()
-
-
-# ---------------------------------------------------------------------------- processes
-
-
-def _start_redis(data_dir: Path) -> tuple[str, subprocess.Popen]:
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(data_dir),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--logfile",
-            str(data_dir / "redis.log"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent,
-    )
-    for _ in range(500):
-        with (
-            contextlib.suppress(OSError),
-            socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock,
-        ):
-            sock.sendall(b"PING\r\n")
-            if sock.recv(16).startswith(b"+PONG"):
-                return f"redis://127.0.0.1:{port}/0", process
-        time.sleep(0.02)
-    process.kill()
-    raise RuntimeError("redis-server did not start")
-
-
-def _die_with_parent() -> None:
-    # This process pinned itself to one core when torch started with OMP_PROC_BIND set (see
-    # tune_cpu_runtime); children would inherit that mask, so give them every core back.
-    with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 if __name__ == "__main__":

@@ -27,8 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from queue_overhead import WorkerOptions, _start_redis, _start_worker, _stop, _wait_ready
+from queue_overhead import WorkerOptions, start_worker, wait_ready
+from workload import bench_redis
 
+from cli.up import System
 from schemas.defaults import DEFAULT_MODEL
 
 # MEMORY STATS entries that are not the keys' (they do count against maxmemory: leave room).
@@ -187,14 +189,17 @@ def _run(redis_url: str, args: argparse.Namespace, step: str) -> Footprint:
     return asyncio.run(run())
 
 
-def _served(redis_url: str, args: argparse.Namespace, chunk_tokens: int, scratch: Path) -> None:
+def _served(
+    system: System, redis_url: str, args: argparse.Namespace, chunk_tokens: int, scratch: Path
+) -> None:
     options = WorkerOptions(model=args.model, chunk_tokens=chunk_tokens)
-    worker = _start_worker(options, redis_url, scratch / "trace")
+    worker = start_worker(system, options, redis_url, scratch / "trace")
     try:
-        asyncio.run(_wait_ready(redis_url, worker))
+        asyncio.run(wait_ready(redis_url, worker))
         print(_run(redis_url, args, "finished").row(f"finished, chunk_tokens={chunk_tokens}"))
     finally:
-        _stop(worker)
+        worker.stop(lambda: False)
+        system.children.remove(worker)
 
 
 def main() -> None:
@@ -210,14 +215,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="inferq-footprint-") as scratch:
-        redis_url, redis_process = _start_redis(Path(scratch))
-        try:
-            print(_run(redis_url, args, "queued").row("queued (no worker)"))
-            for chunk_tokens in args.chunk_tokens:
-                _served(redis_url, args, chunk_tokens, Path(scratch))
-        finally:
-            _stop(redis_process)
+    with (
+        tempfile.TemporaryDirectory(prefix="inferq-footprint-") as scratch,
+        bench_redis(Path(scratch)) as (system, redis_url),
+    ):
+        print(_run(redis_url, args, "queued").row("queued (no worker)"))
+        for chunk_tokens in args.chunk_tokens:
+            _served(system, redis_url, args, chunk_tokens, Path(scratch))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import describe_machine, machine_one_liner
 from markdown_blocks import replace_block
-from workload import shared_prefix_series, tune_cpu_runtime, workload_series
+from workload import make_engine, shared_prefix_series, tune_cpu_runtime, workload_series
 
 from schemas.defaults import DEFAULT_MODEL
 
@@ -140,7 +140,7 @@ def run_serving(llm, args: argparse.Namespace, sizes: dict) -> list[dict]:
 
 
 def run_prefix_cache(llm, args: argparse.Namespace, sizes: dict) -> dict:
-    from prefix_cache import make_engine, measure_prefix_cache
+    from prefix_cache import measure_prefix_cache
 
     engine_off = make_engine(args.model, args.dtype, args.seed, args.threads, False)
     workload = shared_prefix_series(sizes, llm.engine.runner.vocab_size, args.seed + 3000)

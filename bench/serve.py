@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
+import os
 import random
 import signal
-import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workload import Request, add_workload_args, describe_runtime, workload_series
+from workload import (
+    Request,
+    add_workload_args,
+    bench_redis,
+    describe_runtime,
+    free_port,
+    make_engine,
+    unpinned,
+    workload_series,
+)
 
 
 @dataclass
@@ -104,9 +114,16 @@ def summarize(mode: str, rate: float, timelines: list[Timeline], started: float)
     ok = [t for t in timelines if t.error is None and t.chunk_times]
     end = max((t.chunk_times[-1] for t in ok), default=started)
     duration = max(end - started, 1e-9)
-    ttft = _ms_percentiles([t.ttft for t in ok if t.ttft is not None])
-    tpot = _ms_percentiles([t.tpot for t in ok if t.tpot is not None])
-    itl = _ms_percentiles([gap for t in ok for gap in t.itls()])
+    latencies = {
+        "ttft": [t.ttft for t in ok if t.ttft is not None],
+        "tpot": [t.tpot for t in ok if t.tpot is not None],
+        "itl": [gap for t in ok for gap in t.itls()],
+    }
+    percentiles = {
+        f"{name}_ms_{p}": value
+        for name, values in latencies.items()
+        for p, value in zip(("p50", "p90", "p99"), _ms_percentiles(values), strict=True)
+    }
     return RunReport(
         mode=mode,
         rate=rate,
@@ -115,15 +132,7 @@ def summarize(mode: str, rate: float, timelines: list[Timeline], started: float)
         duration_s=duration,
         request_throughput=len(ok) / duration,
         output_token_throughput=sum(t.output_tokens for t in ok) / duration,
-        ttft_ms_p50=ttft[0],
-        ttft_ms_p90=ttft[1],
-        ttft_ms_p99=ttft[2],
-        tpot_ms_p50=tpot[0],
-        tpot_ms_p90=tpot[1],
-        tpot_ms_p99=tpot[2],
-        itl_ms_p50=itl[0],
-        itl_ms_p90=itl[1],
-        itl_ms_p99=itl[2],
+        **percentiles,
     )
 
 
@@ -187,75 +196,38 @@ async def run_http(
     return list(timelines), start
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@contextlib.contextmanager
+def serving_system(model: str, data_dir: Path, worker_flags: list[str]) -> Iterator[str]:
+    """redis-server + API + worker as children (cli.up does the spawning), stopped when the
+    block ends; yields the API's URL once it is ready."""
+    from cli.up import wait_ready
 
-
-def start_system(model: str, data_dir: Path, worker_flags: list[str]):
-    """redis-server + API + worker as children (cli.up does the spawning)."""
-    import os
-
-    from cli.up import System
-
-    system = System()
-    # A tuned benchmark process (bench/workload.py's tune_cpu_runtime) has its main thread
-    # pinned to one core, and children inherit that mask: give them every core back.
-    pinned = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    try:
-        return _spawn_system(system, model, data_dir, worker_flags)
-    finally:
-        os.sched_setaffinity(0, pinned)
-
-
-def _spawn_system(system, model: str, data_dir: Path, worker_flags: list[str]):
-    import os
-
-    import httpx
-
-    from cli.up import start_redis
-
-    redis_url = f"redis://127.0.0.1:{_free_port()}/0"
-    start_redis(system, redis_url, data_dir)
-    port = _free_port()
-    env = {**os.environ, "INFERQ_REDIS_URL": redis_url, "INFERQ_AUTH_DISABLED": "1"}
-    env.pop("INFERQ_API_KEYS", None)
-    system.spawn(
-        "api",
-        [
-            sys.executable, "-m", "uvicorn", "producer_api.app:create_app", "--factory",
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-        ],
-        env,
-        waits_for="open connections to close",
-        hurry_signal=signal.SIGINT,
-    )  # fmt: skip
-    system.spawn(
-        "worker",
-        [sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", model,
-         "--redis-url", redis_url, *worker_flags],
-        env,
-        waits_for="its running jobs",
-        hurry_signal=signal.SIGTERM,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    give_up = time.monotonic() + 600
-    with httpx.Client(base_url=url, timeout=2.0) as http:
-        while True:
-            if system.dead():
-                system.stop()
-                raise RuntimeError("a child exited during start-up")
-            try:
-                if http.get("/ready").status_code == 200:
-                    return system, url
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > give_up:
-                system.stop()
-                raise RuntimeError("the system did not become ready")
-            time.sleep(0.25)
+    with bench_redis(data_dir) as (system, redis_url):
+        port = free_port()
+        env = {**os.environ, "INFERQ_REDIS_URL": redis_url, "INFERQ_AUTH_DISABLED": "1"}
+        env.pop("INFERQ_API_KEYS", None)
+        with unpinned():
+            system.spawn(
+                "api",
+                [
+                    sys.executable, "-m", "uvicorn", "producer_api.app:create_app", "--factory",
+                    "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                ],
+                env,
+                waits_for="open connections to close",
+                hurry_signal=signal.SIGINT,
+            )  # fmt: skip
+            system.spawn(
+                "worker",
+                [sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", model,
+                 "--redis-url", redis_url, *worker_flags],
+                env,
+                waits_for="its running jobs",
+                hurry_signal=signal.SIGTERM,
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(system, url, 600, want_worker=True)
+        yield url
 
 
 # ------------------------------------------------------------------ the in-process engine
@@ -335,27 +307,25 @@ def measure_serving(
     gc.collect()
     if not http:
         return sorted(reports, key=lambda r: (r.rate, r.mode))
-    system = None
-    with tempfile.TemporaryDirectory(prefix="inferq-serve-bench-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="inferq-serve-bench-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
         if url is None:
-            system, url = start_system(model, Path(tmp), worker_flags)
-        try:
-            # One untimed request first: the worker's first batch pays one-time costs (lazy
-            # initialisation, allocator growth) that the in-process engine already paid.
-            warm = [Request(workload(0)[0].prompt_token_ids[:16], 2)]
-            asyncio.run(run_http(url, api_key, model, warm, [0.0]))
-            for index, rate in enumerate(rates):
-                requests = workload(index)
-                arrivals = arrival_times(len(requests), rate, seed)
-                timelines, start = asyncio.run(run_http(url, api_key, model, requests, arrivals))
-                for t in timelines:
-                    if t.error:
-                        print(f"# failed request: {t.error}")
-                        break
-                reports.append(summarize("http", rate, timelines, start))
-        finally:
-            if system is not None:
-                system.stop()
+            url = stack.enter_context(serving_system(model, Path(tmp), worker_flags))
+        # One untimed request first: the worker's first batch pays one-time costs (lazy
+        # initialisation, allocator growth) that the in-process engine already paid.
+        warm = [Request(workload(0)[0].prompt_token_ids[:16], 2)]
+        asyncio.run(run_http(url, api_key, model, warm, [0.0]))
+        for index, rate in enumerate(rates):
+            requests = workload(index)
+            arrivals = arrival_times(len(requests), rate, seed)
+            timelines, start = asyncio.run(run_http(url, api_key, model, requests, arrivals))
+            for t in timelines:
+                if t.error:
+                    print(f"# failed request: {t.error}")
+                    break
+            reports.append(summarize("http", rate, timelines, start))
     reports.sort(key=lambda r: (r.rate, r.mode))
     return reports
 
@@ -377,13 +347,7 @@ def main() -> None:
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
 
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from engine import Engine, EngineConfig
-
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, seed=args.seed))
+    engine = make_engine(args.model, args.dtype, args.seed, args.threads, prefix_caching=True)
     # A fresh workload of the same sizes per rate: a repeated one would find its whole
     # prompts in the prefix cache from the rate before and flatter every later rate.
     workload = workload_series(vars(args), engine.runner.vocab_size, args.seed, 104729)

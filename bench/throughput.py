@@ -25,6 +25,7 @@ from workload import (
     add_workload_args,
     load_llm,
     random_workload,
+    token_counts,
     tune_cpu_runtime,
     workload_line,
     workload_series,
@@ -67,7 +68,7 @@ def main() -> None:
 
     if not args.skip_decode:
         prompt = random_workload(1, 128, 1, 0.0, vocab, args.seed + 2)[0].prompt_token_ids
-        ours_ms = _ours_decode_ms(llm, prompt, args.decode_tokens, greedy)
+        ours_ms = _ours_decode_ms(llm, prompt, args.decode_tokens)
         hf_ms = _hf_decode_ms(hf_model, prompt, args.decode_tokens)
         results["decode_ms_per_token"] = {
             "ours": ours_ms,
@@ -95,26 +96,30 @@ def warm_up(llm, seed: int) -> None:
     llm.generate([r.prompt_token_ids for r in warm], greedy(8), use_tqdm=False)
 
 
-def measure_inferq(llm, requests: list[Request]) -> dict:
-    """Time `LLM.generate` over the whole workload; rates() of that run."""
+def timed_generate(llm, requests: list[Request]) -> tuple[float, list[list[int]]]:
+    """Seconds `LLM.generate` takes over the whole workload, and each request's output ids."""
     started = time.perf_counter()
     outputs = llm.generate(
         [r.prompt_token_ids for r in requests],
         [greedy(r.output_len) for r in requests],
         use_tqdm=False,
     )
-    seconds = time.perf_counter() - started
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    output_tokens = sum(r.output_len for r in requests)
+    return time.perf_counter() - started, [o.outputs[0].token_ids for o in outputs]
+
+
+def measure_inferq(llm, requests: list[Request]) -> dict:
+    """Time `LLM.generate` over the whole workload; rates() of that run."""
+    seconds, outputs = timed_generate(llm, requests)
+    prompt_tokens, output_tokens = token_counts(requests)
+    produced = sum(len(ids) for ids in outputs)
     assert produced == output_tokens, (produced, output_tokens)
-    return rates(seconds, sum(len(r.prompt_token_ids) for r in requests), output_tokens)
+    return rates(seconds, prompt_tokens, output_tokens)
 
 
 def measure_transformers(hf_model, requests: list[Request], batch_labels: list[str]) -> dict:
     """transformers' generate in static batches of each size ("all": one batch); the best one,
     with its `batch_size`, is the baseline (the fairest showing of the baseline)."""
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    output_tokens = sum(r.output_len for r in requests)
+    prompt_tokens, output_tokens = token_counts(requests)
     best = None
     for label in batch_labels:
         size = len(requests) if label == "all" else int(label)
@@ -176,13 +181,13 @@ def _hf_decode_ms(model, prompt: list[int], new_tokens: int) -> float:
     return (full - one) / (new_tokens - 1) * 1000
 
 
-def _ours_decode_ms(llm, prompt: list[int], new_tokens: int, params) -> float:
+def _ours_decode_ms(llm, prompt: list[int], new_tokens: int) -> float:
     from engine.outputs import EngineRequest
 
     samples = []
     for attempt in range(2):
         engine = llm.engine
-        engine.add_request(EngineRequest(f"decode-{attempt}", prompt, params(new_tokens)))
+        engine.add_request(EngineRequest(f"decode-{attempt}", prompt, greedy(new_tokens)))
         stamps = []
         while engine.has_unfinished():
             if engine.step():

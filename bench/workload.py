@@ -1,18 +1,23 @@
-"""Shared pieces of the benchmarks: vLLM-style random workloads and a tuned CPU launcher."""
+"""Shared pieces of the benchmarks: vLLM-style random workloads, a tuned CPU launcher, and the
+Redis server and children a benchmark starts (through cli.up, as `inferq up` does)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
-from collections.abc import Callable, Mapping
+import socket
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.cpu_runtime import describe_cpu_runtime, reexec_with_cpu_runtime
 from schemas.defaults import DEFAULT_MODEL
 
 if TYPE_CHECKING:
+    from cli.up import System
     from engine import LLM
 
 
@@ -22,19 +27,24 @@ class Request:
     output_len: int
 
 
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """--model, --seed, --threads and --dtype: the engine a benchmark measures."""
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
+    parser.add_argument("--dtype", default="auto")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
     parser.add_argument("--num-prompts", type=int, default=96)
     parser.add_argument("--input-len", type=int, default=160)
     parser.add_argument("--output-len", type=int, default=72)
     parser.add_argument(
         "--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±r)"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: all cores)"
-    )
-    parser.add_argument("--dtype", default="auto")
 
 
 def random_workload(
@@ -98,9 +108,26 @@ def load_llm(args: argparse.Namespace, **engine_args: Any) -> LLM:
     )
 
 
+def token_counts(requests: list[Request]) -> tuple[int, int]:
+    """(prompt tokens, output tokens) of a workload."""
+    return sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)
+
+
+def make_engine(model: str, dtype: str, seed: int, threads: int | None, prefix_caching: bool):
+    from engine import Engine, EngineConfig
+
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        seed=seed,
+        num_threads=threads,
+        enable_prefix_caching=prefix_caching,
+    )
+    return Engine(config)
+
+
 def workload_line(requests: list[Request]) -> str:
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    output_tokens = sum(r.output_len for r in requests)
+    prompt_tokens, output_tokens = token_counts(requests)
     return f"# workload: {len(requests)} prompts, {prompt_tokens} prompt + {output_tokens} output tokens"
 
 
@@ -162,3 +189,37 @@ def shared_prefix_series(
         )
 
     return make
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def unpinned() -> Iterator[None]:
+    """Children started inside get every core: a tuned benchmark process (tune_cpu_runtime) has
+    its main thread pinned to one core, and children inherit that mask."""
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
+@contextlib.contextmanager
+def bench_redis(data_dir: Path) -> Iterator[tuple[System, str]]:
+    """A fresh redis-server on a free port with its data in `data_dir`, and the cli.up System
+    it runs in: children spawned on it stop with it, newest first, when the block ends."""
+    from cli.up import System, start_redis
+
+    system = System()
+    try:
+        redis_url = f"redis://127.0.0.1:{free_port()}/0"
+        with unpinned():
+            start_redis(system, redis_url, data_dir)
+        yield system, redis_url
+    finally:
+        system.stop()

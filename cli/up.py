@@ -264,7 +264,7 @@ def api_environment(settings: UpSettings) -> tuple[dict[str, str], bool]:
     return env, auth_off
 
 
-def _wait_ready(
+def wait_ready(
     system: System,
     base_url: str,
     timeout: float,
@@ -368,7 +368,7 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
                 hurry_signal=signal.SIGTERM,  # the worker: a second signal ends the drain
                 grace_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
             )
-        _wait_ready(system, base_url, settings.ready_timeout, settings.worker)
+        wait_ready(system, base_url, settings.ready_timeout, settings.worker)
         if not system.stopping:
             print(_banner(base_url, settings, auth_off), flush=True)
         while not system.stopping:
