@@ -97,9 +97,9 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if self._wants_cuda_graphs():
             self.decode_graphs = self._capture_decode_graphs()
-        self.glue = cpu_glue.EAGER
+        # Steps of at least this many tokens run the compiled glue; None: never.
+        self.compiled_glue_min_tokens: int | None = None
         if self.device.type == "cpu" and not config.enforce_eager:
-            self.glue = cpu_glue.compiled()
             self._compile_cpu_forward()
         logger.info(
             "model runner: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), backend %s",
@@ -167,22 +167,38 @@ class ModelRunner:
         )
 
     def _compile_cpu_forward(self) -> None:
-        """Compile the forward's glue for both token-count shapes now, not in the first request.
-
-        One sequence's decode has 1 token, which the compiler specialises; any other count
-        shares one graph with a symbolic token dimension, compiled by the second shape seen.
-        """
+        """Compile the forward's glue now, not in the first request, and measure from how many
+        tokens per step it pays. A failure leaves the forward eager, never the worker down."""
         started = time.perf_counter()
-        for num_tokens in (1, 3):
-            seq = Sequence(
-                request_id="compile",
-                token_ids=[0] * num_tokens,
-                num_prompt_tokens=num_tokens,
-                params=SamplingParams(),
-                block_table=[0],
-            )
-            self.execute([ScheduledSeq(seq, num_tokens)])
-        logger.info("compiled the CPU forward in %.1f s", time.perf_counter() - started)
+        shapes = cpu_glue.GlueShapes(
+            hidden_size=self.hf_config.hidden_size,
+            intermediate_size=self.hf_config.intermediate_size,
+            num_heads=self.hf_config.num_attention_heads,
+            num_kv_heads=self.kv_spec.num_kv_heads,
+            head_dim=self.kv_spec.head_dim,
+            dtype=self.dtype,
+        )
+        try:
+            budget = self.config.max_num_batched_tokens
+            candidates = tuple(n for n in (8, 32, 128, 512, 2048) if n <= budget) or (budget,)
+            self.compiled_glue_min_tokens = cpu_glue.min_tokens_for_compiled(shapes, candidates)
+        except Exception as error:  # noqa: BLE001 - no compiler, an inductor bug: stay eager
+            logger.warning("compiling the CPU forward failed (%s); it runs eagerly", error)
+            return
+        threshold = self.compiled_glue_min_tokens
+        logger.info(
+            "compiled the CPU forward in %.1f s; %s",
+            time.perf_counter() - started,
+            "eager measured faster at every step size, so steps stay eager"
+            if threshold is None
+            else f"steps of {threshold} tokens or more run it (measured faster from there)",
+        )
+
+    def _glue_for_step(self, num_tokens: int) -> cpu_glue.Glue:
+        threshold = self.compiled_glue_min_tokens
+        if threshold is None or num_tokens < threshold:
+            return cpu_glue.EAGER
+        return cpu_glue.compiled()
 
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -252,8 +268,9 @@ class ModelRunner:
         self.kv_cache.copy_blocks(block_copies)
         if not batch:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        with cpu_glue.using(self.glue):
-            return self._run_model(self.prepare_inputs(batch))
+        inputs = self.prepare_inputs(batch)
+        with cpu_glue.using(self._glue_for_step(inputs.input_ids.shape[0])):
+            return self._run_model(inputs)
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.sample_rows is not None and inputs.sample_rows.numel() == 0:

@@ -106,9 +106,9 @@ def build_plan(
             continue
         seq_len = seq_lens[i]
         num_blocks = -(-seq_len // block_size)
-        max_gather_blocks = max(max_gather_blocks, num_blocks)
         mask = None
         if seq_len != n:  # cached context: query j sits at position seq_len - n + j
+            max_gather_blocks = max(max_gather_blocks, num_blocks)
             key_pos = torch.arange(seq_len, device=device)[None, :]
             query_pos = torch.arange(seq_len - n, seq_len, device=device)[:, None]
             mask = _additive(key_pos > query_pos, dtype)
@@ -205,13 +205,13 @@ class TorchAttentionBackend:
                 return decode_out
 
         if len(plan.prefills) == 1 and decode_out is None:
-            return self._prefill(q, k_cache, v_cache, k_buf, v_buf, plan.prefills[0], scale, gqa)
+            return self._prefill(q, k, v, k_cache, v_cache, k_buf, v_buf, plan.prefills[0], scale, gqa)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decode_out is not None:
             out.index_copy_(0, plan.decode_rows, decode_out)
         for chunk in plan.prefills:
             out[chunk.start : chunk.end] = self._prefill(
-                q, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
+                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
             )
         return out
 
@@ -227,6 +227,8 @@ class TorchAttentionBackend:
     @staticmethod
     def _prefill(
         q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         k_buf: torch.Tensor,
@@ -235,14 +237,19 @@ class TorchAttentionBackend:
         scale: float,
         gqa: bool,
     ) -> torch.Tensor:
-        num_blocks = chunk.blocks.numel()
-        keys = torch.index_select(k_cache, 0, chunk.blocks, out=k_buf[:num_blocks])
-        values = torch.index_select(v_cache, 0, chunk.blocks, out=v_buf[:num_blocks])
-        kv_shape = (-1, *k_cache.shape[2:])
+        if chunk.mask is None:  # no cached context: this step's own K/V are the whole context
+            keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+        else:
+            num_blocks = chunk.blocks.numel()
+            kv_shape = (-1, *k_cache.shape[2:])
+            keys = torch.index_select(k_cache, 0, chunk.blocks, out=k_buf[:num_blocks])
+            values = torch.index_select(v_cache, 0, chunk.blocks, out=v_buf[:num_blocks])
+            keys = keys.view(kv_shape)[: chunk.seq_len]
+            values = values.view(kv_shape)[: chunk.seq_len]
         out = F.scaled_dot_product_attention(
             q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0),
-            keys.view(kv_shape)[: chunk.seq_len].transpose(0, 1).unsqueeze(0),
-            values.view(kv_shape)[: chunk.seq_len].transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
             scale=scale,

@@ -3,9 +3,13 @@
 Between two matmuls a layer runs a handful of small ops that each make a pass over memory and a
 Python dispatch: the residual add and RMSNorm, the rotary rotation of q and k, SiLU times up.
 TorchInductor fuses each group into one C++ loop. The compiled functions take the weights as
-arguments, so one compiled graph serves every layer of every model of the same shapes; the
-token dimension is compiled once as 1 (decode of one sequence) and once as a symbol (everything
-else), so a serving worker compiles at start-up and never again.
+arguments and every dimension as a symbol, so one compiled graph per function serves every
+layer, every step and every model: a worker compiles at start-up and never again.
+
+A compiled call pays ~20-30 us of guard checks that an eager op does not, so fusion only pays
+from some number of tokens per step on; the runner measures where (`glue_for_step`).
+Inductor's kernels are single-threaded: they link the system's OpenMP runtime, a second one
+beside torch's own, and two thread pools on the same cores stall each other by milliseconds.
 
 A model forward reads the glue of the runner that calls it (`using`), so engines in one process
 may differ (one compiled, one eager). A compiled function that fails logs a warning once and
@@ -97,7 +101,7 @@ F_ = TypeVar("F_", bound=Callable[..., object])
 
 
 def _compiled_or_eager(eager: F_) -> F_:
-    compiled = torch.compile(eager, fullgraph=True)
+    compiled = torch.compile(eager, fullgraph=True, dynamic=True, options={"cpp.threads": 1})
     failed = False
 
     def call(*args: object) -> object:
@@ -117,7 +121,7 @@ _compiled_glue: Glue | None = None
 
 
 def compiled() -> Glue:
-    """The process-wide compiled glue (compiled lazily, per input shape, on first calls)."""
+    """The process-wide compiled glue (each function compiles on its first call)."""
     global _compiled_glue
     if _compiled_glue is None:
         _compiled_glue = Glue(
@@ -127,3 +131,55 @@ def compiled() -> Glue:
             _compiled_or_eager(silu_and_mul_ref),
         )
     return _compiled_glue
+
+
+@dataclass(frozen=True)
+class GlueShapes:
+    """One decoder layer's glue dimensions, read from the model config."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def _layer_glue_seconds(glue: Glue, shapes: GlueShapes, num_tokens: int) -> float:
+    """Best of a few runs of one layer's glue calls at num_tokens rows."""
+    import time
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size).to(shapes.dtype)
+
+    hidden, weight = rand(num_tokens, shapes.hidden_size), rand(shapes.hidden_size)
+    residual = rand(num_tokens, shapes.hidden_size)
+    gate_up = rand(num_tokens, 2 * shapes.intermediate_size)
+    q = rand(num_tokens, shapes.num_heads * shapes.head_dim)
+    k = rand(num_tokens, shapes.num_kv_heads * shapes.head_dim)
+    cos, sin = rand(num_tokens, 1, shapes.head_dim), rand(num_tokens, 1, shapes.head_dim)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        glue.add_rms_norm(hidden, residual, weight, 1e-5)
+        glue.rotate(q, k, cos, sin, shapes.head_dim)
+        glue.add_rms_norm(hidden, residual, weight, 1e-5)
+        glue.silu_and_mul(gate_up)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def min_tokens_for_compiled(shapes: GlueShapes, candidates: tuple[int, ...]) -> int | None:
+    """The fewest tokens per step from which the compiled glue beats the eager one (measured
+    on this machine, at the model's shapes); None if it never does among the candidates.
+
+    Also compiles every glue function, so no request waits for the compiler later."""
+    glue = compiled()
+    with torch.inference_mode():
+        _layer_glue_seconds(glue, shapes, 2)  # compiles: all dimensions are symbols
+        for num_tokens in candidates:
+            if _layer_glue_seconds(glue, shapes, num_tokens) < _layer_glue_seconds(
+                EAGER, shapes, num_tokens
+            ):
+                return num_tokens
+    return None
