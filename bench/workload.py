@@ -56,17 +56,27 @@ def random_workload(
     seed: int,
 ) -> list[Request]:
     """Random token prompts and output lengths, uniform in [len*(1-r), len*(1+r)] like vLLM's."""
+
+    def bounds(mean: int) -> tuple[int, int]:
+        return max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+
+    return ranged_workload(num_prompts, bounds(input_len), bounds(output_len), vocab_size, seed)
+
+
+def ranged_workload(
+    num_prompts: int,
+    input_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> list[Request]:
+    """Random token prompts and output lengths, each uniform in its inclusive (low, high)."""
     rng = random.Random(seed)
     special = 256  # skip low ids, where byte-level vocabularies keep control/special tokens
-
-    def length(mean: int) -> int:
-        low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
-        return rng.randint(low, high)
-
     return [
         Request(
-            [rng.randrange(special, vocab_size) for _ in range(length(input_len))],
-            length(output_len),
+            [rng.randrange(special, vocab_size) for _ in range(rng.randint(*input_range))],
+            rng.randint(*output_range),
         )
         for _ in range(num_prompts)
     ]

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_arguments(commands)
 
     bench = commands.add_parser("bench", help="run a benchmark from bench/ (flags pass through)")
-    bench.add_argument("name", help="throughput, queue_overhead, serve, gpu, ...")
+    bench.add_argument("name", help="throughput, queue-overhead, serve, vs-vllm, gpu, ...")
     bench.set_defaults(handler=_bench)
     return parser
 
@@ -162,7 +162,7 @@ def _generate(
 
 
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
-    script = _REPO_ROOT / "bench" / f"{args.name}.py"
+    script = _REPO_ROOT / "bench" / f"{args.name.replace('-', '_')}.py"
     if not script.exists():
         print(
             f"error: no benchmark {script} (benchmarks run from a source checkout)", file=sys.stderr
