@@ -17,9 +17,10 @@ ARG INFERQ_TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
 ARG INFERQ_EXTRAS="gpu"
 
-# gcc: Triton compiles a small C launcher the first time a kernel runs on the GPU.
+# gcc: Triton compiles a small C launcher the first time a kernel runs on the GPU; g++: the CPU
+# path builds its attention kernel and TorchInductor compiles the forward's glue at start-up.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && apt-get install -y --no-install-recommends gcc g++ libc6-dev libgomp1 \
  && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 10001 inferq \

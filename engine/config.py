@@ -60,6 +60,7 @@ class EngineConfig:
         Field(description="auto: triton on CUDA, torch elsewhere"),
     ] = "auto"
     enforce_eager: Annotated[
-        bool, Field(description="no CUDA graphs or torch.compile (debugging, quick starts)")
+        bool,
+        Field(description="no CUDA graphs and no compiled CPU forward (debugging, quick starts)"),
     ] = False
     num_threads: Annotated[int | None, Field(ge=1, description="torch threads on the CPU")] = None

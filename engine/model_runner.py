@@ -182,8 +182,10 @@ class ModelRunner:
             budget = self.config.max_num_batched_tokens
             candidates = tuple(n for n in (8, 32, 128, 512, 2048) if n <= budget) or (budget,)
             self.compiled_glue_min_tokens = cpu_glue.min_tokens_for_compiled(shapes, candidates)
-        except Exception as error:  # noqa: BLE001 - no compiler, an inductor bug: stay eager
-            logger.warning("compiling the CPU forward failed (%s); it runs eagerly", error)
+        except Exception as error:  # no compiler, an inductor bug: stay eager
+            logger.warning(
+                "compiling the CPU forward failed (%s); it runs eagerly", cpu_glue.first_line(error)
+            )
             return
         threshold = self.compiled_glue_min_tokens
         logger.info(

@@ -205,7 +205,9 @@ class TorchAttentionBackend:
                 return decode_out
 
         if len(plan.prefills) == 1 and decode_out is None:
-            return self._prefill(q, k, v, k_cache, v_cache, k_buf, v_buf, plan.prefills[0], scale, gqa)
+            return self._prefill(
+                q, k, v, k_cache, v_cache, k_buf, v_buf, plan.prefills[0], scale, gqa
+            )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decode_out is not None:
             out.index_copy_(0, plan.decode_rows, decode_out)

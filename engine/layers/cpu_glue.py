@@ -100,6 +100,12 @@ def using(glue: Glue) -> Iterator[None]:
 F_ = TypeVar("F_", bound=Callable[..., object])
 
 
+def first_line(error: BaseException) -> str:
+    """An exception as one log line (compiler errors run to pages)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def _compiled_or_eager(eager: F_) -> F_:
     compiled = torch.compile(eager, fullgraph=True, dynamic=True, options={"cpp.threads": 1})
     failed = False
@@ -109,9 +115,11 @@ def _compiled_or_eager(eager: F_) -> F_:
         if not failed:
             try:
                 return compiled(*args)
-            except Exception as error:  # noqa: BLE001 - any compiler failure falls back
+            except Exception as error:  # any compiler failure falls back
                 failed = True
-                logger.warning("compiled %s failed (%s); it runs eagerly", eager.__name__, error)
+                logger.warning(
+                    "compiled %s failed (%s); it runs eagerly", eager.__name__, first_line(error)
+                )
         return eager(*args)
 
     return call  # type: ignore[return-value]

@@ -55,15 +55,18 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       for (int64_t i = 0; i < group * head_dim; ++i) q_rows[i] = as_float(q_seq[i]) * scale_f;
       scores.resize(group * len);
 
-      for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* k_row = k_base + table[t / block_size] * block_stride +
-                                (t % block_size) * token_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q_rows.data() + g * head_dim;
-          float dot = 0.f;
+      for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
+        const scalar_t* k_block = k_base + table[block] * block_stride + kv_head * head_dim;
+        const int64_t rows = std::min(block_size, len - first);
+        for (int64_t i = 0; i < rows; ++i) {
+          const scalar_t* k_row = k_block + i * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q_rows.data() + g * head_dim;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * as_float(k_row[d]);
-          scores[g * len + t] = dot;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * as_float(k_row[d]);
+            scores[g * len + first + i] = dot;
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -78,14 +81,17 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       }
 
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const scalar_t* v_row = v_base + table[t / block_size] * block_stride +
-                                (t % block_size) * token_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* ag = acc.data() + g * head_dim;
+      for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
+        const scalar_t* v_block = v_base + table[block] * block_stride + kv_head * head_dim;
+        const int64_t rows = std::min(block_size, len - first);
+        for (int64_t i = 0; i < rows; ++i) {
+          const scalar_t* v_row = v_block + i * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + first + i];
+            float* ag = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * as_float(v_row[d]);
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * as_float(v_row[d]);
+          }
         }
       }
       scalar_t* o_seq = o + (seq * num_heads + kv_head * group) * head_dim;
