@@ -29,6 +29,7 @@ class Case:
     group: int = 1  # query heads per KV head
     block_size: int = 4
     skip_slots: tuple[int, ...] = ()  # flat token rows whose slot is -1
+    head_dim: int = HEAD_DIM
 
 
 def _run_case(
@@ -41,17 +42,17 @@ def _run_case(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     bs, hkv, num_heads = case.block_size, case.num_kv_heads, case.num_kv_heads * case.group
-    k_cache = torch.randn(NUM_BLOCKS, bs, hkv, HEAD_DIM).to(dtype)
-    v_cache = torch.randn(NUM_BLOCKS, bs, hkv, HEAD_DIM).to(dtype)
+    k_cache = torch.randn(NUM_BLOCKS, bs, hkv, case.head_dim).to(dtype)
+    v_cache = torch.randn(NUM_BLOCKS, bs, hkv, case.head_dim).to(dtype)
     free_blocks = list(range(NUM_BLOCKS))
     rng.shuffle(free_blocks)  # non-contiguous, unordered block tables
 
     seq_lens = [c + n for c, n in zip(case.contexts, case.query_lens, strict=True)]
     tables = [[free_blocks.pop() for _ in range(-(-n // bs))] for n in seq_lens]
     total = sum(case.query_lens)
-    q = torch.randn(total, num_heads, HEAD_DIM).to(dtype)
-    k = torch.randn(total, hkv, HEAD_DIM).to(dtype)
-    v = torch.randn(total, hkv, HEAD_DIM).to(dtype)
+    q = torch.randn(total, num_heads, case.head_dim).to(dtype)
+    k = torch.randn(total, hkv, case.head_dim).to(dtype)
+    v = torch.randn(total, hkv, case.head_dim).to(dtype)
 
     slots, row = [], 0
     for context, n, table in zip(case.contexts, case.query_lens, tables, strict=True):
@@ -77,7 +78,7 @@ def _run_case(
         seq_lens_cpu=seq_lens,
     )
     before = (k_cache.clone(), v_cache.clone())
-    scale = HEAD_DIM**-0.5
+    scale = case.head_dim**-0.5
     backend = TorchAttentionBackend(fused_decode)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     expected = _dense_oracle(q, k, v, before, tables, case, scale)
@@ -115,6 +116,9 @@ CASES = {
     ),
     "gqa 3": Case(contexts=[3, 0, 10], query_lens=[1, 9, 4], num_kv_heads=2, group=3),
     "gqa 8": Case(contexts=[0, 21, 5], query_lens=[6, 1, 3], num_kv_heads=1, group=8),
+    # head sizes the CPU decode kernel specialises at compile time
+    "head_dim 64": Case(contexts=[0, 37, 70], query_lens=[1, 1, 1], group=3, head_dim=64),
+    "head_dim 128": Case(contexts=[12, 3], query_lens=[1, 5], head_dim=128, block_size=16),
 }
 
 
