@@ -232,7 +232,7 @@ def worker_is_alive(redis_url: str, prefix: str, name: str | None) -> tuple[bool
             for key in names:
                 live = parse_heartbeat(await redis.hgetall(key))
                 if live is not None:
-                    return True, f"worker {live.info.name} alive ({live.info.model})"
+                    return True, f"worker {live.name} alive ({live.model})"
             return False, f"no live heartbeat for worker {wanted or socket.gethostname() + '-*'}"
         finally:
             await redis.aclose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -9,13 +10,15 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis.asyncio import Redis
 
+from producer_api import queue
 from producer_api.auth import ANONYMOUS, KeyTable, Principal
 from producer_api.errors import ApiError
 from producer_api.metrics import ApiMetrics
 from producer_api.prompt_tokens import TokenizerCache
 from producer_api.settings import ApiSettings
+from producer_api.sse import EventStreamResponse
 from producer_api.workers import ServedModel, WorkerDirectory
-from schemas import ErrorCode, Job, RedisKeys
+from schemas import ErrorCode, Job, RedisKeys, TokenChunk
 
 
 @dataclass
@@ -42,6 +45,29 @@ class ApiState:
                 "model",
             )
         return served
+
+    async def wait_job(self, job_id: str, timeout: float) -> Job:
+        """The job once it has ended, or as it stands after `timeout` seconds."""
+        return await queue.wait_job(
+            self.redis,
+            self.keys,
+            job_id,
+            timeout=timeout,
+            poll_interval=self.settings.poll_interval_s,
+        )
+
+    def stream_chunks(self, job_id: str, last_index: int = -1) -> AsyncIterator[TokenChunk]:
+        """The job's chunks after `last_index`, live (see `queue.stream_chunks`)."""
+        return queue.stream_chunks(
+            self.redis,
+            self.keys,
+            job_id,
+            last_index=last_index,
+            poll_interval=self.settings.poll_interval_s,
+        )
+
+    def event_stream(self, events: AsyncIterator[bytes]) -> EventStreamResponse:
+        return EventStreamResponse(events, self.metrics, keepalive_s=self.settings.sse_keepalive_s)
 
     def context_of(self, model: str, served: ServedModel | None) -> int | None:
         if served is not None and served.max_model_len is not None:

@@ -9,14 +9,14 @@ plus one XRANGE per stream for the age of its oldest waiting entry.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from redis.asyncio import Redis
 
 from producer_api.workers import parse_heartbeat
 from schemas import RedisKeys, WorkerInfo
-from schemas.jobs import PriorityClass
+from schemas.jobs import PriorityClass, as_text, decode_hash
 from schemas.keys import decode_segment
 
 # The kind of each of a model's two streams, and which priority class waits in it.
@@ -40,19 +40,13 @@ class WorkerView:
 
     @classmethod
     def of(cls, info: WorkerInfo, now: float) -> WorkerView:
+        """The view of a heartbeat: its fields of the same names, and its ages at `now`."""
+        same = {f.name for f in fields(cls)} & WorkerInfo.model_fields.keys()
         return cls(
-            name=info.name,
-            model=info.model,
+            **info.model_dump(include=same),
             kv_usage=info.kv_usage,
-            kv_blocks_free=info.kv_blocks_free,
-            kv_blocks_total=info.kv_blocks_total,
-            running=info.running,
-            waiting=info.waiting,
-            prompt_tokens=info.prompt_tokens,
-            generated_tokens=info.generated_tokens,
             heartbeat_age_s=max(now - info.updated_at.timestamp(), 0.0),
             uptime_s=max(now - info.started_at.timestamp(), 0.0),
-            version=info.version,
         )
 
 
@@ -140,12 +134,8 @@ class SystemLoad:
         ]
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 async def _scan(redis: Redis, pattern: str) -> list[str]:
-    return sorted({_text(key) async for key in redis.scan_iter(pattern, count=500)})
+    return sorted({as_text(key) async for key in redis.scan_iter(pattern, count=500)})
 
 
 def _model_of(key: str, head: str) -> str:
@@ -184,7 +174,7 @@ async def read_load(redis: Redis, keys: RedisKeys) -> SystemLoad:
         live = parse_heartbeat(data) if isinstance(data, dict) and data else None
         if live is None:
             continue  # expired between SCAN and HGETALL, or unreadable
-        workers.append(WorkerView.of(live.info, now))
+        workers.append(WorkerView.of(live, now))
 
     queues = []
     for key, kind in streams:
@@ -195,14 +185,14 @@ async def read_load(redis: Redis, keys: RedisKeys) -> SystemLoad:
     dead_letters = []
     for key in dead_keys:
         count, last = take(2)
-        fields = {_text(k): _text(v) for k, v in last[0][1].items()} if last else {}
+        last_fields = decode_hash(last[0][1]) if last else {}
         dead_letters.append(
             DeadLetterView(
                 model=_model_of(key, dead_head),
                 count=int(count) if not isinstance(count, Exception) else 0,
-                last_reason=fields.get("reason"),
-                last_message=fields.get("message"),
-                last_at=fields.get("at"),
+                last_reason=last_fields.get("reason"),
+                last_message=last_fields.get("message"),
+                last_at=last_fields.get("at"),
             )
         )
     return SystemLoad(now, workers, queues, dead_letters)
@@ -234,14 +224,14 @@ async def stream_backlog(
     pending, last_delivered = 0, None
     if isinstance(groups, list):
         for group in groups:
-            if _text(group.get("name", "")) == keys.group:
+            if as_text(group.get("name", "")) == keys.group:
                 pending = int(group.get("pending", 0))
-                last_delivered = _text(group.get("last-delivered-id", "0-0"))
+                last_delivered = as_text(group.get("last-delivered-id", "0-0"))
     # Entries after the group's last-delivered id were never handed to a worker.
     start = "-" if last_delivered in (None, "0-0") else f"({last_delivered}"
     oldest = await redis.xrange(stream, min=start, max="+", count=1)
     age = 0.0
     if oldest:
-        millis = int(_text(oldest[0][0]).partition("-")[0])
+        millis = int(as_text(oldest[0][0]).partition("-")[0])
         age = max(now - millis / 1000.0, 0.0)
     return entries, pending, age

@@ -39,7 +39,7 @@ from schemas import (
     utc_now,
 )
 from schemas.chunks import REPLAY_FIELD, chunk_stream_id
-from schemas.jobs import JobField
+from schemas.jobs import JobField, as_text
 from schemas.redis_scripts import ENQUEUE_SCRIPT, EnqueueOutcome
 
 log = logging.getLogger(__name__)
@@ -82,10 +82,6 @@ class JobNotFoundError(QueueError):
         self.job_id = job_id
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 async def enqueue(
     redis: Redis,
     keys: RedisKeys,
@@ -115,7 +111,7 @@ async def enqueue(
     for name, value in job.to_redis_hash().items():
         args += [name, value]
     outcome, value = await redis.register_script(ENQUEUE_SCRIPT)(keys=script_keys, args=args)
-    outcome, value = EnqueueOutcome(_text(outcome)), _text(value)
+    outcome, value = EnqueueOutcome(as_text(outcome)), as_text(value)
     if outcome is EnqueueOutcome.CREATED:
         return job.model_copy(update={"entry_id": value})
     if outcome is EnqueueOutcome.EXISTING:
@@ -285,7 +281,7 @@ async def _status_and_replay(
         pipe.xrange(keys.out_stream(job_id), min=replay_start_after(after), max="+")
         status, entries = await pipe.execute()
     chunks = [_chunk_of_entry(fields) for _, fields in entries]
-    return (None if status is None else JobStatus(_text(status))), chunks
+    return (None if status is None else JobStatus(as_text(status))), chunks
 
 
 def _chunk_of_entry(fields: Mapping[str | bytes, str | bytes]) -> TokenChunk:

@@ -28,7 +28,8 @@ replicas with max(), never sum().
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from operator import attrgetter
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -45,7 +46,7 @@ from producer_api.live_counters import (
     NewSamples,
     TokenCounters,
 )
-from producer_api.load import ModelLoad, SystemLoad, read_load
+from producer_api.load import ModelLoad, QueueView, SystemLoad, read_load
 from producer_api.status import token_rates
 from schemas import RedisKeys
 from schemas.jobs import PriorityClass
@@ -112,19 +113,22 @@ class SystemMetrics(Collector):
             {m: r[1] for m, r in self._rates.items() if r[1] is not None},
         )
         for prefix, label in (("inferq_", "model"), ("vllm:", "model_name")):
-            yield _counter(
-                f"{prefix}prompt_tokens", "Prompt tokens computed", label, self._tokens.prompt
-            )
-            yield _counter(
-                f"{prefix}generation_tokens", "Tokens generated", label, self._tokens.generated
-            )
+            for name, documentation, counts in (
+                ("prompt_tokens", "Prompt tokens computed", self._tokens.prompt),
+                ("generation_tokens", "Tokens generated", self._tokens.generated),
+            ):
+                yield _gauge(prefix + name, documentation, label, counts, CounterMetricFamily)
             yield from self._histograms(prefix, label)
 
     def _histograms(self, prefix: str, label: str) -> Iterator[Metric]:
         kinds: list[tuple[str, str, Callable[[LatencyHistograms], CumulativeHistogram]]] = [
-            ("time_to_first_token_seconds", "Time from enqueue to the first token", _ttft),
-            ("inter_token_latency_seconds", "Time between two output tokens", _itl),
-            ("e2e_request_latency_seconds", "Time from enqueue to the result", _e2e),
+            (
+                "time_to_first_token_seconds",
+                "Time from enqueue to the first token",
+                attrgetter("ttft"),
+            ),
+            ("inter_token_latency_seconds", "Time between two output tokens", attrgetter("itl")),
+            ("e2e_request_latency_seconds", "Time from enqueue to the result", attrgetter("e2e")),
         ]
         for name, documentation, pick in kinds:
             family = HistogramMetricFamily(
@@ -134,18 +138,6 @@ class SystemMetrics(Collector):
                 histogram = pick(histograms)
                 family.add_metric([model, priority.value], histogram.buckets(), histogram.sum)
             yield family
-
-
-def _ttft(histograms: LatencyHistograms) -> CumulativeHistogram:
-    return histograms.ttft
-
-
-def _itl(histograms: LatencyHistograms) -> CumulativeHistogram:
-    return histograms.itl
-
-
-def _e2e(histograms: LatencyHistograms) -> CumulativeHistogram:
-    return histograms.e2e
 
 
 def _token_samples(raw: list[tuple[str, float]], model: str) -> list[TokenSample]:
@@ -159,51 +151,48 @@ def _token_samples(raw: list[tuple[str, float]], model: str) -> list[TokenSample
 
 
 def _load_gauges(models: list[ModelLoad], load: SystemLoad) -> Iterator[Metric]:
-    def per_model(name: str, documentation: str, values: dict[str, float]) -> Metric:
-        return _gauge(name, documentation, "model", values)
-
-    yield per_model(
-        "inferq_live_workers", "Workers with a live heartbeat", _of(models, lambda m: m.workers)
-    )
-    yield per_model(
-        "inferq_requests_running",
-        "Requests in the workers' running batches",
-        _of(models, lambda m: m.running),
-    )
-    yield per_model(
-        "inferq_requests_waiting",
-        "Requests a worker admitted that do not run yet (queued jobs: inferq_queue_waiting)",
-        _of(models, lambda m: m.waiting),
-    )
-    yield per_model(
-        "inferq_kv_cache_usage", "Fraction of the workers' KV-cache blocks in use (0-1)",
-        _of(models, lambda m: m.kv_usage),
-    )  # fmt: skip
-    yield per_model(
-        "inferq_dead_letters",
-        "Entries in the dead-letter stream",
-        _of(models, lambda m: m.dead_letters),
-    )
+    per_model: list[tuple[str, str, Callable[[ModelLoad], float]]] = [
+        ("inferq_live_workers", "Workers with a live heartbeat", lambda m: m.workers),
+        (
+            "inferq_requests_running",
+            "Requests in the workers' running batches",
+            lambda m: m.running,
+        ),
+        (
+            "inferq_requests_waiting",
+            "Requests a worker admitted that do not run yet (queued jobs: inferq_queue_waiting)",
+            lambda m: m.waiting,
+        ),
+        (
+            "inferq_kv_cache_usage",
+            "Fraction of the workers' KV-cache blocks in use (0-1)",
+            lambda m: m.kv_usage,
+        ),
+        ("inferq_dead_letters", "Entries in the dead-letter stream", lambda m: m.dead_letters),
+    ]
+    for name, documentation, value in per_model:
+        yield _gauge(name, documentation, "model", _of(models, value))
     queues_of = {m.name: [q for q in load.queues if q.model == m.name] for m in models}
-    yield per_model(
-        "inferq_queue_length",
-        "Jobs queued or running (both streams' length)",
-        {name: sum(q.length for q in queues) for name, queues in queues_of.items() if queues},
-    )
-    yield per_model(
-        "inferq_queue_pending",
-        "Jobs taken by a worker and not finished yet",
-        {name: sum(q.pending for q in queues) for name, queues in queues_of.items() if queues},
-    )
-    yield per_model(
-        "inferq_queue_oldest_queued_age_seconds",
-        "Age of the oldest job no worker has taken yet, over both streams",
-        {
-            name: max(q.oldest_waiting_age_s for q in queues)
-            for name, queues in queues_of.items()
-            if queues
-        },
-    )
+    per_queues: list[tuple[str, str, Callable[[list[QueueView]], float]]] = [
+        (
+            "inferq_queue_length",
+            "Jobs queued or running (both streams' length)",
+            lambda queues: sum(q.length for q in queues),
+        ),
+        (
+            "inferq_queue_pending",
+            "Jobs taken by a worker and not finished yet",
+            lambda queues: sum(q.pending for q in queues),
+        ),
+        (
+            "inferq_queue_oldest_queued_age_seconds",
+            "Age of the oldest job no worker has taken yet, over both streams",
+            lambda queues: max(q.oldest_waiting_age_s for q in queues),
+        ),
+    ]
+    for name, documentation, over in per_queues:
+        values = {model: over(queues) for model, queues in queues_of.items() if queues}
+        yield _gauge(name, documentation, "model", values)
     waiting = GaugeMetricFamily(
         "inferq_queue_waiting",
         "Jobs no worker has taken yet, by priority class (batch: the bulk stream)",
@@ -243,15 +232,14 @@ def _of(models: list[ModelLoad], value: Callable[[ModelLoad], float]) -> dict[st
     return {m.name: float(value(m)) for m in models}
 
 
-def _gauge(name: str, documentation: str, label: str, values: dict[str, float]) -> Metric:
-    family = GaugeMetricFamily(name, documentation, labels=[label])
-    for key, value in sorted(values.items()):
-        family.add_metric([key], value)
-    return family
-
-
-def _counter(name: str, documentation: str, label: str, values: dict[str, int]) -> Metric:
-    family = CounterMetricFamily(name, documentation, labels=[label])
+def _gauge(
+    name: str,
+    documentation: str,
+    label: str,
+    values: Mapping[str, float],
+    kind: type[GaugeMetricFamily | CounterMetricFamily] = GaugeMetricFamily,
+) -> Metric:
+    family = kind(name, documentation, labels=[label])
     for key, value in sorted(values.items()):
         family.add_metric([key], value)
     return family

@@ -51,25 +51,8 @@ def job_view(job: Job) -> JobView:
         if job.result is not None
         else Timings.from_times(job.created_at, job.started_at, None, job.finished_at)
     )
-    return JobView(
-        id=job.id,
-        status=job.status,
-        model=job.model,
-        created_at=job.created_at,
-        started_at=job.started_at,
-        finished_at=job.finished_at,
-        attempts=job.attempts,
-        worker=job.worker,
-        request=job.request,
-        result=job.result,
-        error=job.error,
-        timings=timings,
-        links=job_links(job.id),
-    )
-
-
-def job_view_json(job: Job) -> str:
-    return job_view(job).model_dump_json(exclude_none=True)
+    shown = {name: value for name, value in job if name in JobView.model_fields}
+    return JobView(**shown, model=job.model, timings=timings, links=job_links(job.id))
 
 
 def job_of_view(data: dict[str, Any], owner: str | None = None) -> Job:

@@ -18,16 +18,6 @@ from schemas import RedisKeys, WorkerInfo
 
 log = logging.getLogger(__name__)
 
-# Heartbeat fields a worker may add beyond WorkerInfo (read when present).
-MAX_MODEL_LEN_FIELD = "max_model_len"
-_INFO_FIELDS = frozenset(WorkerInfo.model_fields)
-
-
-@dataclass(frozen=True)
-class LiveWorker:
-    info: WorkerInfo
-    max_model_len: int | None  # the worker's context length, when it advertises one
-
 
 @dataclass(frozen=True)
 class ServedModel:
@@ -38,13 +28,12 @@ class ServedModel:
     vocab_size: int | None = None  # the smallest vocabulary among its workers
     tokenizer_file: str | None = None  # a tokenizer.json one of its workers advertises
 
-    def joined_by(self, worker: LiveWorker) -> ServedModel:
+    def joined_by(self, info: WorkerInfo) -> ServedModel:
         """This model with one more live worker: every bound is the tightest of the two."""
-        info = worker.info
         return ServedModel(
             self.name,
             self.workers + 1,
-            _smallest(self.max_model_len, worker.max_model_len),
+            _smallest(self.max_model_len, info.max_model_len),
             min(self.since, info.started_at.timestamp()),
             _smallest(self.vocab_size, info.vocab_size),
             self.tokenizer_file or info.tokenizer_file,
@@ -56,18 +45,12 @@ def _smallest(a: int | None, b: int | None) -> int | None:
     return min(known) if known else None
 
 
-def parse_heartbeat(data: dict[str | bytes, str | bytes]) -> LiveWorker | None:
-    fields = {
-        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-        for k, v in data.items()
-    }
+def parse_heartbeat(data: dict[str | bytes, str | bytes]) -> WorkerInfo | None:
+    """The worker a heartbeat hash describes; None when the hash cannot be read as one."""
     try:
-        info = WorkerInfo.model_validate({k: v for k, v in fields.items() if k in _INFO_FIELDS})
+        return WorkerInfo.from_redis_hash(data)
     except ValidationError:
         return None
-    raw_len = fields.get(MAX_MODEL_LEN_FIELD)
-    max_model_len = int(raw_len) if raw_len and raw_len.isdigit() and int(raw_len) > 0 else None
-    return LiveWorker(info, max_model_len)
 
 
 class WorkerDirectory:
@@ -75,11 +58,11 @@ class WorkerDirectory:
         self.redis = redis
         self.keys = keys
         self.cache_s = cache_s
-        self._cached: list[LiveWorker] | None = None
+        self._cached: list[WorkerInfo] | None = None
         self._read_at = 0.0
         self._lock = asyncio.Lock()
 
-    async def live(self) -> list[LiveWorker]:
+    async def live(self) -> list[WorkerInfo]:
         loop = asyncio.get_running_loop()
         if self._cached is not None and loop.time() - self._read_at < self.cache_s:
             return self._cached
@@ -93,7 +76,7 @@ class WorkerDirectory:
         """Drop the cached list (tests, or after a worker is known to have changed)."""
         self._cached = None
 
-    async def _read(self) -> list[LiveWorker]:
+    async def _read(self) -> list[WorkerInfo]:
         names = [key async for key in self.redis.scan_iter(self.keys.workers_pattern(), count=500)]
         if not names:
             return []
@@ -115,7 +98,7 @@ class WorkerDirectory:
     async def models(self) -> dict[str, ServedModel]:
         served: dict[str, ServedModel] = {}
         for worker in await self.live():
-            name = worker.info.model
+            name = worker.model
             known = served.get(name) or ServedModel(name, 0, None, float("inf"))
             served[name] = known.joined_by(worker)
         return served

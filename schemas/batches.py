@@ -110,15 +110,11 @@ class BatchField(StrEnum):
     ERRORS = "errors"
 
 
-# The `*_at` field set when a batch enters each status.
+# The `*_at` field set when a batch enters each status (every status has one but the first).
 STATUS_TIME_FIELD: dict[BatchStatus, BatchField] = {
-    BatchStatus.IN_PROGRESS: BatchField.IN_PROGRESS_AT,
-    BatchStatus.FINALIZING: BatchField.FINALIZING_AT,
-    BatchStatus.COMPLETED: BatchField.COMPLETED_AT,
-    BatchStatus.FAILED: BatchField.FAILED_AT,
-    BatchStatus.EXPIRED: BatchField.EXPIRED_AT,
-    BatchStatus.CANCELLING: BatchField.CANCELLING_AT,
-    BatchStatus.CANCELLED: BatchField.CANCELLED_AT,
+    status: BatchField(f"{status}_at")
+    for status in BatchStatus
+    if status is not BatchStatus.VALIDATING
 }
 
 
@@ -167,11 +163,9 @@ class BatchObject(BaseModel):
                 values[name] = int(raw)
             else:
                 values[name] = raw
-        values["request_counts"] = RequestCounts(
-            total=int(data.get(BatchField.TOTAL, 0)),
-            completed=int(data.get(BatchField.COMPLETED, 0)),
-            failed=int(data.get(BatchField.FAILED, 0)),
-        )
+        # total / completed / failed: hash fields of the same names
+        counts = {name: int(data.get(name, 0)) for name in RequestCounts.model_fields}
+        values["request_counts"] = RequestCounts(**counts)
         return cls.model_validate(values)
 
 

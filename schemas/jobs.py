@@ -9,7 +9,7 @@ import secrets
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     AwareDatetime,
@@ -271,36 +271,17 @@ class Job(BaseModel):
 
     def to_redis_hash(self) -> dict[str, str]:
         """The flat hash stored at `{p}:job:{id}` (None fields left out)."""
-        fields: dict[str, Any] = {
-            JobField.ID: self.id,
-            JobField.STATUS: self.status,
-            JobField.MODEL: self.request.model,
-            JobField.PRIORITY: self.request.priority,
-            JobField.OWNER: self.owner,
-            JobField.REQUEST: self.request,
-            JobField.CREATED_AT: self.created_at,
-            JobField.STARTED_AT: self.started_at,
-            JobField.FINISHED_AT: self.finished_at,
-            JobField.ATTEMPTS: self.attempts,
-            JobField.CRASH_RESUMES: self.crash_resumes,
-            JobField.RUN_STATE: self.run_state,
-            JobField.WORKER: self.worker,
-            JobField.ENTRY_ID: self.entry_id,
-            JobField.ERROR: self.error,
-            JobField.RESULT: self.result,
-        }
-        return hash_fields(**{str(k): v for k, v in fields.items()})
+        return hash_fields(**dict(self), model=self.request.model, priority=self.request.priority)
 
     @classmethod
     def from_redis_hash(cls, data: Mapping[str, str] | Mapping[bytes, bytes]) -> Job:
         """Parse a hash read with HGETALL (bytes or str); raises pydantic.ValidationError when a
         field is missing or malformed (a worker treats that as an unparseable job)."""
-        decoded = {_text(k): _text(v) for k, v in data.items()}
-        values: dict[str, Any] = {}
-        for name, raw in decoded.items():
-            if name in _DERIVED_FIELDS:
-                continue
-            values[name] = _loads_or_raw(raw) if name in _JSON_FIELDS else raw
+        values = {
+            name: _loads_or_raw(raw) if name in _JSON_FIELDS else raw
+            for name, raw in decode_hash(data).items()
+            if name not in _DERIVED_FIELDS
+        }
         return cls.model_validate(values)
 
 
@@ -317,8 +298,14 @@ def hash_fields(**changes: object) -> dict[str, str]:
     return encoded
 
 
-def _text(value: str | bytes) -> str:
+def as_text(value: str | bytes) -> str:
+    """A Redis reply read with or without `decode_responses`, as text."""
     return value.decode() if isinstance(value, bytes) else value
+
+
+def decode_hash(data: Mapping[str, str] | Mapping[bytes, bytes]) -> dict[str, str]:
+    """A hash read with HGETALL, with or without `decode_responses`, as text."""
+    return {as_text(k): as_text(v) for k, v in data.items()}
 
 
 def _loads_or_raw(raw: str) -> object:

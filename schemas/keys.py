@@ -94,7 +94,7 @@ from __future__ import annotations
 import re
 from urllib.parse import quote, unquote
 
-from schemas.jobs import PRIORITY_BULK
+from schemas.jobs import PRIORITY_BULK, as_text
 
 DEFAULT_PREFIX = "inferq"
 WORKER_GROUP = "workers"
@@ -159,7 +159,7 @@ class RedisKeys:
 
     def model_of_jobs_stream(self, key: str | bytes) -> str:
         """The model name of a key returned by `jobs_stream` (inverse)."""
-        text = key.decode() if isinstance(key, bytes) else key
+        text = as_text(key)
         head = f"{self.prefix}:jobs:"
         if not text.startswith(head):
             raise ValueError(f"{text!r} is not a jobs stream of prefix {self.prefix!r}")

@@ -202,12 +202,6 @@ LEASE_RENEW_SCRIPT = _if_lease_holder("redis.call('PEXPIRE', KEYS[1], ARGV[2])")
 LEASE_RELEASE_SCRIPT = _if_lease_holder("redis.call('DEL', KEYS[1])")
 
 ALL_SCRIPTS: Mapping[str, str] = {
-    "TRANSITION_SCRIPT": TRANSITION_SCRIPT,
-    "ENQUEUE_SCRIPT": ENQUEUE_SCRIPT,
-    "CHUNKS_SCRIPT": CHUNKS_SCRIPT,
-    "HANDBACK_SCRIPT": HANDBACK_SCRIPT,
-    "BATCH_SET_STATUS_SCRIPT": BATCH_SET_STATUS_SCRIPT,
-    "LEASE_RENEW_SCRIPT": LEASE_RENEW_SCRIPT,
-    "LEASE_RELEASE_SCRIPT": LEASE_RELEASE_SCRIPT,
+    name: text for name, text in globals().items() if name.endswith("_SCRIPT")
 }
 """Every script by its constant's name (for tests and tools that check them all)."""

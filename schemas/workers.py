@@ -19,7 +19,7 @@ from datetime import datetime
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
-from schemas.jobs import PriorityClass, format_time
+from schemas.jobs import PriorityClass, as_text, decode_hash, format_time
 from schemas.keys import decode_segment, encode_segment
 from schemas.results import JobResult, as_utc
 
@@ -72,14 +72,9 @@ class WorkerInfo(BaseModel):
 
     @classmethod
     def from_redis_hash(cls, data: Mapping[str, str] | Mapping[bytes, bytes]) -> WorkerInfo:
-        return cls.model_validate(
-            {
-                (k.decode() if isinstance(k, bytes) else k): (
-                    v.decode() if isinstance(v, bytes) else v
-                )
-                for k, v in data.items()
-            }
-        )
+        """Parse a heartbeat hash; fields a newer worker adds beyond these are ignored."""
+        fields = decode_hash(data)
+        return cls.model_validate({k: v for k, v in fields.items() if k in cls.model_fields})
 
 
 @dataclass(frozen=True)
@@ -137,8 +132,7 @@ class TtftSample:
 
     @classmethod
     def parse(cls, member: str | bytes, score: float) -> TtftSample:
-        text = member.decode() if isinstance(member, bytes) else member
-        parts = text.split(":")
+        parts = as_text(member).split(":")
         if len(parts) == 2:
             return cls(float(score), float(parts[0]), parts[1])
         ttft, job_id, priority, e2e, itl, tokens = parts
@@ -173,6 +167,5 @@ class TokenSample:
 
     @classmethod
     def parse(cls, member: str | bytes, score: float) -> TokenSample:
-        text = member.decode() if isinstance(member, bytes) else member
-        _at, worker, generated, prompt = text.split(":")
+        _at, worker, generated, prompt = as_text(member).split(":")
         return cls(float(score), decode_segment(worker), int(generated), int(prompt))

@@ -29,6 +29,7 @@ from worker.chunking import ChunkPolicy, absorb, take_chunks
 from worker.engine_api import EngineLike
 from worker.heartbeat import TtftBuffer
 from worker.held import HeldJob
+from worker.intake import Reject
 from worker.logs import log_event
 from worker.metrics import WorkerMetrics
 from worker.publisher import Outbox
@@ -103,33 +104,12 @@ class Batch:
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + amount
             self.metrics.requests.labels(self.metrics.model, outcome).inc(amount)
 
-    def reject(
-        self,
-        job_id: str | None,
-        entry_id: str,
-        error: ErrorBody,
-        fields: dict[str, str],
-        attempts: int,
-        stream: str | None = None,
-    ) -> None:
+    def reject(self, verdict: Reject) -> None:
         """Dead-letter an entry and fail its job."""
-        log_event(
-            logger,
-            logging.WARNING,
-            "job_dead_lettered",
-            job=job_id,
-            entry=entry_id,
-            code=error.code.value,
-            message=error.message,
-        )
+        job_id, entry_id, error = verdict.job_id, verdict.entry_id, verdict.error
+        _log_error(logging.WARNING, "job_dead_lettered", job_id, error, entry=entry_id)
         self.outbox.fail(
-            job_id,
-            entry_id,
-            error,
-            dead_letter=True,
-            entry_fields=fields,
-            attempts=attempts,
-            stream=stream,
+            job_id, entry_id, error, verdict.entry_fields, verdict.attempts, verdict.stream
         )
         self.count("dead_lettered")
 
@@ -212,19 +192,13 @@ class Batch:
             self._start(held)
 
     def _refuse(self, held: HeldJob, error: ErrorBody) -> None:
-        log_event(
-            logger,
-            logging.INFO,
-            "job_refused",
-            job=held.job_id,
-            code=error.code.value,
-            message=error.message,
-        )
+        _log_error(logging.INFO, "job_refused", held.job_id, error)
         self._finish_with_error(held, error)
 
     def _dead_letter(self, held: HeldJob, error: ErrorBody) -> None:
         fields = {"job": held.job_id}
-        self.reject(held.job_id, held.entry_id, error, fields, held.job.attempts, held.queue_stream)
+        attempts = held.job.attempts
+        self.reject(Reject(held.entry_id, held.job_id, error, fields, attempts, held.queue_stream))
 
     def _prompt_ids(self, request: JobRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -438,3 +412,10 @@ class Batch:
         self.ready = []
         self._buffered.clear()
         return jobs
+
+
+def _log_error(
+    level: int, event: str, job_id: str | None, error: ErrorBody, **fields: object
+) -> None:
+    code, message = error.code.value, error.message
+    log_event(logger, level, event, job=job_id, **fields, code=code, message=message)

@@ -24,6 +24,7 @@ from schemas import (
     is_valid_job_id,
 )
 from schemas.chunks import REPLAY_FIELD
+from schemas.jobs import as_text
 from schemas.keys import JOB_ENTRY_FIELD
 from worker.crashes import CrashPolicy, settle_cut_off_start
 from worker.held import HeldJob
@@ -227,7 +228,7 @@ class StreamReader:
             count=count,
         )
         next_cursor, claimed = reply[0], reply[1]
-        self._claim_cursor = _text(next_cursor) or "0-0"
+        self._claim_cursor = as_text(next_cursor) or "0-0"
         entries = [
             _entry(entry_id, fields, self.stream) for entry_id, fields in claimed if entry_id
         ]
@@ -287,22 +288,22 @@ def _entries(reply: StreamReply | None) -> list[Entry]:
     for stream, items in reply:
         for entry_id, fields in items:
             if entry_id is not None:
-                out.append(_entry(entry_id, fields, _text(stream)))
+                out.append(_entry(entry_id, fields, as_text(stream)))
     return out
 
 
 def _entry(entry_id: bytes | str, fields: RawFields | None, stream: str) -> Entry:
     """Decode one entry on its own; text that is not UTF-8 makes it unreadable."""
     if not fields:
-        return Entry(_text(entry_id), None, stream)
+        return Entry(as_text(entry_id), None, stream)
     try:
-        return Entry(_text(entry_id), _decoded(fields), stream)
+        return Entry(as_text(entry_id), _decoded(fields), stream)
     except UnicodeDecodeError:
         lossy = {
             key.decode(errors="backslashreplace"): value.decode(errors="backslashreplace")
             for key, value in fields.items()
         }
-        return Entry(_text(entry_id), lossy, stream, "stream entry is not UTF-8 text")
+        return Entry(as_text(entry_id), lossy, stream, "stream entry is not UTF-8 text")
 
 
 def _job_hash(reply: RawFields | Exception) -> StoredJob:
@@ -320,11 +321,6 @@ def _decoded(fields: RawFields) -> dict[str, str]:
     return {key.decode(): value.decode() for key, value in fields.items()}
 
 
-def _text(value: bytes | str) -> str:
-    """An id or name Redis made (entry ids, stream names): always ASCII."""
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _chunks(job_id: str, replay: list[tuple[bytes, RawFields]] | Exception) -> list[TokenChunk]:
     if isinstance(replay, ResponseError):  # the replay key holds no stream: nothing to resume
         log_event(logger, logging.WARNING, "unreadable_replay", job=job_id, error=replay)
@@ -338,6 +334,6 @@ def _chunks(job_id: str, replay: list[tuple[bytes, RawFields]] | Exception) -> l
             chunks.append(TokenChunk.from_json(fields[field].decode()))
         except (KeyError, ValueError):  # UnicodeDecodeError is a ValueError
             log_event(
-                logger, logging.WARNING, "unreadable_chunk", job=job_id, entry=_text(entry_id)
+                logger, logging.WARNING, "unreadable_chunk", job=job_id, entry=as_text(entry_id)
             )
     return chunks

@@ -141,24 +141,18 @@ class Outbox:
         job_id: str | None,
         entry_id: str,
         error: ErrorBody,
-        *,
-        dead_letter: bool,
-        entry_fields: dict[str, str] | None = None,
-        attempts: int = 0,
-        on_done: Callable[[bool, JobStatus | None], None] | None = None,
+        entry_fields: dict[str, str],
+        attempts: int,
         stream: str | None = None,
     ) -> None:
         """A job that cannot run: dead letter (with the reason), status failed, XACK + XDEL."""
-        if dead_letter:
-            self.dead_letter(job_id, error, entry_fields or {}, attempts)
+        self._dead_letter(job_id, error, entry_fields, attempts)
         if job_id is not None:
-            self.finish(
-                job_id, entry_id, JobStatus.FAILED, {JobField.ERROR: error}, on_done, stream
-            )
+            self.finish(job_id, entry_id, JobStatus.FAILED, {JobField.ERROR: error}, stream=stream)
         else:
             self.ack(entry_id, stream)
 
-    def dead_letter(
+    def _dead_letter(
         self, job_id: str | None, error: ErrorBody, entry_fields: dict[str, str], attempts: int
     ) -> None:
         model = self.keys.model_of_jobs_stream(self.jobs_stream)
@@ -172,21 +166,8 @@ class Outbox:
             "attempts": str(attempts),
         }
         flat = [item for pair in values.items() for item in pair]
-        self.ops.append(
-            _Op(
-                [
-                    (
-                        "XADD",
-                        self.keys.dead_letters(model),
-                        "MAXLEN",
-                        "~",
-                        DEAD_LETTER_MAXLEN,
-                        "*",
-                        *flat,
-                    )
-                ]
-            )
-        )
+        stream = self.keys.dead_letters(model)
+        self.ops.append(_Op([("XADD", stream, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*", *flat)]))
 
     # ------------------------------------------------------------------ sending
 

@@ -139,22 +139,13 @@ class Worker:
                 return
             await warn_about_redis_memory(self.redis)
             settings = self.settings
-            tasks = [
-                asyncio.create_task(
-                    self._every(settings.heartbeat_interval_s, self._beat, closing)
-                ),
-                asyncio.create_task(
-                    listen_for_cancels(
-                        self.redis, self.keys, self._on_cancel, self._control, closing
-                    )
-                ),
-                asyncio.create_task(
-                    self._every(settings.lease_interval_s, self._renew_leases, closing)
-                ),
-                asyncio.create_task(
-                    self._every(settings.status_check_interval_s, self._check_statuses, closing)
-                ),
+            side_tasks = [
+                self._every(settings.heartbeat_interval_s, self._beat, closing),
+                listen_for_cancels(self.redis, self.keys, self._on_cancel, self._control, closing),
+                self._every(settings.lease_interval_s, self._renew_leases, closing),
+                self._every(settings.status_check_interval_s, self._check_statuses, closing),
             ]
+            tasks = [asyncio.create_task(side_task) for side_task in side_tasks]
             log_event(
                 logger,
                 logging.INFO,
@@ -372,14 +363,7 @@ class Worker:
                 )
                 self.batch.count("expired")
             elif isinstance(verdict, Reject):
-                self.batch.reject(
-                    verdict.job_id,
-                    verdict.entry_id,
-                    verdict.error,
-                    verdict.entry_fields,
-                    verdict.attempts,
-                    verdict.stream,
-                )
+                self.batch.reject(verdict)
 
     # ------------------------------------------------------------------ side tasks
 

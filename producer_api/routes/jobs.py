@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
@@ -20,7 +20,7 @@ from producer_api.deps import ApiState, Caller, State, check_visible
 from producer_api.errors import ApiError, error_responses
 from producer_api.prompt_check import check_prompt
 from producer_api.sse import EventStreamResponse, sse_event
-from producer_api.views import JobView, job_view, job_view_json
+from producer_api.views import JobView, job_view
 from schemas import ErrorCode, Job, JobRequest
 from schemas.jobs import MAX_IDEMPOTENCY_KEY_CHARS
 
@@ -29,15 +29,11 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=error_responses(4
 # How long the stream's closing event waits for the job to reach its terminal status after the
 # final chunk (the worker writes the chunk and the status in one pipeline: normally at once).
 FINAL_STATUS_WAIT_S = 5.0
+# Every route that answers with a job shows it as `JobView`, unset fields left out.
+_JOB_VIEW: dict[str, Any] = {"response_model": JobView, "response_model_exclude_none": True}
 
 
-@router.post(
-    "",
-    status_code=202,
-    response_model=JobView,
-    response_model_exclude_none=True,
-    responses=error_responses(404, 413, 422, 429),
-)
+@router.post("", status_code=202, **_JOB_VIEW, responses=error_responses(404, 413, 422, 429))
 async def create_job(
     body: JobRequest,
     state: State,
@@ -80,35 +76,20 @@ async def _visible_job(state: ApiState, job_id: str, caller: Caller) -> Job:
     return check_visible(await queue.get_job(state.redis, state.keys, job_id), caller)
 
 
-@router.get(
-    "/{job_id}",
-    response_model=JobView,
-    response_model_exclude_none=True,
-    responses=error_responses(404),
-)
+@router.get("/{job_id}", **_JOB_VIEW, responses=error_responses(404))
 async def read_job(job_id: str, state: State, caller: Caller) -> JobView:
     """The job's status, and its result, error and timings once it has them."""
     return job_view(await _visible_job(state, job_id, caller))
 
 
-@router.delete(
-    "/{job_id}",
-    response_model=JobView,
-    response_model_exclude_none=True,
-    responses=error_responses(404),
-)
+@router.delete("/{job_id}", **_JOB_VIEW, responses=error_responses(404))
 async def cancel_job(job_id: str, state: State, caller: Caller) -> JobView:
     """Cancel a queued or running job (a finished job is returned as it is)."""
     await _visible_job(state, job_id, caller)
     return job_view(await queue.cancel_job(state.redis, state.keys, job_id))
 
 
-@router.get(
-    "/{job_id}/wait",
-    response_model=JobView,
-    response_model_exclude_none=True,
-    responses=error_responses(404, 422),
-)
+@router.get("/{job_id}/wait", **_JOB_VIEW, responses=error_responses(404, 422))
 async def wait_for_job(
     job_id: str,
     state: State,
@@ -118,14 +99,7 @@ async def wait_for_job(
     """The job once it has finished, or as it stands after `timeout` seconds (capped by the
     server's max_wait_s): check `status`."""
     await _visible_job(state, job_id, caller)
-    job = await queue.wait_job(
-        state.redis,
-        state.keys,
-        job_id,
-        timeout=min(timeout, state.settings.max_wait_s),
-        poll_interval=state.settings.poll_interval_s,
-    )
-    return job_view(job)
+    return job_view(await state.wait_job(job_id, min(timeout, state.settings.max_wait_s)))
 
 
 def _resume_index(header: str | None, query: int | None) -> int:
@@ -169,34 +143,18 @@ async def stream_job(
     last id seen resumes without loss or repeats."""
     last_index = _resume_index(last_event_id, after)
     await _visible_job(state, job_id, caller)
-    return EventStreamResponse(
-        _job_events(state, job_id, last_index),
-        state.metrics,
-        keepalive_s=state.settings.sse_keepalive_s,
-    )
+    return state.event_stream(_job_events(state, job_id, last_index))
 
 
 async def _job_events(state: ApiState, job_id: str, last_index: int) -> AsyncIterator[bytes]:
-    chunks = queue.stream_chunks(
-        state.redis,
-        state.keys,
-        job_id,
-        last_index=last_index,
-        poll_interval=state.settings.poll_interval_s,
-    )
+    chunks = state.stream_chunks(job_id, last_index)
     try:
         async for chunk in chunks:
             yield sse_event(chunk.to_json(), event="chunk", event_id=str(chunk.index))
-        job = await queue.wait_job(
-            state.redis,
-            state.keys,
-            job_id,
-            timeout=FINAL_STATUS_WAIT_S,
-            poll_interval=state.settings.poll_interval_s,
-        )
+        job = await state.wait_job(job_id, FINAL_STATUS_WAIT_S)
     except queue.QueueError as exc:
         yield sse_event(exc.error.model_dump_json(exclude_none=True), event="error")
         return
     finally:
         await chunks.aclose()
-    yield sse_event(job_view_json(job), event="done")
+    yield sse_event(job_view(job).model_dump_json(exclude_none=True), event="done")

@@ -43,7 +43,7 @@ from producer_api.openai_convert import (
 )
 from producer_api.openai_models import ChatCompletionRequest, CompletionRequest
 from producer_api.prompt_check import check_prompt
-from producer_api.sse import EventStreamResponse, sse_event
+from producer_api.sse import sse_event
 from producer_api.streams import ClientGone, merge_indexed, unless_disconnected
 from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus, TokenChunk
 
@@ -56,7 +56,6 @@ FINAL_STATUS_WAIT_S = 5.0
 WAIT_GRACE_S = 5.0  # past the jobs' own deadline, before the API gives up waiting
 DONE = b"data: [DONE]\n\n"
 COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
 
 Framer = CompletionChunks | ChatChunks
 
@@ -173,21 +172,12 @@ def _job_failure(job: Job, path: str) -> ApiError:
 
 async def _wait_all(state: ApiState, request: Request, jobs: list[Job]) -> list[Job]:
     timeout = state.settings.request_timeout_s + WAIT_GRACE_S
-
-    async def wait(job: Job) -> Job:
-        return await queue.wait_job(
-            state.redis,
-            state.keys,
-            job.id,
-            timeout=timeout,
-            poll_interval=state.settings.poll_interval_s,
-        )
-
+    waits = asyncio.gather(*(state.wait_job(job.id, timeout) for job in jobs))
     try:
-        finished = await unless_disconnected(request, asyncio.gather(*(wait(job) for job in jobs)))
+        finished = await unless_disconnected(request, waits)
     except ClientGone:
         await _cancel_all(state, jobs)
-        raise ApiError(ErrorCode.CANCELLED, "the client disconnected", status=499) from None
+        raise _client_gone() from None
     failed = [job for job in finished if job.status is not JobStatus.SUCCEEDED]
     if failed:
         await _cancel_all(state, [job for job in finished if not job.status.is_terminal])
@@ -199,8 +189,8 @@ def _data(payload: dict[str, Any]) -> bytes:
     return sse_event(json.dumps(payload, separators=(",", ":")))
 
 
-async def _first_chunk(stream: AsyncIterator[TokenChunk]) -> TokenChunk | None:
-    return await anext(stream, None)
+def _client_gone() -> ApiError:
+    return ApiError(ErrorCode.CANCELLED, "the client disconnected", status=499)
 
 
 def _is_failure_chunk(chunk: TokenChunk | None) -> bool:
@@ -210,18 +200,13 @@ def _is_failure_chunk(chunk: TokenChunk | None) -> bool:
 async def _open_stream(
     state: ApiState, request: Request, jobs: list[Job], framer: Framer, include_usage: bool
 ) -> Response:
-    streams = [
-        queue.stream_chunks(
-            state.redis, state.keys, job.id, poll_interval=state.settings.poll_interval_s
-        )
-        for job in jobs
-    ]
+    streams = [state.stream_chunks(job.id) for job in jobs]
     firsts: list[TokenChunk | None] = []
     try:
         for job, stream in zip(jobs, streams, strict=True):
-            first = await unless_disconnected(request, _first_chunk(stream))
+            first = await unless_disconnected(request, anext(stream, None))
             if _is_failure_chunk(first):
-                ended = await _final_job(state, job)
+                ended = await state.wait_job(job.id, FINAL_STATUS_WAIT_S)
                 if ended.status is not JobStatus.SUCCEEDED:
                     raise _job_failure(ended, request.url.path)
             firsts.append(first)
@@ -230,20 +215,10 @@ async def _open_stream(
             await stream.aclose()
         await _cancel_all(state, jobs)
         if isinstance(exc, ClientGone):
-            raise ApiError(ErrorCode.CANCELLED, "the client disconnected", status=499) from None
+            raise _client_gone() from None
         raise
     events = _openai_events(state, jobs, streams, firsts, framer, include_usage)
-    return EventStreamResponse(events, state.metrics, keepalive_s=state.settings.sse_keepalive_s)
-
-
-async def _final_job(state: ApiState, job: Job) -> Job:
-    return await queue.wait_job(
-        state.redis,
-        state.keys,
-        job.id,
-        timeout=FINAL_STATUS_WAIT_S,
-        poll_interval=state.settings.poll_interval_s,
-    )
+    return state.event_stream(events)
 
 
 async def _with_first(first: TokenChunk | None, rest: AsyncIterator[TokenChunk]):
@@ -275,7 +250,7 @@ async def _openai_events(
                     continue
                 chunk = chunk.model_copy(update={"finish_reason": None, "stop_reason": None})
             yield _data(framer.chunk(position, chunk))
-        finished = [await _final_job(state, job) for job in jobs]
+        finished = [await state.wait_job(job.id, FINAL_STATUS_WAIT_S) for job in jobs]
         failed = [job for job in finished if job.status is not JobStatus.SUCCEEDED]
         if failed:
             error = _job_failure(failed[0], COMPLETIONS_PATH)

@@ -78,7 +78,7 @@ async def ready(state: State) -> JSONResponse:
 async def _served_load(state: ApiState) -> list[ModelReadiness]:
     now = time.time()
     served = await state.workers.models()
-    workers = [WorkerView.of(worker.info, now) for worker in await state.workers.live()]
+    workers = [WorkerView.of(worker, now) for worker in await state.workers.live()]
     out = []
     for name in sorted(served):
         queues = await read_model_queues(state.redis, state.keys, name)
