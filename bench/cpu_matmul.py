@@ -1,11 +1,14 @@
-"""CPU matmul paths for the linear layers: torch's default (MKL sgemm) vs oneDNN, same run.
+"""CPU matmul backends of the linear layers (engine/layers/matmul.py), side by side.
 
     python bench/cpu_matmul.py [--model SmolLM2-135M-Instruct] [--rows 1,4,16,96,512] [--threads 2]
+        [--dtype float32|bfloat16]
 
 Runs every linear layer of the model's shape once per "forward" (distinct weights per layer,
 so they stream from memory as in a real step instead of sitting in cache) at several row
 counts M (decode batch sizes, then prefill-sized), and prints ms per forward, achieved GB/s
-and GFLOP/s for both paths and their ratio. engine/layers/linear.py picks the path from this.
+and GFLOP/s for each backend this CPU and torch build run, and each one's speed-up over torch's
+default (aten). The engine itself picks per machine by a short measurement of the same kind at
+start-up (engine/layers/matmul_tuning.py); this is the long version, for reading.
 """
 
 from __future__ import annotations
@@ -46,38 +49,40 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,96,512")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     runtime = tune_cpu_runtime(args.threads)
 
     import torch
-    import torch.nn.functional as F
     from transformers import AutoConfig
 
+    from engine.layers.matmul import available_backends, pack, run, uniform
     from engine.model_files import resolve_model_path
 
     hf_config = AutoConfig.from_pretrained(str(resolve_model_path(args.model)))
     shapes = layer_shapes(hf_config) * hf_config.num_hidden_layers
     shapes.append((hf_config.vocab_size, hf_config.hidden_size))  # lm_head
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(shape, generator=generator) for shape in shapes]
+    dtype = getattr(torch, args.dtype)
+    weights = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     params = sum(w.numel() for w in weights)
-    print(f"# {args.model}: {len(weights)} linear layers, {weight_bytes / 1e6:.0f} MB fp32")
+    print(f"# {args.model}: {len(weights)} linear layers, {weight_bytes / 1e6:.0f} MB {args.dtype}")
     print(f"# {runtime}")
 
-    paths = {
-        "torch default (MKL)": lambda x, w: F.linear(x, w),
-        "oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-    }
-    print(f"{'M':>5} {'path':<20} {'ms/forward':>10} {'GB/s':>7} {'GFLOP/s':>8}")
+    backends = available_backends(dtype)
+    packed = {name: [pack(w, uniform(name)) for w in weights] for name in backends}
+    print(f"{'M':>5} {'backend':<20} {'ms/forward':>10} {'GB/s':>7} {'GFLOP/s':>8}")
     for rows in (int(r) for r in args.rows.split(",")):
-        inputs = {k: torch.randn(rows, k, generator=generator) for k in {s[1] for s in shapes}}
+        inputs = {
+            k: torch.randn(rows, k, generator=generator).to(dtype) for k in {s[1] for s in shapes}
+        }
         times = {}
-        for name, matmul in paths.items():
+        for name in backends:
 
-            def forward(matmul=matmul, inputs=inputs) -> None:
-                for weight in weights:
-                    matmul(inputs[weight.shape[1]], weight)
+            def forward(name=name, inputs=inputs) -> None:
+                for weight, packs in zip(weights, packed[name], strict=True):
+                    run(name, inputs[weight.shape[1]], weight, None, packs)
 
             forward()
             samples = []
@@ -91,8 +96,8 @@ def main() -> None:
                 f"{rows:>5} {name:<20} {seconds * 1e3:>10.1f} {weight_bytes / seconds / 1e9:>7.1f}"
                 f" {2 * rows * params / seconds / 1e9:>8.0f}"
             )
-        ratio = times["torch default (MKL)"] / times["oneDNN"]
-        print(f"{rows:>5} {'speed-up of oneDNN':<20} {ratio:>10.2f}x")
+        speedups = ", ".join(f"{name} {times['aten'] / t:.2f}x" for name, t in times.items())
+        print(f"{rows:>5} speed-up over aten: {speedups}")
 
 
 if __name__ == "__main__":

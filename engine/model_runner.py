@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
-from engine.layers import cpu_glue
+from engine.layers import cpu_glue, matmul_tuning
 from engine.models import sliding_window_limit
 from engine.models.llama import head_dim_of
 from engine.models.loader import build_model
@@ -48,9 +49,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    name: str, device: torch.device, cpu_auto: Callable[[], torch.dtype] = lambda: torch.float32
+) -> torch.dtype:
+    """The dtype named; for "auto" bfloat16 on CUDA and cpu_auto() (a measurement) on the CPU."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else cpu_auto()
     return _DTYPES[name]
 
 
@@ -63,7 +67,6 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if hf_config is None:
             if model_path is None:
                 raise ValueError("ModelRunner needs a model folder or an hf_config")
@@ -75,6 +78,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = self._resolve_max_model_len()
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        shapes = matmul_tuning.linear_shapes(hf_config, self.attn_backend)
+        self.dtype = resolve_dtype(
+            config.dtype, self.device, lambda: matmul_tuning.auto_dtype(shapes, config.cpu_matmul)
+        )
         self.model = build_model(
             hf_config,
             self.attn_backend,
@@ -84,6 +91,8 @@ class ModelRunner:
             load_format=config.load_format,
             seed=config.seed,
         )
+        if self.device.type == "cpu":
+            matmul_tuning.tune_model(self.model, shapes, self.dtype, config.cpu_matmul)
         self.kv_spec = KVCacheSpec(
             num_layers=hf_config.num_hidden_layers,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None)

@@ -1,57 +1,53 @@
 """Linear layers: one matmul entry point, and fused projections (QKV, gate-up).
 
-On CPUs other than Intel's, fp32 matmuls go through oneDNN instead of torch's default (MKL
-sgemm): MKL takes slow code paths there. On an AMD EPYC it ran about half as fast at every
-batch size and worst at the small ones decode steps have, while oneDNN reached the memory
-bandwidth for one row; on an Intel Xeon (Sapphire Rapids) MKL matched oneDNN for prefill and
-decoded a single stream 18% faster (bench/RESULTS.md, "CPU matmul").
+On the CPU each layer computes through the backend its plan names for the call's row count
+(engine.layers.matmul); the plan is measured per machine at start-up and the weights are
+packed once for it (engine.layers.matmul_tuning.apply_plan). Until then, and on CUDA, a layer
+is a plain `F.linear`.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def cpu_vendor() -> str:
-    """The CPU vendor id from /proc/cpuinfo (e.g. GenuineIntel, AuthenticAMD); "" if unknown."""
-    try:
-        with Path("/proc/cpuinfo").open() as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+from engine.layers.matmul import ATEN, MatmulPlan, PackedWeights, pack, run
 
 
-def prefers_onednn(vendor: str) -> bool:
-    """Whether fp32 matmuls on this CPU vendor should bypass MKL for oneDNN."""
-    return vendor != "GenuineIntel"
-
-
-def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-_ONEDNN = _onednn_available() and prefers_onednn(cpu_vendor())
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, for x [..., in] and weight [out, in]."""
-    if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and x.numel():
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    plan: MatmulPlan = ATEN,
+    packed: PackedWeights | None = None,
+) -> torch.Tensor:
+    """x @ weight.T + bias, for x [..., in] and weight [out, in], through the plan's backend."""
+    if plan is ATEN or x.device.type != "cpu" or not x.numel():
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    return run(plan.backend_for(rows), x, weight, bias, packed or PackedWeights())
 
 
 class Linear(nn.Linear):
-    """nn.Linear computed through `linear`."""
+    """nn.Linear computed through `linear` with the layer's matmul plan."""
+
+    plan: MatmulPlan = ATEN
+    packed: PackedWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.plan, self.packed)
+
+    def use_plan(self, plan: MatmulPlan, keep_plain_weight: bool = False) -> None:
+        """Compute through `plan` from now on: pack the weight once for it, and free the plain
+        weight when no backend of the plan reads it (unless keep_plain_weight: e.g. it is shared
+        with a tied embedding)."""
+        with torch.no_grad():
+            self.packed = pack(self.weight.detach(), plan)
+        self.plan = plan
+        if "plain" not in plan.storage() and not keep_plain_weight:
+            # A meta tensor keeps the shape (and the module's repr) without the memory.
+            self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
 
 class MergedLinear(Linear):

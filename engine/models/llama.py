@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.layers.activation import silu_and_mul
-from engine.layers.linear import Linear, MergedLinear, linear
+from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.model = LlamaModel(hf_config, backend, biases)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -188,4 +188,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 logits [S, vocab]."""
-        return linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()

@@ -1,30 +1,183 @@
-"""The CPU matmul entry point: both of its paths compute x @ W.T + b, and MKL is kept on Intel."""
+"""CPU matmul backends of the linear layers: every backend computes x @ W.T + b, packed or not;
+the plan is measured once per machine and cached; a forced backend wins; dtype auto picks bf16
+only where the CPU has it natively and it measures faster."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.layers.linear as linear_module
-from engine.layers.linear import linear, prefers_onednn
+from engine.config import EngineConfig
+from engine.layers import matmul_tuning
+from engine.layers.linear import Linear, linear
+from engine.layers.matmul import (
+    BACKENDS,
+    SMALL_ROWS,
+    MatmulPlan,
+    available_backends,
+    uniform,
+)
+from engine.model_runner import ModelRunner, resolve_dtype
+
+SHAPES = [(40, 48), (96, 48), (48, 32)]
 
 
-@pytest.mark.parametrize("use_onednn", [True, False])
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_linear_matches_torch_on_either_path(monkeypatch, use_onednn, rows):
-    if use_onednn and not linear_module._onednn_available():
-        pytest.skip("this torch build has no oneDNN linear")
-    monkeypatch.setattr(linear_module, "_ONEDNN", use_onednn)
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 48, generator=generator)
-    weight = torch.randn(40, 48, generator=generator)
-    bias = torch.randn(40, generator=generator)
-    torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias))
-    torch.testing.assert_close(linear(x.view(1, rows, 48), weight), F.linear(x, weight)[None])
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("INFERQ_HOME", str(tmp_path / "home"))
 
 
-def test_intel_cpus_keep_mkl_and_others_use_onednn():
-    assert not prefers_onednn("GenuineIntel")
-    assert prefers_onednn("AuthenticAMD")
-    assert prefers_onednn("")  # unknown vendors (not measured) keep the earlier default
+def _layer(dtype: torch.dtype, bias: bool, seed: int = 0) -> Linear:
+    generator = torch.Generator().manual_seed(seed)
+    layer = Linear(48, 40, bias=bias).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 48, generator=generator) / 7)
+        if bias:
+            layer.bias.copy_(torch.randn(40, generator=generator))
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_backend_computes_the_linear(dtype, backend, bias):
+    if backend not in available_backends(dtype):
+        pytest.skip(f"{backend} does not run {dtype} on this CPU / torch build")
+    layer = _layer(dtype, bias)
+    weight = layer.weight.detach().clone()
+    bias_value = None if layer.bias is None else layer.bias.detach().clone()
+    layer.use_plan(uniform(backend))
+    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for rows in (1, 5, SMALL_ROWS + 1, 64):
+        x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        with torch.inference_mode():
+            expected = F.linear(x, weight, bias_value)
+            torch.testing.assert_close(layer(x), expected, **tolerance)
+            torch.testing.assert_close(layer(x.view(1, rows, 48)), expected[None], **tolerance)
+
+
+def test_a_plan_sends_small_and_large_calls_to_their_backends(monkeypatch):
+    plan = MatmulPlan(small="aten", large="onednn")
+    assert plan.backend_for(1) == plan.backend_for(SMALL_ROWS) == "aten"
+    assert plan.backend_for(SMALL_ROWS + 1) == "onednn"
+    seen = []
+    monkeypatch.setattr(
+        "engine.layers.linear.run", lambda backend, x, *args: seen.append(backend) or x
+    )
+    weight = torch.randn(4, 4)
+    linear(torch.randn(2, 4), weight, None, plan)
+    linear(torch.randn(SMALL_ROWS + 1, 4), weight, None, plan)
+    assert seen == ["aten", "onednn"]
+
+
+def test_packing_frees_the_plain_weight_unless_it_is_shared():
+    if "onednn_packed" not in available_backends(torch.float32):
+        pytest.skip("no oneDNN in this torch build")
+    layer = _layer(torch.float32, bias=False)
+    layer.use_plan(uniform("onednn_packed"))
+    assert layer.weight.is_meta  # only the packed copy is kept
+    tied = _layer(torch.float32, bias=False)
+    tied.use_plan(uniform("onednn_packed"), keep_plain_weight=True)
+    assert not tied.weight.is_meta
+
+
+def test_the_plan_is_the_fastest_and_keeps_one_copy_of_the_weights_unless_it_pays():
+    fast_everywhere = {"aten": (2.0, 20.0), "onednn": (1.5, 10.0), "onednn_packed": (1.0, 8.0)}
+    assert matmul_tuning.choose_plan(fast_everywhere) == uniform("onednn_packed")
+    # aten decodes much faster, oneDNN prefills much faster: both read the same plain weight.
+    split = {"aten": (1.0, 40.0), "onednn": (3.0, 10.0), "onednn_packed": (3.0, 11.0)}
+    assert matmul_tuning.choose_plan(split) == MatmulPlan("aten", "onednn")
+    # A packed copy beside the plain one doubles weight memory: only for a clear gain.
+    slight = {"aten": (1.0, 10.5), "onednn": (1.05, 10.5), "onednn_packed": (1.1, 10.0)}
+    assert len(matmul_tuning.choose_plan(slight).storage()) == 1
+    clear = {"aten": (1.0, 30.0), "onednn": (3.0, 30.0), "onednn_packed": (3.0, 10.0)}
+    assert matmul_tuning.choose_plan(clear) == MatmulPlan("aten", "onednn_packed")
+
+
+def test_the_measurement_is_cached_per_machine(monkeypatch, tmp_path):
+    calls = []
+    real_measure = matmul_tuning.measure
+
+    def counting_measure(*args, **kwargs):
+        calls.append(args)
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(matmul_tuning, "measure", counting_measure)
+    first = matmul_tuning.tune(SHAPES, torch.float32, "auto")
+    assert set(first.timings) == set(available_backends(torch.float32))
+    assert all(small > 0 and large > 0 for small, large in first.timings.values())
+    files = list((tmp_path / "home" / "cpu_matmul").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["dtype"] == "float32"
+    second = matmul_tuning.tune(SHAPES, torch.float32, "auto")
+    assert len(calls) == 1  # the second start read the cache
+    assert second == first
+    matmul_tuning.tune(SHAPES[:2], torch.float32, "auto")  # other shapes: measured anew
+    assert len(calls) == 2
+
+
+def test_a_forced_backend_is_used_without_measuring(monkeypatch):
+    monkeypatch.setattr(matmul_tuning, "measure", lambda *a, **k: pytest.fail("measured"))
+    tuning = matmul_tuning.tune(SHAPES, torch.float32, "aten")
+    assert tuning.plan == uniform("aten") and tuning.timings is None
+    with pytest.raises(ValueError, match="cpu_matmul='no_such'"):
+        matmul_tuning.tune(SHAPES, torch.float32, "no_such")
+
+
+def _fake_timings(bf16_ms: float):
+    def timings(shapes, dtype):
+        ms = bf16_ms if dtype == torch.bfloat16 else 10.0
+        return {"aten": (ms, ms * 10)}
+
+    return timings
+
+
+@pytest.mark.parametrize(
+    ("native", "bf16_ms", "expected"),
+    [
+        (False, 1.0, torch.float32),  # no native bf16: not even measured
+        (True, 5.0, torch.bfloat16),  # native and faster
+        (True, 20.0, torch.float32),  # native but slower here
+    ],
+)
+def test_auto_dtype_on_the_cpu_picks_bf16_only_where_native_and_faster(
+    monkeypatch, native, bf16_ms, expected
+):
+    monkeypatch.setattr(matmul_tuning, "cached_timings", _fake_timings(bf16_ms))
+    chosen = matmul_tuning.auto_dtype(SHAPES, bf16_native=lambda: native)
+    assert chosen == expected
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, lambda: chosen) == expected
+    assert resolve_dtype("float32", cpu, lambda: torch.bfloat16) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda"), lambda: torch.float32) == torch.bfloat16
+
+
+def test_auto_dtype_keeps_float32_for_a_forced_fp32_only_backend(monkeypatch):
+    monkeypatch.setattr(matmul_tuning, "cached_timings", _fake_timings(1.0))
+    assert matmul_tuning.auto_dtype(SHAPES, "mkl_packed", lambda: True) == torch.float32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forced_backend_generates_the_same_tokens(tiny_llama_dir, backend):
+    if backend not in available_backends(torch.float32):
+        pytest.skip(f"{backend} is not in this torch build")
+    from engine import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 17, 21, 25, 29] * 3, [3, 4]]
+
+    def tokens(**overrides) -> list[list[int]]:
+        llm = LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, **overrides)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    assert tokens(cpu_matmul=backend) == tokens(cpu_matmul="aten")
+
+
+def test_the_runner_logs_its_choice(tiny_llama_dir, caplog):
+    caplog.set_level("INFO", logger="engine.layers.matmul_tuning")
+    ModelRunner(
+        EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=8, enforce_eager=True), tiny_llama_dir
+    )
+    assert any("cpu matmul" in record.getMessage() for record in caplog.records)

@@ -1,4 +1,7 @@
-"""The offline LLM against transformers on the default model: same greedy tokens however batched."""
+"""The offline LLM against transformers on the default model: same greedy tokens however batched.
+
+The reference runs in float32, so the engine does too (dtype auto may pick bf16 on a CPU with
+native bf16, whose tokens drift from float32's after a few dozen)."""
 
 from __future__ import annotations
 
@@ -62,25 +65,25 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_one_at_a_time_matches_transformers(model_path, prompts, reference) -> None:
-    llm = LLM(str(model_path), enable_prefix_caching=False)
+    llm = LLM(str(model_path), dtype="float32", enable_prefix_caching=False)
     for prompt, expected in zip(prompts, reference, strict=True):
         assert _generate(llm, [prompt]) == [expected], f"prompt of {len(prompt)} tokens"
 
 
 def test_all_together_matches_transformers(model_path, prompts, reference) -> None:
-    llm = LLM(str(model_path))
+    llm = LLM(str(model_path), dtype="float32")
     assert _generate(llm, prompts) == reference
 
 
 def test_chunked_prefill_matches_transformers(model_path, prompts, reference) -> None:
-    llm = LLM(str(model_path), max_num_batched_tokens=64)
+    llm = LLM(str(model_path), dtype="float32", max_num_batched_tokens=64)
     assert _generate(llm, prompts) == reference
     assert llm.engine.stats().num_steps > sum(PROMPT_LENGTHS) // 64  # prompts really were chunked
 
 
 def test_preemption_matches_transformers(model_path, prompts, reference) -> None:
     # 448 tokens need 28 blocks of 16: 40 blocks cannot hold all eight sequences at once.
-    llm = LLM(str(model_path), num_kv_blocks=40, max_num_batched_tokens=256)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=40, max_num_batched_tokens=256)
     assert _generate(llm, prompts) == reference
     assert llm.engine.stats().num_preemptions > 0
 
@@ -88,8 +91,8 @@ def test_preemption_matches_transformers(model_path, prompts, reference) -> None
 def test_prefix_cache_computes_only_the_suffix(model_path, prompts) -> None:
     prefix, tail = prompts[-1][:256], prompts[-1][300:337]
     first, second = prefix + tail[:20], prefix + tail[::-1]  # the suffixes differ at once
-    cached = LLM(str(model_path))
-    uncached = LLM(str(model_path), enable_prefix_caching=False)
+    cached = LLM(str(model_path), dtype="float32")
+    uncached = LLM(str(model_path), dtype="float32", enable_prefix_caching=False)
 
     cached.generate([first], GREEDY, use_tqdm=False)
     before = cached.engine.stats().num_prompt_tokens_computed
@@ -103,7 +106,7 @@ def test_prefix_cache_computes_only_the_suffix(model_path, prompts) -> None:
 
 
 def test_seeded_sampling_ignores_batch_composition(model_path, prompts) -> None:
-    llm = LLM(str(model_path))
+    llm = LLM(str(model_path), dtype="float32")
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
     alone = llm.generate([prompts[4]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
@@ -116,7 +119,7 @@ def test_seeded_sampling_ignores_batch_composition(model_path, prompts) -> None:
 
 
 def test_n_choices_share_the_prompt(model_path, prompts) -> None:
-    llm = LLM(str(model_path))
+    llm = LLM(str(model_path), dtype="float32")
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
     out = llm.generate([prompts[5]], params, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
@@ -128,7 +131,7 @@ def test_n_choices_share_the_prompt(model_path, prompts) -> None:
 
 
 def test_stop_string_spanning_tokens_is_cut(model_path, prompts) -> None:
-    llm = LLM(str(model_path))
+    llm = LLM(str(model_path), dtype="float32")
     full = llm.generate([prompts[5]], GREEDY, use_tqdm=False)[0].outputs[0]
     tokenizer = llm.tokenizer
     pieces = [tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
@@ -144,7 +147,7 @@ def test_stop_string_spanning_tokens_is_cut(model_path, prompts) -> None:
 
 
 def test_chat_uses_the_template(model_path) -> None:
-    llm = LLM(str(model_path))
+    llm = LLM(str(model_path), dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=12)
     out = llm.chat([{"role": "user", "content": "Say hello."}], params, use_tqdm=False)[0]
     expected_prompt = llm.tokenizer.apply_chat_template(

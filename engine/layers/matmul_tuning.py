@@ -1,0 +1,266 @@
+"""Choose the CPU matmul plan (and the CPU's auto dtype) by measuring, once per machine.
+
+Which backend is fastest differs from machine to machine in ways a CPU's vendor name does not
+tell, so at start-up every available backend (engine.layers.matmul) runs the model's own linear
+shapes, at decode-sized row counts (1 and 16) and a prefill-sized one (128), interleaved so that
+a burst of load from elsewhere hits all of them alike, keeping each one's fastest pass. Decode
+passes run over several copies of the weights, so that they stream from memory as they do in a
+real step instead of sitting in cache. The whole measurement takes milliseconds for tiny models
+and stays well under a second for real ones (large weights are measured on their first rows).
+
+The timings are cached as JSON under $INFERQ_HOME/cpu_matmul, keyed by CPU model, CPU flags,
+torch version, thread count, dtype and shapes, so a second start on the same machine measures
+nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.layers.linear import Linear
+from engine.layers.matmul import (
+    SMALL_ROWS,
+    Backend,
+    MatmulPlan,
+    available_backends,
+    has_native_bf16,
+    pack,
+    run,
+    uniform,
+)
+from engine.model_files import inferq_home
+from engine.models import model_factory
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int, int]  # (out, in) of a weight
+Timings = dict[Backend, tuple[float, float]]  # backend -> ms per pass (decode rows, prefill rows)
+
+DECODE_ROWS = (1, SMALL_ROWS)  # the plan's small range, both ends
+PREFILL_ROWS = 128
+_MAX_ELEMENTS = 1 << 21  # a larger weight is measured on its first rows (same kernel, less time)
+_STREAM_BYTES = 32 << 20  # decode passes read at least this much: more than a CPU's caches
+_MAX_COPIES = 8
+_REPEATS = 3
+_BUDGET_S = 0.25  # per dtype; after it, stop repeating (every backend has one timed pass)
+# A plan that keeps two copies of each weight must beat the best one-copy plan by this factor.
+_TWO_COPY_GAIN = 0.85
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The plan chosen for a dtype and the timings (None: forced, nothing measured)."""
+
+    dtype: torch.dtype
+    plan: MatmulPlan
+    timings: Timings | None
+
+    def describe(self) -> str:
+        text = f"cpu matmul ({str(self.dtype).removeprefix('torch.')}): {self.plan.describe()}"
+        if self.timings is None:
+            return text + " (forced)"
+        measured = ", ".join(
+            f"{name} {small:.2f}/{large:.2f}" for name, (small, large) in self.timings.items()
+        )
+        decode = "+".join(map(str, DECODE_ROWS))
+        return f"{text}; ms per pass at {decode}/{PREFILL_ROWS} rows: {measured}"
+
+
+def linear_shapes(hf_config: Any, attention: AttentionBackend) -> list[Shape]:
+    """The distinct (out, in) of the model's linear layers, lm_head included, in model order.
+
+    The model is built on the meta device, which costs no memory and no initialisation."""
+    with torch.device("meta"):
+        model = model_factory(hf_config)(hf_config, attention)
+    shapes = ((m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear))
+    return list(dict.fromkeys(shapes))
+
+
+def choose_plan(timings: Mapping[Backend, tuple[float, float]]) -> MatmulPlan:
+    """The plan with the lowest decode-plus-prefill time, each relative to its best backend.
+
+    A plan that keeps two copies of each weight (e.g. plain for decode, oneDNN-packed for
+    prefill) doubles weight memory, so it is taken only where it clearly pays; three never."""
+    best_small = min(small for small, _ in timings.values())
+    best_large = min(large for _, large in timings.values())
+
+    def score(plan: MatmulPlan) -> float:
+        return timings[plan.small][0] / best_small + timings[plan.large][1] / best_large
+
+    plans = [MatmulPlan(small, large) for small in timings for large in timings]
+    best = min((plan for plan in plans if len(plan.storage()) == 1), key=score)
+    two_copies = [plan for plan in plans if len(plan.storage()) == 2]
+    if two_copies and score(min(two_copies, key=score)) < _TWO_COPY_GAIN * score(best):
+        return min(two_copies, key=score)
+    return best
+
+
+def measure(
+    shapes: list[Shape],
+    dtype: torch.dtype,
+    backends: Iterable[Backend],
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timings:
+    """ms per backend: a pass over the shapes at each of DECODE_ROWS summed, and at PREFILL_ROWS.
+
+    Decode is measured at both ends of the plan's small range: a layout packed for one row
+    (MKL's) may fall back to the plain path at a few rows."""
+    generator = torch.Generator().manual_seed(0)
+    capped = [(min(out, max(1, _MAX_ELEMENTS // inp)), inp) for out, inp in shapes]
+    weights = [torch.rand(shape, generator=generator).sub_(0.5).to(dtype) for shape in capped]
+    set_bytes = sum(w.numel() * w.element_size() for w in weights)
+    copies = min(_MAX_COPIES, max(1, -(-_STREAM_BYTES // set_bytes)))
+    # Decode passes stream distinct copies; prefill passes are compute-bound, one set will do.
+    decode_weights = weights + [w.clone() for _ in range(copies - 1) for w in weights]
+    names = list(backends)
+    # The first len(weights) packed copies of each backend serve the prefill passes.
+    packed = {name: [pack(w, uniform(name)) for w in decode_weights] for name in names}
+    all_rows = (*DECODE_ROWS, PREFILL_ROWS)
+    inputs = {
+        rows: {inp: torch.rand(rows, inp, generator=generator).to(dtype) for _, inp in capped}
+        for rows in all_rows
+    }
+
+    def one_pass(name: Backend, rows: int) -> float:
+        count = len(weights) if rows == PREFILL_ROWS else len(decode_weights)
+        started = clock()
+        for weight, packs in zip(decode_weights[:count], packed[name][:count], strict=True):
+            run(name, inputs[rows][weight.shape[1]], weight, None, packs)
+        return (clock() - started) * 1e3
+
+    best = {(name, rows): float("inf") for name in names for rows in all_rows}
+    started = clock()
+    with torch.inference_mode():
+        for name in names:  # warm-up: oneDNN creates its kernels on a shape's first call
+            for rows in all_rows:
+                one_pass(name, rows)
+        for _ in range(_REPEATS):
+            # Interleaved, so that a burst of load from elsewhere hits every backend alike.
+            for name in names:
+                for rows in all_rows:
+                    best[name, rows] = min(best[name, rows], one_pass(name, rows))
+            if clock() - started > _BUDGET_S:
+                break
+    return {
+        name: (sum(best[name, rows] for rows in DECODE_ROWS), best[name, PREFILL_ROWS])
+        for name in names
+    }
+
+
+def _cpu_identity() -> tuple[str, str]:
+    """(model name, hash of the flags) from /proc/cpuinfo; the platform's processor elsewhere."""
+    fields: dict[str, str] = {}
+    try:
+        with Path("/proc/cpuinfo").open() as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())  # the first CPU's
+    except OSError:
+        pass
+    model = fields.get("model name") or platform.processor()
+    flags = fields.get("flags") or fields.get("Features", "")
+    return model, hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
+def _cache_key(shapes: list[Shape], dtype: torch.dtype) -> dict[str, Any]:
+    model, flags = _cpu_identity()
+    return {
+        "cpu": model,
+        "cpu_flags": flags,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "shapes": [list(shape) for shape in shapes],
+    }
+
+
+def cache_dir() -> Path:
+    return inferq_home() / "cpu_matmul"
+
+
+def cached_timings(shapes: list[Shape], dtype: torch.dtype) -> Timings:
+    """The timings of this machine for (shapes, dtype): from the cache, else measured and kept."""
+    key = _cache_key(shapes, dtype)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    path = cache_dir() / f"{digest}.json"
+    backends = available_backends(dtype)
+    try:
+        stored = json.loads(path.read_text())
+        if stored["key"] == key and set(stored["ms"]) == set(backends):
+            return {name: (float(ms[0]), float(ms[1])) for name, ms in stored["ms"].items()}
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        pass  # absent or unreadable: measure again
+    timings = measure(shapes, dtype, backends)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{time.monotonic_ns()}.tmp")
+        partial.write_text(json.dumps({"key": key, "ms": timings}, indent=1))
+        partial.replace(path)  # atomic: engines starting together never read half a file
+    except OSError as exc:
+        logger.warning("could not cache the cpu matmul timings in %s: %s", path, exc)
+    return timings
+
+
+def tune(shapes: list[Shape], dtype: torch.dtype, choice: str) -> Tuning:
+    """The plan for the model's shapes in dtype: measured (cached) for choice "auto", else the
+    backend named (EngineConfig.cpu_matmul)."""
+    if choice != "auto":
+        available = available_backends(dtype)
+        forced = next((name for name in available if name == choice), None)
+        if forced is None:
+            raise ValueError(
+                f"cpu_matmul={choice!r} is not available for {dtype} on this CPU and torch "
+                f"build (available: auto, {', '.join(available)})"
+            )
+        return Tuning(dtype, uniform(forced), None)
+    timings = cached_timings(shapes, dtype)
+    return Tuning(dtype, choose_plan(timings), timings)
+
+
+def auto_dtype(
+    shapes: list[Shape], choice: str = "auto", bf16_native: Callable[[], bool] = has_native_bf16
+) -> torch.dtype:
+    """bfloat16 where the CPU computes it natively and its plan (see `tune`) measures faster
+    than float32's, decode and prefill summed; float32 elsewhere."""
+    if not bf16_native() or choice not in ("auto", *available_backends(torch.bfloat16)):
+        return torch.float32
+
+    def cost(dtype: torch.dtype) -> float:
+        timings = cached_timings(shapes, dtype)
+        plan = choose_plan(timings) if choice == "auto" else tune(shapes, dtype, choice).plan
+        return timings[plan.small][0] + timings[plan.large][1]
+
+    return torch.bfloat16 if cost(torch.bfloat16) < cost(torch.float32) else torch.float32
+
+
+def apply_plan(model: nn.Module, plan: MatmulPlan) -> None:
+    """Switch every Linear of the model to the plan, packing each weight once."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    with torch.inference_mode(False):
+        for module in model.modules():
+            if isinstance(module, Linear):
+                # A weight shared with another module (a tied embedding) stays as it is.
+                module.use_plan(plan, keep_plain_weight=uses[id(module.weight)] > 1)
+
+
+def tune_model(model: nn.Module, shapes: list[Shape], dtype: torch.dtype, choice: str) -> Tuning:
+    """Choose the plan for the loaded model (see `tune`), apply it, and log it."""
+    started = time.perf_counter()
+    tuning = tune(shapes, dtype, choice)
+    apply_plan(model, tuning.plan)
+    logger.info("%s (%.0f ms)", tuning.describe(), (time.perf_counter() - started) * 1e3)
+    return tuning
