@@ -1,8 +1,8 @@
 // Paged attention for decode steps on the CPU: one query token per sequence, attending over its
 // context read straight from the KV-cache blocks through its block table (no gathered copy).
 //
-// Each (sequence, KV head) pair is one work item: the query heads that share that KV head (GQA)
-// are scored together, so every K and V row is read from memory once per step. Scores are kept
+// The query heads that share a KV head (GQA) are scored together, so every K and V row is read
+// from memory once per step. Scores are kept
 // for the whole context (at most max_model_len floats per head), then softmaxed and used to
 // weight V in a second pass: two sequential sweeps over the blocks, accumulated in float32.
 #include <ATen/Parallel.h>
@@ -18,6 +18,14 @@ namespace {
 
 inline float as_float(float x) { return x; }
 inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < count * int64_t(sizeof(scalar_t)); offset += 64) {
+    __builtin_prefetch(bytes + offset);
+  }
+}
 
 // kHeadDim > 0 fixes the head size at compile time, so the per-row loops over it unroll into a
 // few full-width vector instructions (a runtime bound of 64 costs loop set-up per row).
@@ -43,63 +51,86 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   scalar_t* o = out.data_ptr<scalar_t>();
   const float scale_f = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_rows(group * head_dim);
-    std::vector<float> acc(group * head_dim);
+  // A work item is one sequence with all its KV heads, so each token's K and V rows are read
+  // as one contiguous run of the cache; with fewer sequences than threads to keep busy, items
+  // split a sequence by KV head instead.
+  const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
+  const int64_t kv_per_item = num_kv_heads / splits;
+  const int64_t q_per_item = kv_per_item * group;
+
+  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_rows(q_per_item * head_dim);
+    std::vector<float> acc(q_per_item * head_dim);
     std::vector<float> scores;
-    std::vector<float> inv_sums(group);
+    std::vector<float> inv_sums(q_per_item);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
+      const int64_t seq = item / splits;
+      const int64_t first_kv = (item % splits) * kv_per_item;
       const int64_t len = lens[seq];
       const int32_t* table = tables + seq * table_width;
-      const scalar_t* q_seq = q + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) q_rows[i] = as_float(q_seq[i]) * scale_f;
-      scores.resize(group * len);
+      const scalar_t* q_seq = q + (seq * num_heads + first_kv * group) * head_dim;
+      for (int64_t i = 0; i < q_per_item * head_dim; ++i) {
+        q_rows[i] = as_float(q_seq[i]) * scale_f;
+      }
+      scores.resize(q_per_item * len);
 
       for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
-        const scalar_t* k_block = k_base + table[block] * block_stride + kv_head * head_dim;
+        const scalar_t* k_block = k_base + table[block] * block_stride + first_kv * head_dim;
         const int64_t rows = std::min(block_size, len - first);
+        // Blocks lie anywhere in the cache, beyond the hardware prefetcher's sight: ask for the
+        // next block's rows of K (and of V, read in the second sweep) while this one is scored.
+        const bool has_next = first + block_size < len;
+        const int64_t next_offset =
+            has_next ? table[block + 1] * block_stride + first_kv * head_dim : 0;
         for (int64_t i = 0; i < rows; ++i) {
-          const scalar_t* k_row = k_block + i * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q_rows.data() + g * head_dim;
+          if (has_next) {
+            prefetch_row(k_base + next_offset + i * token_stride, kv_per_item * head_dim);
+          }
+          for (int64_t h = 0; h < q_per_item; ++h) {
+            const scalar_t* k_row = k_block + i * token_stride + (h / group) * head_dim;
+            const float* qh = q_rows.data() + h * head_dim;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * as_float(k_row[d]);
-            scores[g * len + first + i] = dot;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * as_float(k_row[d]);
+            scores[h * len + first + i] = dot;
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * len;
+      for (int64_t h = 0; h < q_per_item; ++h) {
+        float* row = scores.data() + h * len;
         const float top = *std::max_element(row, row + len);
         float sum = 0.f;
         for (int64_t t = 0; t < len; ++t) {
           row[t] = std::exp(row[t] - top);
           sum += row[t];
         }
-        inv_sums[g] = 1.f / sum;
+        inv_sums[h] = 1.f / sum;
       }
 
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
-        const scalar_t* v_block = v_base + table[block] * block_stride + kv_head * head_dim;
+        const scalar_t* v_block = v_base + table[block] * block_stride + first_kv * head_dim;
         const int64_t rows = std::min(block_size, len - first);
+        const bool has_next = first + block_size < len;
+        const int64_t next_offset =
+            has_next ? table[block + 1] * block_stride + first_kv * head_dim : 0;
         for (int64_t i = 0; i < rows; ++i) {
-          const scalar_t* v_row = v_block + i * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + first + i];
-            float* ag = acc.data() + g * head_dim;
+          if (has_next) {
+            prefetch_row(v_base + next_offset + i * token_stride, kv_per_item * head_dim);
+          }
+          for (int64_t h = 0; h < q_per_item; ++h) {
+            const scalar_t* v_row = v_block + i * token_stride + (h / group) * head_dim;
+            const float p = scores[h * len + first + i];
+            float* ah = acc.data() + h * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * as_float(v_row[d]);
+            for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * as_float(v_row[d]);
           }
         }
       }
-      scalar_t* o_seq = o + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t g = 0; g < group; ++g) {
+      scalar_t* o_seq = o + (seq * num_heads + first_kv * group) * head_dim;
+      for (int64_t h = 0; h < q_per_item; ++h) {
         for (int64_t d = 0; d < head_dim; ++d) {
-          o_seq[g * head_dim + d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv_sums[g]);
+          o_seq[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sums[h]);
         }
       }
     }
