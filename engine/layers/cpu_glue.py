@@ -28,17 +28,15 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import rms_norm_ref, silu_and_mul_ref
+from kernels.reference import silu_and_mul_ref
 
 logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # HF's fp32 arithmetic exactly
-    out = rms_norm_ref(x, weight, eps)  # HF's order: normalize in fp32, cast, then scale
-    assert isinstance(out, torch.Tensor)
-    return out
+    # One fused op: HF's fp32 arithmetic exactly; in bf16 it normalizes and scales in fp32 and
+    # rounds once where HF rounds twice (after normalizing, after scaling), a half-ulp apart.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def add_rms_norm(
