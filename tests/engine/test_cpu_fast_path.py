@@ -45,13 +45,19 @@ def test_compiled_glue_matches_eager(dtype: torch.dtype, num_tokens: int) -> Non
             torch.testing.assert_close(got, expected, **tolerance)
 
 
+def _llm(model_dir: Path, **engine_args: bool) -> LLM:
+    # fp32, where two ways of computing the same forward must give the same greedy tokens (bf16
+    # rounds differently along different paths, and near-ties flip)
+    return LLM(str(model_dir), dtype="float32", **engine_args)
+
+
 def _greedy_tokens(llm: LLM) -> list[list[int]]:
     return [list(out.outputs[0].token_ids) for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
 def test_compiled_forward_generates_what_the_eager_one_does(tiny_llama_dir: Path) -> None:
-    eager = LLM(str(tiny_llama_dir), enforce_eager=True)
-    compiled = LLM(str(tiny_llama_dir))
+    eager = _llm(tiny_llama_dir, enforce_eager=True)
+    compiled = _llm(tiny_llama_dir)
     compiled.engine.runner.compiled_glue_min_tokens = 1  # every step, whatever was measured
     assert _greedy_tokens(compiled) == _greedy_tokens(eager)
 
@@ -64,10 +70,10 @@ def test_a_failed_compile_leaves_the_engine_eager_and_working(
 
     monkeypatch.setattr(cpu_glue, "min_tokens_for_compiled", broken)
     with caplog.at_level(logging.WARNING):
-        llm = LLM(str(tiny_llama_dir))
+        llm = _llm(tiny_llama_dir)
     assert llm.engine.runner.compiled_glue_min_tokens is None
     assert "compiling the CPU forward failed (RuntimeError: no C++ compiler)" in caplog.text
-    assert _greedy_tokens(llm) == _greedy_tokens(LLM(str(tiny_llama_dir), enforce_eager=True))
+    assert _greedy_tokens(llm) == _greedy_tokens(_llm(tiny_llama_dir, enforce_eager=True))
 
 
 def test_a_function_the_compiler_rejects_runs_eagerly(caplog: pytest.LogCaptureFixture) -> None:
@@ -89,7 +95,7 @@ def test_without_the_decode_kernel_decoding_gathers_and_agrees(
     from torch.utils import cpp_extension
 
     assert cpu_ops.cpu_kernels_available()
-    with_kernel = _greedy_tokens(LLM(str(tiny_llama_dir), enforce_eager=True))
+    with_kernel = _greedy_tokens(_llm(tiny_llama_dir, enforce_eager=True))
 
     def no_ninja(**_: object) -> None:
         raise RuntimeError("ninja not found")
@@ -98,7 +104,7 @@ def test_without_the_decode_kernel_decoding_gathers_and_agrees(
     cpu_ops.cpu_kernels_available.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
-            gathered = _greedy_tokens(LLM(str(tiny_llama_dir), enforce_eager=True))
+            gathered = _greedy_tokens(_llm(tiny_llama_dir, enforce_eager=True))
         assert not cpu_ops.cpu_kernels_available()
     finally:
         cpu_ops.cpu_kernels_available.cache_clear()  # the next caller builds (loads) again

@@ -57,7 +57,7 @@ def test_kv_cache_memory_budget_sets_the_block_count() -> None:
         * 8
         * hf_config.num_key_value_heads
         * hf_config.head_dim
-        * torch.float32.itemsize
+        * runner.dtype.itemsize  # auto: bf16 on a CPU with native bf16, else fp32
     )
     assert runner.num_kv_blocks == budget // block_bytes
     cache = runner.kv_cache.tensor
