@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.layers import cpu_glue, matmul_tuning
+from engine.machine_cache import cached, machine_key
 from engine.models import sliding_window_limit
 from engine.models.llama import head_dim_of
 from engine.models.loader import build_model
@@ -177,7 +178,9 @@ class ModelRunner:
 
     def _compile_cpu_forward(self) -> None:
         """Compile the forward's glue now, not in the first request, and measure from how many
-        tokens per step it pays. A failure leaves the forward eager, never the worker down."""
+        tokens per step it pays; the answer is kept per machine (engine.machine_cache), and
+        where it is "never" later starts skip compiling. A failure leaves the forward eager,
+        never the worker down."""
         started = time.perf_counter()
         shapes = cpu_glue.GlueShapes(
             hidden_size=self.hf_config.hidden_size,
@@ -187,22 +190,37 @@ class ModelRunner:
             head_dim=self.kv_spec.head_dim,
             dtype=self.dtype,
         )
+        budget = self.config.max_num_batched_tokens
+        candidates = tuple(n for n in (8, 32, 128, 512, 2048) if n <= budget) or (budget,)
+        key = machine_key(
+            shapes={**asdict(shapes), "dtype": str(self.dtype).removeprefix("torch.")},
+            candidates=list(candidates),
+        )
+
+        def read(stored: Any) -> int | None:
+            return None if stored is None else int(stored)
+
         try:
-            budget = self.config.max_num_batched_tokens
-            candidates = tuple(n for n in (8, 32, 128, 512, 2048) if n <= budget) or (budget,)
-            self.compiled_glue_min_tokens = cpu_glue.min_tokens_for_compiled(shapes, candidates)
+            threshold = cached(
+                "cpu_glue",
+                key,
+                lambda: cpu_glue.min_tokens_for_compiled(shapes, candidates),
+                read,
+            )
+            if threshold is not None:
+                cpu_glue.compile_now(shapes)  # a cached answer: compile before any request
         except Exception as error:  # no compiler, an inductor bug: stay eager
             logger.warning(
                 "compiling the CPU forward failed (%s); it runs eagerly", cpu_glue.first_line(error)
             )
             return
-        threshold = self.compiled_glue_min_tokens
+        self.compiled_glue_min_tokens = threshold
         logger.info(
-            "compiled the CPU forward in %.1f s; %s",
-            time.perf_counter() - started,
-            "eager measured faster at every step size, so steps stay eager"
+            "CPU forward glue: %s (%.1f s)",
+            "eager, measured faster than compiled at every step size"
             if threshold is None
-            else f"steps of {threshold} tokens or more run it (measured faster from there)",
+            else f"compiled for steps of {threshold} tokens or more (measured faster from there)",
+            time.perf_counter() - started,
         )
 
     def _glue_for_step(self, num_tokens: int) -> cpu_glue.Glue:

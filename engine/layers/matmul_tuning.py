@@ -8,21 +8,17 @@ passes run over several copies of the weights, so that they stream from memory a
 real step instead of sitting in cache. The whole measurement takes milliseconds for tiny models
 and stays well under a second for real ones (large weights are measured on their first rows).
 
-The timings are cached as JSON under $INFERQ_HOME/cpu_matmul, keyed by CPU model, CPU flags,
+The timings are cached as JSON under $INFERQ_HOME/cpu_matmul (engine.machine_cache), keyed by CPU model, CPU flags,
 torch version, thread count, dtype and shapes, so a second start on the same machine measures
 nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import platform
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,10 +36,12 @@ from engine.layers.matmul import (
     run,
     uniform,
 )
-from engine.model_files import inferq_home
+from engine.machine_cache import cached, machine_key
 from engine.models import model_factory
 
 logger = logging.getLogger(__name__)
+
+CACHE_KIND = "cpu_matmul"  # the folder under $INFERQ_HOME
 
 Shape = tuple[int, int]  # (out, in) of a weight
 Timings = dict[Backend, tuple[float, float]]  # backend -> ms per pass (decode rows, prefill rows)
@@ -159,58 +157,19 @@ def measure(
     }
 
 
-def _cpu_identity() -> tuple[str, str]:
-    """(model name, hash of the flags) from /proc/cpuinfo; the platform's processor elsewhere."""
-    fields: dict[str, str] = {}
-    try:
-        with Path("/proc/cpuinfo").open() as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())  # the first CPU's
-    except OSError:
-        pass
-    model = fields.get("model name") or platform.processor()
-    flags = fields.get("flags") or fields.get("Features", "")
-    return model, hashlib.sha256(flags.encode()).hexdigest()[:16]
-
-
-def _cache_key(shapes: list[Shape], dtype: torch.dtype) -> dict[str, Any]:
-    model, flags = _cpu_identity()
-    return {
-        "cpu": model,
-        "cpu_flags": flags,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "shapes": [list(shape) for shape in shapes],
-    }
-
-
-def cache_dir() -> Path:
-    return inferq_home() / "cpu_matmul"
-
-
 def cached_timings(shapes: list[Shape], dtype: torch.dtype) -> Timings:
     """The timings of this machine for (shapes, dtype): from the cache, else measured and kept."""
-    key = _cache_key(shapes, dtype)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    path = cache_dir() / f"{digest}.json"
     backends = available_backends(dtype)
-    try:
-        stored = json.loads(path.read_text())
-        if stored["key"] == key and set(stored["ms"]) == set(backends):
-            return {name: (float(ms[0]), float(ms[1])) for name, ms in stored["ms"].items()}
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        pass  # absent or unreadable: measure again
-    timings = measure(shapes, dtype, backends)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{time.monotonic_ns()}.tmp")
-        partial.write_text(json.dumps({"key": key, "ms": timings}, indent=1))
-        partial.replace(path)  # atomic: engines starting together never read half a file
-    except OSError as exc:
-        logger.warning("could not cache the cpu matmul timings in %s: %s", path, exc)
-    return timings
+    key = machine_key(
+        dtype=str(dtype).removeprefix("torch."), shapes=[list(shape) for shape in shapes]
+    )
+
+    def read(stored: Any) -> Timings:
+        if set(stored) != set(backends):
+            raise KeyError("measured with other backends")
+        return {name: (float(ms[0]), float(ms[1])) for name, ms in stored.items()}
+
+    return cached(CACHE_KIND, key, lambda: measure(shapes, dtype, backends), read)
 
 
 def tune(shapes: list[Shape], dtype: torch.dtype, choice: str) -> Tuning:

@@ -63,11 +63,15 @@ def test_compiled_forward_generates_what_the_eager_one_does(tiny_llama_dir: Path
 
 
 def test_a_failed_compile_leaves_the_engine_eager_and_working(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     def broken(*_: object) -> int:
         raise RuntimeError("no C++ compiler")
 
+    monkeypatch.setenv("INFERQ_HOME", str(tmp_path / "home"))  # nothing measured before
     monkeypatch.setattr(cpu_glue, "min_tokens_for_compiled", broken)
     with caplog.at_level(logging.WARNING):
         llm = _llm(tiny_llama_dir)
@@ -110,3 +114,24 @@ def test_without_the_decode_kernel_decoding_gathers_and_agrees(
         cpu_ops.cpu_kernels_available.cache_clear()  # the next caller builds (loads) again
     assert "CPU attention kernels unavailable (ninja not found)" in caplog.text
     assert gathered == with_kernel
+
+
+def test_where_compiling_never_pays_later_starts_do_not_compile(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INFERQ_HOME", str(tmp_path / "home"))
+    measured: list[object] = []
+
+    def never_pays(*args: object) -> None:
+        measured.append(args)
+        return None
+
+    monkeypatch.setattr(cpu_glue, "min_tokens_for_compiled", never_pays)
+    first = _llm(tiny_llama_dir)
+    assert first.engine.runner.compiled_glue_min_tokens is None and len(measured) == 1
+    assert list((tmp_path / "home" / "cpu_glue").glob("*.json"))
+
+    monkeypatch.setattr(cpu_glue, "compile_now", lambda *_: pytest.fail("compiled again"))
+    second = _llm(tiny_llama_dir)
+    assert second.engine.runner.compiled_glue_min_tokens is None
+    assert len(measured) == 1  # the second start read the first one's answer
