@@ -27,6 +27,32 @@ inline void prefetch_row(const scalar_t* row, int64_t count) {
   }
 }
 
+// One sequence's context in a cache tensor: `len` tokens spread over the blocks of `table`.
+template <typename scalar_t>
+struct ContextRows {
+  const int32_t* table;
+  int64_t len, block_size, block_stride, token_stride;
+  int64_t row_offset;  // where this work item's KV heads start within a token's row
+  int64_t row_size;    // how many elements of a token's row this work item reads
+
+  // visit(row, t) for every token t in order. Blocks lie anywhere in the cache, beyond the
+  // hardware prefetcher's sight, so the next block's rows are requested while this one's are
+  // visited.
+  template <typename Visit>
+  void visit(const scalar_t* cache, Visit&& visit_row) const {
+    for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
+      const scalar_t* rows = cache + table[block] * block_stride + row_offset;
+      const int64_t count = std::min(block_size, len - first);
+      const bool has_next = first + block_size < len;
+      const scalar_t* next = has_next ? cache + table[block + 1] * block_stride + row_offset : rows;
+      for (int64_t i = 0; i < count; ++i) {
+        if (has_next) prefetch_row(next + i * token_stride, row_size);
+        visit_row(rows + i * token_stride, first + i);
+      }
+    }
+  }
+};
+
 // kHeadDim > 0 fixes the head size at compile time, so the per-row loops over it unroll into a
 // few full-width vector instructions (a runtime bound of 64 costs loop set-up per row).
 template <typename scalar_t, int64_t kHeadDim>
@@ -74,28 +100,19 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       }
       scores.resize(q_per_item * len);
 
-      for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
-        const scalar_t* k_block = k_base + table[block] * block_stride + first_kv * head_dim;
-        const int64_t rows = std::min(block_size, len - first);
-        // Blocks lie anywhere in the cache, beyond the hardware prefetcher's sight: ask for the
-        // next block's rows of K (and of V, read in the second sweep) while this one is scored.
-        const bool has_next = first + block_size < len;
-        const int64_t next_offset =
-            has_next ? table[block + 1] * block_stride + first_kv * head_dim : 0;
-        for (int64_t i = 0; i < rows; ++i) {
-          if (has_next) {
-            prefetch_row(k_base + next_offset + i * token_stride, kv_per_item * head_dim);
-          }
-          for (int64_t h = 0; h < q_per_item; ++h) {
-            const scalar_t* k_row = k_block + i * token_stride + (h / group) * head_dim;
-            const float* qh = q_rows.data() + h * head_dim;
-            float dot = 0.f;
+      // Rows of this item's KV heads, token by token through the block table.
+      const ContextRows<scalar_t> rows{table, len, block_size, block_stride, token_stride,
+                                       first_kv * head_dim, kv_per_item * head_dim};
+      rows.visit(k_base, [&](const scalar_t* k_token, int64_t t) {
+        for (int64_t h = 0; h < q_per_item; ++h) {
+          const scalar_t* k_row = k_token + (h / group) * head_dim;
+          const float* qh = q_rows.data() + h * head_dim;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * as_float(k_row[d]);
-            scores[h * len + first + i] = dot;
-          }
+          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * as_float(k_row[d]);
+          scores[h * len + t] = dot;
         }
-      }
+      });
       for (int64_t h = 0; h < q_per_item; ++h) {
         float* row = scores.data() + h * len;
         const float top = *std::max_element(row, row + len);
@@ -108,25 +125,15 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       }
 
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
-        const scalar_t* v_block = v_base + table[block] * block_stride + first_kv * head_dim;
-        const int64_t rows = std::min(block_size, len - first);
-        const bool has_next = first + block_size < len;
-        const int64_t next_offset =
-            has_next ? table[block + 1] * block_stride + first_kv * head_dim : 0;
-        for (int64_t i = 0; i < rows; ++i) {
-          if (has_next) {
-            prefetch_row(v_base + next_offset + i * token_stride, kv_per_item * head_dim);
-          }
-          for (int64_t h = 0; h < q_per_item; ++h) {
-            const scalar_t* v_row = v_block + i * token_stride + (h / group) * head_dim;
-            const float p = scores[h * len + first + i];
-            float* ah = acc.data() + h * head_dim;
+      rows.visit(v_base, [&](const scalar_t* v_token, int64_t t) {
+        for (int64_t h = 0; h < q_per_item; ++h) {
+          const scalar_t* v_row = v_token + (h / group) * head_dim;
+          const float p = scores[h * len + t];
+          float* ah = acc.data() + h * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * as_float(v_row[d]);
-          }
+          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * as_float(v_row[d]);
         }
-      }
+      });
       scalar_t* o_seq = o + (seq * num_heads + first_kv * group) * head_dim;
       for (int64_t h = 0; h < q_per_item; ++h) {
         for (int64_t d = 0; d < head_dim; ++d) {
