@@ -15,7 +15,10 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def smollm():
-    """`engine.LLM` on the default model: the offline reference."""
+    """`engine.LLM` on the default model: the offline reference.
+
+    float32, as its workers run, because tests compare greedy tokens across batch compositions
+    and crashes: dtype auto may pick bf16, whose rounding differs with the batch's row count."""
     from engine import LLM
 
-    return LLM(DEFAULT_MODEL)
+    return LLM(DEFAULT_MODEL, dtype="float32")
