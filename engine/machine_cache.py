@@ -14,12 +14,12 @@ import logging
 import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from engine.model_files import inferq_home
+from kernels.cpu_ops import cpu_fields, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -27,18 +27,9 @@ Stored = TypeVar("Stored")
 
 
 def cpu_identity() -> tuple[str, str]:
-    """(model name, hash of the flags) from /proc/cpuinfo; the platform's processor elsewhere."""
-    fields: dict[str, str] = {}
-    try:
-        with Path("/proc/cpuinfo").open() as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())  # the first CPU's
-    except OSError:
-        pass
-    model = fields.get("model name") or platform.processor()
-    flags = fields.get("flags") or fields.get("Features", "")
-    return model, hashlib.sha256(flags.encode()).hexdigest()[:16]
+    """(model name, hash of the flags); the platform's processor where /proc/cpuinfo is absent."""
+    model = cpu_fields().get("model name") or platform.processor()
+    return model, hashlib.sha256(cpu_flags().encode()).hexdigest()[:16]
 
 
 def machine_key(**details: Any) -> dict[str, Any]:

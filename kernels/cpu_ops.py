@@ -25,14 +25,24 @@ _SOURCES = (Path(__file__).parent / "cpu" / "paged_decode.cpp",)
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd")
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_fields() -> dict[str, str]:
+    """The first CPU's fields of /proc/cpuinfo ("model name", "flags", ...); {} where absent."""
+    fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
+        with Path("/proc/cpuinfo").open() as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return ""
+    return fields
+
+
+def cpu_flags() -> str:
+    """The instruction-set flags (x86 "flags", Arm "Features")."""
+    fields = cpu_fields()
+    return fields.get("flags") or fields.get("Features", "")
 
 
 def _build_name() -> str:
@@ -40,7 +50,7 @@ def _build_name() -> str:
     for source in _SOURCES:
         digest.update(source.read_bytes())
     digest.update(" ".join(_CFLAGS).encode())
-    digest.update(_cpu_flags().encode())
+    digest.update(cpu_flags().encode())
     digest.update(torch.__version__.encode())
     return f"inferq_cpu_{digest.hexdigest()[:16]}"
 

@@ -78,7 +78,7 @@ def build_plan(
     decode_blocks_per_seq = 0
     if decode_seqs and fused_decode:
         if len(decode_seqs) == len(query_lens):
-            decode_tables, decode_lens = meta.block_tables, meta.seq_lens
+            decode_tables, decode_lens = meta.block_tables.contiguous(), meta.seq_lens
         else:
             decode_rows = torch.tensor([starts[i] for i in decode_seqs], device=device)
             decode_tables = meta.block_tables.index_select(0, decode_rows.new_tensor(decode_seqs))
@@ -176,7 +176,7 @@ class TorchAttentionBackend:
                 q_dec.contiguous(),
                 k_cache,
                 v_cache,
-                plan.decode_tables.contiguous(),
+                plan.decode_tables,
                 plan.decode_lens,
                 scale,
             )
