@@ -57,7 +57,6 @@ async def test_two_workers_share_a_backlog_and_survive_a_sigkill(redis_url, smol
             model=MODEL,
             name=name,
             max_num_seqs=SEQS_PER_WORKER,
-            dtype="float32",  # as the offline reference: resumed text must equal it
             extra_env=env,
         )
         for name in ("keeper", "victim")

@@ -80,10 +80,7 @@ async def test_sigkill_20_jobs_mid_generation_with_the_real_engine(redis_url, sm
     async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
         jobs = await _enqueue(client, prompts, max_tokens)
         streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
-        # float32, as the offline reference: the resumed text must equal the uninterrupted one
-        doomed = start_worker_process(
-            redis_url, fake=False, model=MODEL, name="doomed", dtype="float32"
-        )
+        doomed = start_worker_process(redis_url, fake=False, model=MODEL, name="doomed")
         try:
             await wait_for(lambda: _all_have_chunks(redis, jobs, 4), 300)
         finally:
@@ -108,7 +105,6 @@ async def test_sigterm_with_the_real_engine_exits_0_and_loses_nothing(redis_url,
             model=MODEL,
             name="leaving",
             drain_timeout_s=0.5,
-            dtype="float32",  # as the offline reference
         )
         try:
             await wait_for(lambda: _all_have_chunks(redis, jobs, 4), 300)

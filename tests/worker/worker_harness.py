@@ -67,6 +67,10 @@ def start_worker_process(
     values = {**FAST, "redis_url": redis_url, **settings}
     if fake:
         values["engine_factory"] = "worker_fakes:build_engine"
+    else:
+        # As the offline references (the smollm fixtures): dtype auto may pick bf16, whose
+        # rounding depends on the batch, and tests compare tokens across batches and crashes.
+        values.setdefault("dtype", "float32")
     for name, value in values.items():
         env[f"INFERQ_{name.upper()}"] = str(value)
     env.update(extra_env or {})
