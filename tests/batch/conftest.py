@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,12 @@ class BatchStack(BatchCalls):
         self.stop_workers()
         if self._arq is not None:
             worker, running = self._arq
-            self.bg.run(worker.close())
+            try:
+                self.bg.run(worker.close())
+            except CancelledError:
+                # arq's close cancels a job still running (a resume tick) and re-raises that
+                # cancellation before closing its pool: close the pool here instead.
+                self.bg.run(worker.pool.close(close_connection_pool=True))
             running.cancel()
         self.http.close()
         self.stack.close()
