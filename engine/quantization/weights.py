@@ -1,0 +1,141 @@
+"""The one in-memory form of a quantized linear weight, whatever checkpoint it came from.
+
+Every scheme (int8 and int4 quantized at load, GGUF blocks, GPTQ, AWQ) converts its tensors into
+a `QuantizedWeight` once, at load; the CPU kernels (kernels.quant_ops) and the plain-torch
+reference below read only this form.
+
+Layout, for a weight of `out_features` rows and `in_features` inputs, groups of `group_size`
+consecutive inputs sharing one scale (and, for 4 bits, one minimum):
+
+- 8 bits: `data` int8 [out, in]; the weight is `q * scale` (q in -128..127).
+- 4 bits: `data` uint8 [out, in // 2]; each run of 32 inputs is 16 bytes whose low nibbles hold
+  inputs 0..15 and high nibbles inputs 16..31 (GGUF's Q4 block order, so GGUF blocks are used
+  as they are); the weight is `q * scale + min` (q in 0..15). Symmetric 4-bit formats (Q4_0,
+  GPTQ's zero point) become a minimum: `scale * (q - z) = q * scale + (-z * scale)`.
+- `scales` (and `mins`) float16 [out, in // group_size]: half the bytes of fp32 where they are a
+  fifth of a 4-bit weight's bytes, and exactly what GGUF, GPTQ and AWQ store.
+- `input_order`: GPTQ's act-order checkpoints group inputs out of order; the loader sorts the
+  inputs by group so groups are contiguous, and the activations are gathered in that order
+  before the matmul (None: natural order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Q4_BLOCK = 32  # inputs per packed 4-bit run: 16 bytes, low nibbles first
+
+
+@dataclass
+class QuantizedWeight:
+    bits: Literal[4, 8]
+    out_features: int
+    in_features: int
+    group_size: int
+    data: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+    input_order: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        groups = self.in_features // self.group_size
+        if self.in_features % self.group_size:
+            raise ValueError(f"group_size {self.group_size} does not divide {self.in_features}")
+        if self.bits == 4:
+            if self.group_size % Q4_BLOCK or self.mins is None:
+                raise ValueError("4-bit weights need groups of a multiple of 32 and mins")
+            expected_data = (self.out_features, self.in_features // 2)
+        else:
+            expected_data = (self.out_features, self.in_features)
+        if tuple(self.data.shape) != expected_data:
+            raise ValueError(f"{self.bits}-bit data has shape {tuple(self.data.shape)}")
+        for name, part in (("scales", self.scales), ("mins", self.mins)):
+            if part is not None and tuple(part.shape) != (self.out_features, groups):
+                raise ValueError(f"{name} has shape {tuple(part.shape)}, not {(self.out_features, groups)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def nbytes(self) -> int:
+        parts = (self.data, self.scales, self.mins, self.input_order)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return QuantizedWeight(
+            self.bits, self.out_features, self.in_features, self.group_size,
+            self.data.to(device), self.scales.to(device), move(self.mins), move(self.input_order),
+        )  # fmt: skip
+
+    def select_rows(self, start: int, stop: int) -> QuantizedWeight:
+        """The weight of output rows start..stop (a shard of a fused projection)."""
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[start:stop].contiguous()
+
+        return QuantizedWeight(
+            self.bits, stop - start, self.in_features, self.group_size,
+            self.data[start:stop].contiguous(), self.scales[start:stop].contiguous(),
+            rows(self.mins), self.input_order,
+        )  # fmt: skip
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8-valued 0..15 [out, in] -> uint8 [out, in // 2] in the 32-input block order."""
+    out, inputs = q.shape
+    blocks = q.to(torch.uint8).reshape(out, inputs // Q4_BLOCK, 2, Q4_BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, inputs // 2)
+
+
+def unpack_int4(data: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4: uint8 [out, in // 2] -> uint8 0..15 [out, in]."""
+    out, half = data.shape
+    blocks = data.reshape(out, half // (Q4_BLOCK // 2), 1, Q4_BLOCK // 2)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=2).reshape(out, half * 2)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full-precision [out, in] weight, in the natural input order (the reference)."""
+    groups = weight.in_features // weight.group_size
+    if weight.bits == 4:
+        q = unpack_int4(weight.data).float()
+    else:
+        q = weight.data.float()
+    q = q.reshape(weight.out_features, groups, weight.group_size)
+    full = q * weight.scales.float()[..., None]
+    if weight.mins is not None:
+        full = full + weight.mins.float()[..., None]
+    full = full.reshape(weight.out_features, weight.in_features)
+    if weight.input_order is not None:
+        natural = torch.empty_like(full)
+        natural[:, weight.input_order] = full
+        full = natural
+    return full.to(dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric per-output-channel int8, rounding to nearest."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12).half().float()
+    q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+    out, inputs = w.shape
+    return QuantizedWeight(8, out, inputs, inputs, q, scale.half())
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
+    """Asymmetric group-wise int4 (min and scale per group of inputs), rounding to nearest."""
+    w = weight.detach().float()
+    out, inputs = w.shape
+    grouped = w.reshape(out, inputs // group_size, group_size)
+    low = grouped.amin(dim=-1).half().float()
+    scale = ((grouped.amax(dim=-1) - low) / 15).clamp(min=1e-8).half().float()
+    q = torch.round((grouped - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return QuantizedWeight(
+        4, out, inputs, group_size, pack_int4(q.reshape(out, inputs)), scale.half(), low.half()
+    )
