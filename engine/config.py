@@ -33,6 +33,20 @@ class EngineConfig:
         Field(description="dummy: random weights of the model's config (benchmarks)"),
     ] = "auto"
     seed: Annotated[int, Field(description="seed of the random weights of load_format dummy")] = 0
+    quantization: Annotated[
+        Literal["int8", "int4", "gguf", "gptq", "awq", "fp8"] | None,
+        Field(
+            description="weight quantization. int8: per output channel, and int4: group-wise "
+            "with a minimum, both quantized at load from a full-precision checkpoint (lm_head "
+            "int8, embedding as loaded); gguf: the model folder's GGUF file, its Q4_0/Q4_1/Q8_0 "
+            "blocks used as they are; gptq, awq: checkpoints in those formats; fp8: CUDA only. "
+            "Default: what the checkpoint's config names (gptq, awq), else full precision"
+        ),
+    ] = None
+    quantization_group_size: Annotated[
+        Literal[32, 64, 128],
+        Field(description="inputs sharing one scale and minimum in int4 quantized at load"),
+    ] = 32
     # KV cache
     block_size: Annotated[int, Field(ge=1, description="tokens per KV-cache block")] = 16
     num_kv_blocks: Annotated[

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence as SequenceABC
 from dataclasses import fields
 from typing import Any
@@ -63,6 +64,16 @@ class LLM:
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def perplexity(self, text: str | list[int]) -> float:
+        """exp of the mean negative log-likelihood of the text's tokens after the first, from
+        one forward pass over the whole text (it must fit the model and the KV cache)."""
+        if self.engine.has_unfinished():
+            raise RuntimeError("perplexity needs an idle engine: finish the requests first")
+        ids = self.tokenizer.encode(text) if isinstance(text, str) else list(text)
+        if len(ids) < 2:
+            raise ValueError("perplexity needs at least two tokens")
+        return math.exp(-self.engine.runner.token_logprobs(ids).double().mean().item())
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

@@ -28,6 +28,7 @@ from engine.machine_cache import cached, machine_key
 from engine.models import sliding_window_limit
 from engine.models.llama import head_dim_of
 from engine.models.loader import build_model
+from engine.quantization.methods import resolve_method, weight_bytes
 from engine.sequence import ScheduledSeq, Sequence
 from schemas.sampling import SamplingParams
 
@@ -83,6 +84,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(
             config.dtype, self.device, lambda: matmul_tuning.auto_dtype(shapes, config.cpu_matmul)
         )
+        self.quantization = resolve_method(
+            config.quantization, model_path, self.device, self.dtype, config.load_format
+        )
         self.model = build_model(
             hf_config,
             self.attn_backend,
@@ -91,7 +95,10 @@ class ModelRunner:
             model_path=model_path,
             load_format=config.load_format,
             seed=config.seed,
+            quantization=self.quantization,
+            quantization_group_size=config.quantization_group_size,
         )
+        self.weight_bytes = weight_bytes(self.model)
         if self.device.type == "cpu":
             matmul_tuning.tune_model(self.model, shapes, self.dtype, config.cpu_matmul)
         self.kv_spec = KVCacheSpec(
@@ -112,10 +119,13 @@ class ModelRunner:
         if self.device.type == "cpu" and not config.enforce_eager:
             self._compile_cpu_forward()
         logger.info(
-            "model runner: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB), backend %s",
+            "model runner: %s on %s (%s, weights %s, %.1f MiB), %d KV blocks of %d tokens "
+            "(%.1f MiB), backend %s",
             type(self.model).__name__,
             self.device,
             self.dtype,
+            self.quantization or "full precision",
+            self.weight_bytes / 2**20,
             self.num_kv_blocks,
             self.block_size,
             self.num_kv_blocks * self.kv_spec.bytes_per_block / 2**20,
@@ -300,6 +310,33 @@ class ModelRunner:
         inputs = self.prepare_inputs(batch)
         with cpu_glue.using(self._glue_for_step(inputs.input_ids.shape[0])):
             return self._run_model(inputs)
+
+    @torch.inference_mode()
+    def token_logprobs(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
+        """float32 [len - 1]: the model's log-probability of each token after its prefix, from
+        one prefill of the whole text (perplexity). Only on an idle runner: it writes KV blocks
+        from 0 on."""
+        num_blocks = -(-len(token_ids) // self.block_size)
+        if num_blocks > self.num_kv_blocks or len(token_ids) > self.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens do not fit the KV cache or the model")
+        seq = Sequence(
+            request_id="score",
+            token_ids=list(token_ids),
+            num_prompt_tokens=len(token_ids),
+            params=SamplingParams(),
+            block_table=list(range(num_blocks)),
+        )
+        inputs = self.prepare_inputs([ScheduledSeq(seq, len(token_ids))])
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta
+        )[:-1]
+        targets = inputs.input_ids[1:]
+        parts = []
+        for start in range(0, hidden.shape[0], chunk):  # logits of a few rows at a time
+            logits = self.model.compute_logits(hidden[start : start + chunk])
+            picked = targets[start : start + chunk, None]
+            parts.append(logits.log_softmax(-1).gather(-1, picked).squeeze(-1))
+        return torch.cat(parts)
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.sample_rows is not None and inputs.sample_rows.numel() == 0:

@@ -3,7 +3,8 @@
 On the CPU each layer computes through the backend its plan names for the call's row count
 (engine.layers.matmul); the plan is measured per machine at start-up and the weights are
 packed once for it (engine.layers.matmul_tuning.apply_plan). Until then, and on CUDA, a layer
-is a plain `F.linear`.
+is a plain `F.linear`. A quantized layer (engine.quantization) holds a `QuantizedWeight` instead
+of its plain weight and computes through the quantized matmul.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.matmul import ATEN, MatmulPlan, PackedWeights, pack, run
+from engine.quantization.matmul import quantized_linear
+from engine.quantization.weights import QuantizedWeight
 
 
 def linear(
@@ -34,14 +37,29 @@ class Linear(nn.Linear):
 
     plan: MatmulPlan = ATEN
     packed: PackedWeights | None = None
+    quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized_linear(x, self.quantized, self.bias)
         return linear(x, self.weight, self.bias, self.plan, self.packed)
+
+    def use_quantized(self, weight: QuantizedWeight, keep_plain_weight: bool = False) -> None:
+        """Compute through `weight` from now on and free the plain weight (unless it is shared,
+        e.g. with a tied embedding that still reads it)."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {weight.shape} for a {self.weight.shape} layer")
+        self.quantized = weight.to(self.weight.device)
+        self.packed = None
+        if not keep_plain_weight:
+            self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
     def use_plan(self, plan: MatmulPlan, keep_plain_weight: bool = False) -> None:
         """Compute through `plan` from now on: pack the weight once for it, and free the plain
         weight when no backend of the plan reads it (unless keep_plain_weight: e.g. it is shared
         with a tied embedding)."""
+        if self.quantized is not None:
+            return  # the quantized matmul has its own kernels
         with torch.no_grad():
             self.packed = pack(self.weight.detach(), plan)
         self.plan = plan

@@ -6,8 +6,11 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
+
+from engine.quantization.weights import QuantizedWeight
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -122,4 +125,20 @@ class TensorDictCheckpoint:
         destination.copy_(self.tensors[name])
 
 
-Checkpoint = SafetensorsCheckpoint | TensorDictCheckpoint
+@runtime_checkable
+class QuantizedCheckpoint(Protocol):
+    """A checkpoint some of whose tensors are quantized (GGUF blocks, GPTQ, AWQ): those are
+    read whole as `QuantizedWeight`s, the rest like any checkpoint's."""
+
+    def names(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read_into(self, name: str, destination: torch.Tensor) -> None: ...
+
+    def quantized_names(self) -> set[str]: ...
+
+    def read_quantized(self, name: str) -> QuantizedWeight: ...
+
+
+Checkpoint = SafetensorsCheckpoint | TensorDictCheckpoint | QuantizedCheckpoint

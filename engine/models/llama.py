@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.layers.activation import silu_and_mul
+from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
@@ -122,7 +123,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling
         )
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, self.rotary_emb, backend, **biases)
             for _ in range(hf_config.num_hidden_layers)

@@ -18,10 +18,19 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.layers.linear import MergedLinear
+from engine.layers.embedding import VocabEmbedding
+from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.models import model_factory
-from engine.models.checkpoint import Checkpoint, SafetensorsCheckpoint, WeightLoadError
+from engine.models.checkpoint import (
+    Checkpoint,
+    QuantizedCheckpoint,
+    SafetensorsCheckpoint,
+    WeightLoadError,
+)
+from engine.quantization.checkpoints import open_quantized_checkpoint
+from engine.quantization.methods import AT_LOAD, QuantizationMethod, quantize_at_load
+from engine.quantization.weights import QuantizedWeight, concat_rows
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +46,11 @@ def build_model(
     model_path: Path | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: QuantizationMethod | None = None,
+    quantization_group_size: int = 32,
 ) -> nn.Module:
-    """Build the model for hf_config on device/dtype, with checkpoint or dummy weights."""
+    """Build the model for hf_config on device/dtype, with checkpoint or dummy weights,
+    quantized as `quantization` says (already checked by engine.quantization.resolve_method)."""
     factory = model_factory(hf_config)
     with _default_dtype(dtype), torch.device("meta"):
         model = factory(hf_config, backend)
@@ -54,9 +66,14 @@ def build_model(
             raise ValueError(
                 'load_format="auto" needs a model folder; use "dummy" for random weights'
             )
-        load_weights(model, SafetensorsCheckpoint(model_path))
+        if quantization is not None and quantization not in AT_LOAD:
+            load_weights(model, open_quantized_checkpoint(quantization, model_path))
+        else:
+            load_weights(model, SafetensorsCheckpoint(model_path))
     else:
         raise ValueError(f"unknown load_format {load_format!r} (expected auto or dummy)")
+    if quantization in AT_LOAD:
+        quantize_at_load(model, quantization, quantization_group_size)
     return model.eval()
 
 
@@ -71,13 +88,21 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
-    """Copy checkpoint tensors into the model; raise if any parameter is left unfilled."""
+    """Copy checkpoint tensors into the model; raise if any parameter is left unfilled.
+
+    Quantized tensors (a QuantizedCheckpoint's) replace their layer's plain weight; the shards of
+    a fused projection are stacked once all are read.
+    """
     params = dict(model.named_parameters())  # a tied lm_head is listed under the embedding
     shard_of = {
         checkpoint_name: (fused_name, shard)
         for fused_name, parts in getattr(model, "packed_modules", {}).items()
         for shard, checkpoint_name in enumerate(parts)
     }
+    quantized_names = (
+        checkpoint.quantized_names() if isinstance(checkpoint, QuantizedCheckpoint) else set()
+    )
+    quantized: dict[str, dict[int, QuantizedWeight]] = {}
     tied = getattr(model, "tie_word_embeddings", False)
     filled: dict[str, set[int]] = {name: set() for name in params}
     with torch.no_grad():
@@ -89,24 +114,49 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
             if param is None:
                 logger.warning("checkpoint tensor %s has no place in the model; skipped", name)
                 continue
-            destination = param.data
+            shape = tuple(param.shape)
             if shard is not None:
                 module = model.get_submodule(target.rsplit(".", 1)[0])
                 assert isinstance(module, MergedLinear)
-                size = module.shard_sizes[shard]
-                destination = destination.narrow(0, module.shard_offset(shard), size)
-            if tuple(destination.shape) != checkpoint.shape(name):
+                shape = (module.shard_sizes[shard], *shape[1:])
+            if name in quantized_names:
+                weight = checkpoint.read_quantized(name)  # type: ignore[union-attr]
+                stored_shape = weight.shape
+            else:
+                stored_shape = checkpoint.shape(name)
+            if stored_shape != shape:
                 raise WeightLoadError(
-                    f"{name}: checkpoint shape {checkpoint.shape(name)} != model shape "
-                    f"{tuple(destination.shape)}"
+                    f"{name}: checkpoint shape {stored_shape} != model shape {shape}"
                 )
-            checkpoint.read_into(name, destination)
+            if name in quantized_names:
+                quantized.setdefault(target, {})[shard or 0] = weight
+            else:
+                destination = param.data
+                if shard is not None:
+                    destination = destination.narrow(0, module.shard_offset(shard), shape[0])
+                checkpoint.read_into(name, destination)
             filled[target].add(0 if shard is None else shard)
     missing = [name for name, shards in filled.items() if len(shards) < _num_shards(model, name)]
     if missing:
         raise WeightLoadError(
             f"checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:5]}"
         )
+    for target, shards in quantized.items():
+        _use_quantized(model, target, concat_rows([shards[i] for i in sorted(shards)]), tied)
+
+
+def _use_quantized(model: nn.Module, target: str, weight: QuantizedWeight, tied: bool) -> None:
+    module = model.get_submodule(target.rsplit(".", 1)[0])
+    if not isinstance(module, (Linear, VocabEmbedding)):
+        raise WeightLoadError(f"{target} is quantized, but a {type(module).__name__} reads it")
+    if isinstance(module, VocabEmbedding):
+        if tied:  # the lm_head reads the same quantized table
+            lm_head = model.get_submodule("lm_head")
+            assert isinstance(lm_head, Linear)
+            lm_head.use_quantized(weight)
+        module.use_quantized(weight)
+    else:
+        module.use_quantized(weight)
 
 
 def _target_of(name: str, shard_of: dict[str, tuple[str, int]]) -> tuple[str, int | None]:

@@ -54,7 +54,9 @@ class QuantizedWeight:
             raise ValueError(f"{self.bits}-bit data has shape {tuple(self.data.shape)}")
         for name, part in (("scales", self.scales), ("mins", self.mins)):
             if part is not None and tuple(part.shape) != (self.out_features, groups):
-                raise ValueError(f"{name} has shape {tuple(part.shape)}, not {(self.out_features, groups)}")
+                raise ValueError(
+                    f"{name} has shape {tuple(part.shape)}, not {(self.out_features, groups)}"
+                )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -103,10 +105,7 @@ def unpack_int4(data: torch.Tensor) -> torch.Tensor:
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full-precision [out, in] weight, in the natural input order (the reference)."""
     groups = weight.in_features // weight.group_size
-    if weight.bits == 4:
-        q = unpack_int4(weight.data).float()
-    else:
-        q = weight.data.float()
+    q = unpack_int4(weight.data).float() if weight.bits == 4 else weight.data.float()
     q = q.reshape(weight.out_features, groups, weight.group_size)
     full = q * weight.scales.float()[..., None]
     if weight.mins is not None:
@@ -138,4 +137,35 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
     q = torch.round((grouped - low[..., None]) / scale[..., None]).clamp(0, 15)
     return QuantizedWeight(
         4, out, inputs, group_size, pack_int4(q.reshape(out, inputs)), scale.half(), low.half()
+    )
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight of the parts' output rows stacked in order (a fused projection's shards)."""
+    first = parts[0]
+    for part in parts[1:]:
+        same_order = (part.input_order is None) == (first.input_order is None) and (
+            part.input_order is None or torch.equal(part.input_order, first.input_order)
+        )
+        if (
+            (part.bits, part.in_features, part.group_size)
+            != (first.bits, first.in_features, first.group_size)
+            or (part.mins is None) != (first.mins is None)
+            or not same_order
+        ):
+            raise ValueError(
+                "the projections of one fused layer are quantized differently "
+                f"({first.bits} bits, group {first.group_size} vs {part.bits} bits, group {part.group_size}, "
+                "or a different input order)"
+            )
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
+    return QuantizedWeight(
+        first.bits,
+        sum(p.out_features for p in parts),
+        first.in_features,
+        first.group_size,
+        torch.cat([p.data for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        mins,
+        first.input_order,
     )

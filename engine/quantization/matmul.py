@@ -1,0 +1,46 @@
+"""x @ W.T for a quantized W: the CPU kernels where they are built, else dequantize per call.
+
+The per-call dequantization is the reference (and the path on CUDA until it has kernels of
+its own): it gives the same numbers as the dequantized full-precision model, slowly. A CPU
+without a compiler for the kernels says so once in the log (kernels.cpu_ops).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.quantization.weights import QuantizedWeight, dequantize
+from kernels import quant_ops
+from kernels.cpu_ops import cpu_kernels_available
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., in] @ dequantize(weight).T + bias, in x's dtype."""
+    if x.device.type == "cpu" and x.numel() and cpu_kernels_available():
+        if weight.input_order is not None:
+            x = x.index_select(-1, weight.input_order)
+        rows = x.reshape(-1, weight.in_features).contiguous()
+        out = quant_ops.quant_matmul(
+            rows, weight.data, weight.scales, weight.mins, weight.bits, weight.group_size, bias
+        )
+        return out.reshape(*x.shape[:-1], weight.out_features)
+    return F.linear(x, dequantize(weight, x.dtype), bias)
+
+
+def quantized_embedding(ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Rows `ids` of a quantized [vocab, hidden] table, dequantized to float32."""
+    if weight.input_order is not None:
+        raise ValueError("an embedding table cannot have a reordered hidden dimension")
+    rows = QuantizedWeight(
+        weight.bits,
+        ids.numel(),
+        weight.in_features,
+        weight.group_size,
+        weight.data.index_select(0, ids.reshape(-1)),
+        weight.scales.index_select(0, ids.reshape(-1)),
+        None if weight.mins is None else weight.mins.index_select(0, ids.reshape(-1)),
+    )
+    return dequantize(rows).reshape(*ids.shape, weight.in_features)
