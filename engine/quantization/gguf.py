@@ -40,6 +40,9 @@ _FLOAT_TYPES = {_Q.F32, _Q.F16}
 # Bytes before the 16 bytes of nibbles (Q4) or the 32 int8 (Q8_0) in one block.
 _BLOCK_HEADERS = {_Q.Q4_0: 2, _Q.Q4_1: 4, _Q.Q8_0: 2}
 _BLOCK = 32
+# Types read_into serves without a log line: BF16 is full precision, the block types also have
+# a quantized form; any other type means a model running at full precision unexpectedly.
+_EXPECTED_DEQUANTIZED = {*_BLOCK_HEADERS, _Q.BF16}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -171,10 +174,11 @@ class GGUFCheckpoint:
         kind = tensor.kind
         shape = self.shape(name)
         raw = self._raw(tensor)
+        values: np.ndarray
         if kind in _FLOAT_TYPES:
             values = raw.view(np.float32 if kind == _Q.F32 else np.float16)
         else:
-            if kind not in _BLOCK_HEADERS and kind.name not in self._logged_types:
+            if kind not in _EXPECTED_DEQUANTIZED and kind.name not in self._logged_types:
                 self._logged_types.add(kind.name)
                 logger.info(
                     "%s: %s tensors (first: %s) have no quantized in-memory form; "

@@ -50,14 +50,17 @@ class _Cursor:
         self.at += struct.calcsize(fmt)
         return value  # type: ignore[no-any-return]
 
+    def integer(self, fmt: str) -> int:
+        return int(self.unpack(fmt))
+
     def string(self) -> str:
-        length = int(self.unpack("<Q"))
+        length = self.integer("<Q")
         text = self.buffer[self.at : self.at + length].decode("utf-8", errors="replace")
         self.at += length
         return text
 
     def skip_string(self) -> None:
-        length = int(self.unpack("<Q"))  # read first: `self.at += ...` would load `at` before
+        length = self.integer("<Q")  # read first: `self.at += ...` would load `at` before
         self.at += length
 
     def value(self, kind: _V) -> str | int | float | bool | None:
@@ -66,8 +69,8 @@ class _Cursor:
             return self.string()
         if kind != _V.ARRAY:
             return self.unpack(_SCALAR_FORMATS[kind])
-        item_kind = _V(self.unpack("<I"))
-        count = int(self.unpack("<Q"))
+        item_kind = _V(self.integer("<I"))
+        count = self.integer("<Q")
         if item_kind == _V.STRING:
             for _ in range(count):
                 self.skip_string()
@@ -81,6 +84,15 @@ class _Cursor:
 
 def read_gguf_layout(path: Path) -> GGUFLayout:
     """The scalar metadata and the tensor table of a GGUF file (versions 2 and 3)."""
+    try:
+        return _read_layout(path)
+    except (struct.error, ValueError) as exc:  # ran past the end, or an unknown type code
+        if isinstance(exc, QuantizationFormatError):
+            raise
+        raise QuantizationFormatError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def _read_layout(path: Path) -> GGUFLayout:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
         cursor = _Cursor(buffer)
         if cursor.unpack("<I") != gguf.GGUF_MAGIC:
@@ -88,20 +100,20 @@ def read_gguf_layout(path: Path) -> GGUFLayout:
         version = cursor.unpack("<I")
         if version not in (2, 3):
             raise QuantizationFormatError(f"{path}: GGUF version {version} is not supported")
-        tensor_count = int(cursor.unpack("<Q"))
-        field_count = int(cursor.unpack("<Q"))
+        tensor_count = cursor.integer("<Q")
+        field_count = cursor.integer("<Q")
         metadata: dict[str, str | int | float | bool] = {}
         for _ in range(field_count):
             key = cursor.string()
-            value = cursor.value(_V(cursor.unpack("<I")))
+            value = cursor.value(_V(cursor.integer("<I")))
             if value is not None:
                 metadata[key] = value
         table = []
         for _ in range(tensor_count):
             name = cursor.string()
-            dims = tuple(int(cursor.unpack("<Q")) for _ in range(int(cursor.unpack("<I"))))
-            kind = gguf.GGMLQuantizationType(cursor.unpack("<I"))
-            table.append((name, dims, kind, int(cursor.unpack("<Q"))))
+            dims = tuple(cursor.integer("<Q") for _ in range(cursor.integer("<I")))
+            kind = gguf.GGMLQuantizationType(cursor.integer("<I"))
+            table.append((name, dims, kind, cursor.integer("<Q")))
         alignment = int(metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
         data_start = -(-cursor.at // alignment) * alignment
     tensors = []
