@@ -257,9 +257,9 @@ def _to_quantized(
     group_of_run = sorted_groups[torch.arange(0, in_features, group_size)]
     run_scales = scales[group_of_run].T.contiguous()  # [out, in / group_size]
     run_zeros = zeros[group_of_run].T
-    q_sorted = q[:, order].contiguous()  # inputs grouped
     natural = bool(torch.equal(order, torch.arange(in_features)))
     input_order = None if natural else order
+    q_sorted = q.contiguous() if natural else q[:, order].contiguous()  # inputs grouped
     if bits == 4:
         mins = (-(run_zeros.float() * run_scales.float())).half()
         return QuantizedWeight(
