@@ -1,0 +1,222 @@
+"""A GGUF file read as a checkpoint: Q4_0/Q4_1/Q8_0 blocks straight into `QuantizedWeight`.
+
+GGUF stores a weight as rows of blocks of 32 inputs; Q4_0, Q4_1 and Q8_0 blocks already are the
+in-memory form (weights.py), so reading them is slicing bytes, not dequantizing:
+
+- Q4_1 (20 bytes: d fp16, m fp16, 16 bytes of nibbles): 4 bits, group 32, scale d, min m.
+- Q4_0 (18 bytes: d fp16, 16 bytes of nibbles, weight (q - 8) * d): 4 bits, min -8 * d (exact
+  in fp16: a power-of-two multiple).
+- Q8_0 (34 bytes: d fp16, 32 int8): 8 bits, group 32, scale d.
+
+Every other tensor (F32/F16/BF16 norms, and any other GGML quant type such as Q4_K or Q6_K, which
+have no in-memory quantized form) is served full precision through `shape`/`read_into`; the
+other quant types are dequantized with gguf's numpy dequantizer, with one log line per type.
+
+llama.cpp's converter permutes the rows of Q and K of llama models (its rotary pairs adjacent
+elements, HF's pairs the two halves of a head); the rows are put back here as transformers'
+GGUF loader does. Whole rows move, so blocks stay intact.
+
+Names are the HF names the loader expects (`model.layers.3.self_attn.q_proj.weight`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from engine.quantization.errors import QuantizationFormatError
+from engine.quantization.gguf_layout import GGUFTensorInfo, read_gguf_layout
+from engine.quantization.weights import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+_Q = gguf.GGMLQuantizationType
+_FLOAT_TYPES = {_Q.F32, _Q.F16}
+# Bytes before the 16 bytes of nibbles (Q4) or the 32 int8 (Q8_0) in one block.
+_BLOCK_HEADERS = {_Q.Q4_0: 2, _Q.Q4_1: 4, _Q.Q8_0: 2}
+_BLOCK = 32
+# Types read_into serves without a log line: BF16 is full precision, the block types also have
+# a quantized form; any other type means a model running at full precision unexpectedly.
+_EXPECTED_DEQUANTIZED = {*_BLOCK_HEADERS, _Q.BF16}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors llama.cpp writes that have no HF counterpart (recomputed from the config).
+_SKIPPED = {"rope_freqs.weight"}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)$")
+# Architectures whose converter permuted Q/K rows (transformers undoes it for these only).
+_PERMUTED_QK_ARCHITECTURES = {"llama"}
+
+
+def find_gguf_file(model_folder: Path) -> Path | None:
+    """The one .gguf file a prepared model folder carries, or None when it has none."""
+    found = sorted(model_folder.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise QuantizationFormatError(f"{model_folder} holds several GGUF files ({names})")
+    return found[0] if found else None
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF tensor name of a GGUF tensor name, None for tensors HF models do not have."""
+    if gguf_name in _SKIPPED:
+        return None
+    layer = _LAYER_TENSOR.match(gguf_name)
+    if layer and layer.group(2) in _LAYER_NAMES:
+        index, part, kind = layer.groups()
+        return f"model.layers.{index}.{_LAYER_NAMES[part]}.{kind}"
+    top = _GLOBAL_TENSOR.match(gguf_name)
+    if top and top.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[top.group(1)]}.{top.group(2)}"
+    raise QuantizationFormatError(f"GGUF tensor {gguf_name!r} has no known HF name")
+
+
+class GGUFCheckpoint:
+    """The tensors of one .gguf file under their HF names, read on demand from a memory map."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        layout = read_gguf_layout(path)
+        self.metadata = layout.metadata
+        self.architecture = str(self.metadata["general.architecture"])
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for tensor in layout.tensors:
+            name = hf_name(tensor.name)
+            if name is not None:
+                self.tensors[name] = tensor
+        self._bytes = np.memmap(path, dtype=np.uint8, mode="r")
+        self._head_counts = self._qk_head_counts()
+        self._logged_types: set[str] = set()
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def quantized_names(self) -> set[str]:
+        """Weights whose blocks map to `QuantizedWeight` as they are (Q4_0, Q4_1, Q8_0)."""
+        return {
+            name
+            for name, tensor in self.tensors.items()
+            if tensor.kind in _BLOCK_HEADERS and len(tensor.ggml_shape) == 2
+        }
+
+    def quant_type(self, name: str) -> str:
+        """The GGML type of a tensor, e.g. 'Q4_1' or 'F32'."""
+        return self.tensors[name].kind.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        # GGML lists dimensions innermost first; torch outermost first.
+        return tuple(reversed(self.tensors[name].ggml_shape))
+
+    def read_quantized(self, name: str) -> QuantizedWeight:
+        tensor = self.tensors[name]
+        kind = tensor.kind
+        if kind not in _BLOCK_HEADERS or len(tensor.ggml_shape) != 2:
+            raise QuantizationFormatError(f"GGUF tensor {name} is {kind.name}: not Q4_0/Q4_1/Q8_0")
+        out_features, in_features = self.shape(name)
+        header = _BLOCK_HEADERS[kind]
+        blocks = self._raw(tensor).reshape(out_features, in_features // _BLOCK, -1)
+        scales = _fp16_field(blocks, 0)
+        if kind == _Q.Q8_0:
+            data = torch.from_numpy(np.ascontiguousarray(blocks[:, :, header:]).view(np.int8))
+            weight = QuantizedWeight(
+                8,
+                out_features,
+                in_features,
+                _BLOCK,
+                data.reshape(out_features, in_features),
+                scales,
+            )
+        else:
+            mins = _fp16_field(blocks, 2) if kind == _Q.Q4_1 else scales * -8
+            data = torch.from_numpy(np.ascontiguousarray(blocks[:, :, header:]))
+            weight = QuantizedWeight(
+                4,
+                out_features,
+                in_features,
+                _BLOCK,
+                data.reshape(out_features, in_features // 2),
+                scales,
+                mins,
+            )
+        rows = self._row_order(name, out_features)
+        if rows is None:
+            return weight
+        return QuantizedWeight(
+            weight.bits, out_features, in_features, _BLOCK, weight.data[rows],
+            weight.scales[rows], None if weight.mins is None else weight.mins[rows],
+        )  # fmt: skip
+
+    def read_into(self, name: str, destination: torch.Tensor) -> None:
+        """Copy a tensor, full precision (quantized types dequantized), into destination."""
+        tensor = self.tensors[name]
+        kind = tensor.kind
+        shape = self.shape(name)
+        raw = self._raw(tensor)
+        values: np.ndarray
+        if kind in _FLOAT_TYPES:
+            values = raw.view(np.float32 if kind == _Q.F32 else np.float16)
+        else:
+            if kind not in _EXPECTED_DEQUANTIZED and kind.name not in self._logged_types:
+                self._logged_types.add(kind.name)
+                logger.info(
+                    "%s: %s tensors (first: %s) have no quantized in-memory form; "
+                    "dequantized to float",
+                    self.path.name, kind.name, name,
+                )  # fmt: skip
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, kind)
+            values = gguf.quants.dequantize(raw.reshape(byte_shape), kind)
+        full = torch.from_numpy(np.array(values, copy=True)).reshape(shape)
+        rows = self._row_order(name, full.shape[0])
+        destination.copy_(full if rows is None else full[rows])
+
+    def _raw(self, tensor: GGUFTensorInfo) -> np.ndarray:
+        if tensor.start + tensor.nbytes > len(self._bytes):
+            raise QuantizationFormatError(f"{self.path} is truncated at tensor {tensor.name}")
+        return self._bytes[tensor.start : tensor.start + tensor.nbytes]
+
+    def _qk_head_counts(self) -> dict[str, int]:
+        if self.architecture not in _PERMUTED_QK_ARCHITECTURES:
+            return {}
+        heads = int(self.metadata[f"{self.architecture}.attention.head_count"])
+        kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", heads))
+        return {".self_attn.q_proj.": heads, ".self_attn.k_proj.": kv_heads}
+
+    def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
+        """Indices that put a permuted Q/K tensor's rows back in HF order (None: no permutation).
+
+        llama.cpp wrote, per head, the rows (pair element j, dimension d) at d * 2 + j; HF keeps
+        them at j * half + d.
+        """
+        for marker, heads in self._head_counts.items():
+            if marker in name:
+                half = rows // heads // 2
+                return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
+        return None
+
+
+def _fp16_field(blocks: np.ndarray, offset: int) -> torch.Tensor:
+    """The fp16 at byte `offset` of every block: [rows, blocks]."""
+    raw = np.ascontiguousarray(blocks[:, :, offset : offset + 2])
+    return torch.from_numpy(raw.view(np.float16).reshape(blocks.shape[0], blocks.shape[1]))
