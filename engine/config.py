@@ -56,6 +56,15 @@ class EngineConfig:
     kv_cache_memory: Annotated[int, Field(ge=1, description="bytes of KV cache on the CPU")] = (
         1 << 30
     )
+    memory_budget: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="bytes for weights plus KV cache on the CPU: the KV cache gets what the "
+            "loaded weights leave (so quantized weights admit more sequences); replaces "
+            "kv_cache_memory when set",
+        ),
+    ] = None
     gpu_memory_utilization: Annotated[
         float,
         Field(gt=0, le=1, description="fraction of GPU memory for weights, activations and KV"),

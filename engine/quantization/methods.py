@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear
+from engine.quantization.errors import QuantizationError
 from engine.quantization.weights import quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -29,10 +30,6 @@ CHECKPOINT_FORMATS: tuple[QuantizationMethod, ...] = ("gptq", "awq")  # named in
 CPU_METHODS: tuple[QuantizationMethod, ...] = ("int8", "int4", "gguf", "gptq", "awq")
 # The quantized matmuls compute in the activations' dtype, float32 or bfloat16.
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
-
-
-class QuantizationError(ValueError):
-    """A quantization setting this model, checkpoint or device cannot run."""
 
 
 def checkpoint_method(model_path: Path | None) -> str | None:
