@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.quantization.weights import QuantizedWeight, dequantize
+from engine.quantization.weights import FP8, FP8_MAX, QuantizedWeight, dequantize
 from kernels import quant_ops
 from kernels.cpu_ops import cpu_kernels_available
 
@@ -19,6 +19,8 @@ def quantized_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., in] @ dequantize(weight).T + bias, in x's dtype."""
+    if weight.is_fp8:
+        return fp8_linear(x, weight, bias)
     if x.device.type == "cpu" and x.numel() and cpu_kernels_available():
         if weight.input_order is not None:
             x = x.index_select(-1, weight.input_order)
@@ -28,6 +30,25 @@ def quantized_linear(
         )
         return out.reshape(*x.shape[:-1], weight.out_features)
     return F.linear(x, dequantize(weight, x.dtype), bias)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W.T in float8: each row of x scaled into fp8's range on the fly, one scale per row
+    and per output channel, accumulated by torch._scaled_mm in higher precision."""
+    rows = x.reshape(-1, weight.in_features)
+    row_scales = (rows.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    quantized_rows = (rows.float() / row_scales).to(FP8)
+    out = torch._scaled_mm(
+        quantized_rows,
+        weight.data.t(),
+        scale_a=row_scales.contiguous(),
+        scale_b=weight.scales.reshape(1, -1).float().contiguous(),
+        bias=bias,
+        out_dtype=x.dtype,
+    )
+    return out.reshape(*x.shape[:-1], weight.out_features)
 
 
 def quantized_embedding(ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -19,13 +19,14 @@ from torch import nn
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear
 from engine.quantization.errors import QuantizationError
-from engine.quantization.weights import quantize_int4, quantize_int8
+from engine.quantization.weights import quantize_fp8, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
 
 QuantizationMethod = Literal["int8", "int4", "gguf", "gptq", "awq", "fp8"]
 METHODS: tuple[QuantizationMethod, ...] = get_args(QuantizationMethod)
-AT_LOAD: tuple[QuantizationMethod, ...] = ("int8", "int4")  # from a full-precision checkpoint
+# Quantized from a full-precision checkpoint as it loads.
+AT_LOAD: tuple[QuantizationMethod, ...] = ("int8", "int4", "fp8")
 CHECKPOINT_FORMATS: tuple[QuantizationMethod, ...] = ("gptq", "awq")  # named in config.json
 CPU_METHODS: tuple[QuantizationMethod, ...] = ("int8", "int4", "gguf", "gptq", "awq")
 # The quantized matmuls compute in the activations' dtype, float32 or bfloat16.
@@ -70,15 +71,15 @@ def resolve_method(
             f"quantization={method!r} needs a {method} checkpoint, but {model_path}/config.json "
             f"names {f'quant_method {stored!r}' if stored else 'no quantization'}"
         )
-    if method in (*AT_LOAD, "gguf", "fp8") and stored is not None:
+    if method in (*AT_LOAD, "gguf") and stored is not None:
         raise QuantizationError(
             f"quantization={method!r} needs a full-precision checkpoint, but {model_path} is "
             f"already {stored}-quantized; use quantization={stored!r}"
         )
-    if load_format == "dummy" and method not in (*AT_LOAD, "fp8"):
+    if load_format == "dummy" and method not in AT_LOAD:
         raise QuantizationError(
-            f"quantization={method!r} reads its weights from a checkpoint; random weights "
-            f"(load_format='dummy') work with {', '.join((*AT_LOAD, 'fp8'))}"
+            f"quantization={method!r} needs a checkpoint to read; with random weights "
+            f"(load_format='dummy') supported: {', '.join(AT_LOAD)}"
         )
     if device.type == "cpu" and method not in CPU_METHODS:
         raise QuantizationError(
@@ -86,22 +87,25 @@ def resolve_method(
         )
     if method != "fp8" and dtype not in ACTIVATION_DTYPES:
         raise QuantizationError(
-            f"quantization={method!r} computes in float32 or bfloat16, not dtype {dtype}"
+            f"quantization={method!r} does not run dtype {dtype}; supported: float32, bfloat16"
         )
     return method
 
 
 def quantize_at_load(model: nn.Module, method: QuantizationMethod, group_size: int) -> None:
     """Quantize every Linear of a loaded full-precision model in place: the decoder's
-    projections with `method`, the lm_head with int8 (4 bits there costs more quality than the
-    rest of the model together). The embedding keeps its precision: a lookup reads one row."""
+    projections with `method`, the lm_head with int8 for int4 (4 bits there costs more quality
+    than the rest of the model together). The embedding keeps its precision: a lookup reads one
+    row."""
     shared = _shared_parameters(model)
     with torch.no_grad():
         for name, module in model.named_modules():
             if not isinstance(module, Linear) or module.quantized is not None:
                 continue
             weight = module.weight.detach()
-            if method == "int4" and name != "lm_head":
+            if method == "fp8":
+                quantized = quantize_fp8(weight)
+            elif method == "int4" and name != "lm_head":
                 quantized = quantize_int4(weight, group_size)
             else:
                 quantized = quantize_int8(weight)

@@ -14,6 +14,8 @@ consecutive inputs sharing one scale (and, for 4 bits, one minimum):
   GPTQ's zero point) become a minimum: `scale * (q - z) = q * scale + (-z * scale)`.
 - `scales` (and `mins`) float16 [out, in // group_size]: half the bytes of fp32 where they are a
   fifth of a 4-bit weight's bytes, and exactly what GGUF, GPTQ and AWQ store.
+- fp8 (CUDA): `data` float8_e4m3fn [out, in] and `scales` float32 [out, 1], one per output
+  channel; the weight is `q * scale`, `bits` 8. The activations are scaled per row at run time.
 - `input_order`: GPTQ's act-order checkpoints group inputs out of order; the loader sorts the
   inputs by group so groups are contiguous, and the activations are gathered in that order
   before the matmul (None: natural order).
@@ -27,6 +29,8 @@ from typing import Literal
 import torch
 
 Q4_BLOCK = 32  # inputs per packed 4-bit run: 16 bytes, low nibbles first
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 @dataclass
@@ -57,6 +61,10 @@ class QuantizedWeight:
                 raise ValueError(
                     f"{name} has shape {tuple(part.shape)}, not {(self.out_features, groups)}"
                 )
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.data.dtype == FP8
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -169,3 +177,11 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         mins,
         first.input_order,
     )
+
+
+def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
+    """float8_e4m3fn with one float32 scale per output channel (for torch._scaled_mm)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    out, inputs = w.shape
+    return QuantizedWeight(8, out, inputs, inputs, (w / scale).to(FP8), scale)

@@ -215,7 +215,7 @@ def _write_folder(
     (destination / "config.json").write_text(json.dumps(config, indent=2))
     for file in source.iterdir():
         copied = (
-            file.suffix != ".safetensors"
+            file.suffix not in (".safetensors", ".gguf")
             and file.name != "config.json"
             and not file.name.startswith(".")
         )

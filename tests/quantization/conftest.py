@@ -1,5 +1,6 @@
-"""Quantization test fixtures: the default model's fp32 folder (shared with the engine tests)."""
+"""Quantization test fixtures: the default model's fp32 folder and tiny random model folders
+(shared with the engine tests)."""
 
-from tests.engine.conftest import default_model_path
+from tests.engine.conftest import default_model_path, tiny_llama_dir, tiny_model_factory
 
-__all__ = ["default_model_path"]
+__all__ = ["default_model_path", "tiny_llama_dir", "tiny_model_factory"]
