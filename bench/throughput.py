@@ -68,7 +68,7 @@ def main() -> None:
 
     if not args.skip_decode:
         prompt = random_workload(1, 128, 1, 0.0, vocab, args.seed + 2)[0].prompt_token_ids
-        ours_ms = _ours_decode_ms(llm, prompt, args.decode_tokens)
+        ours_ms = engine_decode_ms(llm, prompt, args.decode_tokens)
         hf_ms = _hf_decode_ms(hf_model, prompt, args.decode_tokens)
         results["decode_ms_per_token"] = {
             "ours": ours_ms,
@@ -181,7 +181,7 @@ def _hf_decode_ms(model, prompt: list[int], new_tokens: int) -> float:
     return (full - one) / (new_tokens - 1) * 1000
 
 
-def _ours_decode_ms(llm, prompt: list[int], new_tokens: int) -> float:
+def engine_decode_ms(llm, prompt: list[int], new_tokens: int) -> float:
     from engine.outputs import EngineRequest
 
     samples = []
