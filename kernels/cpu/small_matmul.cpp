@@ -444,9 +444,10 @@ template <class Source>
 void large_rows(const Source& source, int64_t N, const at::Tensor& x, const at::Tensor& bias,
                 at::Tensor& out, int64_t group_size) {
   const int64_t K = x.size(1);
-  // About 1 MiB of fp32 weights per tile: big enough for an efficient GEMM, small enough to stay
-  // in the last-level cache between its dequantization and its use.
-  const int64_t tile_rows = std::max<int64_t>(64, ((1 << 18) / K + 3) / 4 * 4);
+  // About 4 MiB of fp32 weights per tile: few enough tiles that the parallel regions (one to
+  // dequantize, one GEMM per tile) cost little, small enough to stay in the last-level cache
+  // between dequantization and use.
+  const int64_t tile_rows = std::max<int64_t>(64, ((1 << 20) / K + 3) / 4 * 4);
   at::Tensor tile_buffer = at::empty({std::min(tile_rows, N), K}, x.options());
   float* tile_data = tile_buffer.data_ptr<float>();
   for (int64_t n0 = 0; n0 < N; n0 += tile_rows) {
