@@ -19,10 +19,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).parent / "cpu" / "paged_decode.cpp",)
-# -ffast-math lets the compiler vectorize the softmax's exp; the kernel never sees inf or NaN
-# inputs (it reads only the valid part of each context).
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd")
+_SOURCES = (
+    Path(__file__).parent / "cpu" / "paged_decode.cpp",
+    Path(__file__).parent / "cpu" / "small_matmul.cpp",
+)
+# -ffast-math lets the compiler vectorize the softmax's exp; the kernels never see inf or NaN
+# inputs (attention reads only the valid part of each context). -fopenmp makes at::parallel_for
+# split work across torch's threads (without it the header falls back to one thread); the
+# OpenMP runtime itself is torch's own libgomp, already loaded with libtorch_cpu.
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 
 
 @functools.cache
@@ -70,7 +75,11 @@ def cpu_kernels_available() -> bool:
             verbose=False,
         )
     except Exception as error:  # a missing compiler or ninja: the plain-torch path still works
-        logger.warning("CPU attention kernels unavailable (%s); decoding gathers KV blocks", error)
+        logger.warning(
+            "CPU attention kernels unavailable (%s); decoding gathers KV blocks and linear layers"
+            " use torch's matmuls",
+            error,
+        )
         return False
     logger.info("CPU kernels ready in %.1f s", time.perf_counter() - started)
     return True

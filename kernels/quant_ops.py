@@ -1,17 +1,80 @@
-"""Quantized matmul on the CPU (placeholder: dequantizes per call; the C++ kernels replace it)."""
+"""CPU matmuls for quantized (int8, int4) and dense (fp32, bf16) linear weights.
+
+The C++ ops live in kernels/cpu/small_matmul.cpp, built with the other CPU kernels by
+kernels.cpu_ops; call them only where `cpu_kernels_available()` is True.
+
+Weights come in the layout of engine.quantization.weights.QuantizedWeight, passed as its
+tensors (kernels import nothing from the engine):
+
+- 8 bits: data int8 [out, in]; weight = q * scale.
+- 4 bits: data uint8 [out, in // 2], each 32 inputs 16 bytes, low nibbles inputs 0..15 and high
+  nibbles 16..31 (GGUF's Q4 order); weight = q * scale + min.
+- scales (and mins) float16 [out, in // group_size]; group_size a multiple of 32 dividing in.
+
+The kernels never quantize activations: the result is `x.float() @ dequantize(w).T + bias` up to
+fp32 summation order, in x's dtype. A weight with an `input_order` (GPTQ act-order) needs
+`x[..., input_order]` passed as x.
+"""
+
+from __future__ import annotations
 
 import torch
 
+from kernels.cpu_ops import cpu_kernels_available
 
-def quant_matmul(x, data, scales, mins, bits, group_size, bias):
-    out_f = data.shape[0]
-    in_f = x.shape[-1]
-    if bits == 4:
-        b = data.reshape(out_f, -1, 1, 16)
-        q = torch.cat([b & 0xF, b >> 4], 2).reshape(out_f, in_f).float()
-    else:
-        q = data.float()
-    w = q.reshape(out_f, -1, group_size) * scales.float()[..., None]
-    if mins is not None:
-        w = w + mins.float()[..., None]
-    return torch.nn.functional.linear(x, w.reshape(out_f, in_f).to(x.dtype), bias)
+__all__ = [
+    "QUANT_GEMM_MIN_ROWS",
+    "cpu_kernels_available",
+    "dense_matmul",
+    "quant_dequantize",
+    "quant_matmul",
+]
+
+# From this many rows of x on, quant_matmul dequantizes tiles of the weight to fp32 and runs
+# at::addmm (compute-bound prefill); below it the weights stream once through registers
+# (memory-bound decode). Measured with bench/quant_matmul.py on an AVX2 Zen 3: at 8 rows the
+# streaming path is ~10% faster, at 16 the GEMM path ~15%, at 32+ far faster. The C++ op's
+# default (kernels/cpu/small_matmul.cpp) is the same number.
+QUANT_GEMM_MIN_ROWS = 16
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    gemm_min_rows: int = QUANT_GEMM_MIN_ROWS,
+) -> torch.Tensor:
+    """x [..., in] (fp32 or bf16) @ the quantized weight's transpose (+ bias) -> [..., out].
+
+    mins is required for bits=4 and ignored (pass None) for bits=8. gemm_min_rows overrides the
+    row count from which the dequantize-then-GEMM path runs (for measuring the crossover).
+    """
+    return torch.ops.inferq_cpu.quant_matmul(
+        x.contiguous(), data, scales, mins, bits, group_size, bias, gemm_min_rows
+    )
+
+
+def quant_dequantize(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """The fp32 [out, in] weight of a quantized one (what dequantize() computes, in parallel)."""
+    return torch.ops.inferq_cpu.quant_dequantize(data, scales, mins, bits, group_size)
+
+
+def dense_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., in] (fp32 or bf16) @ weight.T (+ bias) for a plain fp32 or bf16 weight [out, in].
+
+    Made for decode-sized calls (1-16 rows), where it streams the weight once per call and
+    computes in fp32; prefill-sized calls belong to F.linear / oneDNN.
+    """
+    return torch.ops.inferq_cpu.dense_matmul(x.contiguous(), weight, bias)
