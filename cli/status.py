@@ -1,7 +1,8 @@
 """`inferq status`: the system at a glance in a terminal, read straight from Redis; and the
 health checks containers run (`--check-worker`, `--check-url`).
 
-    inferq status                       # models, workers, queues, dead letters, rates
+    inferq status                       # models, workers (with their quantization and weight
+                                        # size), queues, dead letters, rates
     inferq status --watch 2             # redraw every 2 s (Ctrl-C ends)
     inferq status --json                # the same snapshot the dashboard uses
     inferq status --check-worker        # exit 0 if this host's worker has a live heartbeat
@@ -99,6 +100,14 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _quantization(method: str | None) -> str:
+    return method or "none"  # full precision (or a worker too old to say)
+
+
+def _mib(size: int | None) -> str:
+    return "-" if size is None else f"{size / 2**20:.1f} MiB"
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
@@ -151,6 +160,8 @@ def render(snapshot: StatusSnapshot, redis_url: str) -> str:
         [
             w.name,
             w.model,
+            _quantization(w.quantization),
+            _mib(w.weight_bytes),
             f"{w.kv_usage:.0%} ({w.kv_blocks_total - w.kv_blocks_free}/{w.kv_blocks_total})",
             str(w.running),
             str(w.waiting),
@@ -164,6 +175,8 @@ def render(snapshot: StatusSnapshot, redis_url: str) -> str:
     headers = [
         "WORKER",
         "model",
+        "quantization",
+        "weights",
         "KV used (blocks)",
         "running",
         "waiting",

@@ -37,6 +37,8 @@ class WorkerView:
     heartbeat_age_s: float
     uptime_s: float
     version: str
+    quantization: str | None  # the weight quantization it runs; None: full precision
+    weight_bytes: int | None  # None: a worker too old to say
 
     @classmethod
     def of(cls, info: WorkerInfo, now: float) -> WorkerView:

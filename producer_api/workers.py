@@ -3,6 +3,9 @@
 A heartbeat hash `{p}:worker:{name}` expires HEARTBEAT_TTL_S after the worker's last beat, so
 every hash that exists is a live worker. The list is re-read at most every `cache_s` seconds:
 requests check the model on every call, and a SCAN per request would cost more than the rest.
+
+A model's quantization is its workers' (None: full precision); workers of one model that run
+different methods make it "mixed", with each method in `quantizations`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from schemas import RedisKeys, WorkerInfo
 
 log = logging.getLogger(__name__)
 
+MIXED_QUANTIZATION = "mixed"  # a model whose workers run different quantizations
+
 
 @dataclass(frozen=True)
 class ServedModel:
@@ -27,6 +32,15 @@ class ServedModel:
     since: float  # unix time the longest-running worker started
     vocab_size: int | None = None  # the smallest vocabulary among its workers
     tokenizer_file: str | None = None  # a tokenizer.json one of its workers advertises
+    # the distinct quantizations of its workers, full precision (None) first, then by name
+    quantizations: tuple[str | None, ...] = ()
+
+    @property
+    def quantization(self) -> str | None:
+        """Its workers' quantization when they agree (None: full precision), else "mixed"."""
+        if len(self.quantizations) > 1:
+            return MIXED_QUANTIZATION
+        return self.quantizations[0] if self.quantizations else None
 
     def joined_by(self, info: WorkerInfo) -> ServedModel:
         """This model with one more live worker: every bound is the tightest of the two."""
@@ -37,7 +51,12 @@ class ServedModel:
             min(self.since, info.started_at.timestamp()),
             _smallest(self.vocab_size, info.vocab_size),
             self.tokenizer_file or info.tokenizer_file,
+            _distinct((*self.quantizations, info.quantization)),
         )
+
+
+def _distinct(methods: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    return tuple(sorted(set(methods), key=lambda m: (m is not None, m or "")))
 
 
 def _smallest(a: int | None, b: int | None) -> int | None:

@@ -47,6 +47,15 @@ class WorkerInfo(BaseModel):
         description="absolute path of the model's tokenizer.json on the worker's host: an API "
         "that can read it there counts prompt tokens before queueing",
     )
+    quantization: str | None = Field(
+        None,
+        min_length=1,
+        description="the weight quantization its engine runs (int8, int4, gguf, gptq, awq, fp8); "
+        "None: full precision, or a worker too old to say",
+    )
+    weight_bytes: int | None = Field(
+        None, ge=0, description="bytes its model's weights take in memory, as loaded"
+    )
     prompt_tokens: int = Field(0, ge=0, description="prompt tokens computed since it started")
     generated_tokens: int = Field(0, ge=0, description="tokens generated since it started")
     started_at: AwareDatetime

@@ -63,11 +63,14 @@ async def beat(
     max_model_len: int | None = None,
     vocab_size: int | None = None,
     tokenizer_file: Path | None = None,
+    quantization: str | None = None,
+    weight_bytes: int | None = None,
     ttfts: Iterable[TtftSample] = (),
 ) -> WorkerInfo:
     """Write one heartbeat from an EngineStats snapshot, with the model's live-stats samples, in
     one round trip (a MULTI/EXEC transaction). `max_model_len` (the context length), `vocab_size`
-    and `tokenizer_file` let the API refuse over-long prompts and unknown token ids at the door."""
+    and `tokenizer_file` let the API refuse over-long prompts and unknown token ids at the door;
+    `quantization` (None: full precision) and `weight_bytes` tell operators what the worker runs."""
     info = WorkerInfo(
         name=name,
         model=model,
@@ -79,6 +82,8 @@ async def beat(
         max_model_len=max_model_len or None,
         vocab_size=vocab_size or None,
         tokenizer_file=str(tokenizer_file) if tokenizer_file is not None else None,
+        quantization=quantization,
+        weight_bytes=weight_bytes,
         prompt_tokens=max(0, stats.num_prompt_tokens_computed),
         generated_tokens=max(0, stats.num_generation_tokens),
         started_at=started_at,

@@ -154,6 +154,8 @@ class Worker:
                 model=self.model,
                 stream=self.jobs_stream,
                 kv_blocks=self.stats.num_blocks_total,
+                quantization=self.engine.quantization or "none",
+                weight_mib=round(self.engine.weight_bytes / 2**20, 1),
             )
             await self._main_loop()
             await self._hand_back_unfinished()
@@ -398,6 +400,8 @@ class Worker:
                 max_model_len=self.engine.max_model_len,
                 vocab_size=self.engine.vocab_size,
                 tokenizer_file=self.engine.tokenizer_file,
+                quantization=self.engine.quantization,
+                weight_bytes=self.engine.weight_bytes,
                 ttfts=ttfts,
             )
         except BaseException:

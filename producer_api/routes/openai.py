@@ -45,6 +45,7 @@ from producer_api.openai_models import ChatCompletionRequest, CompletionRequest
 from producer_api.prompt_check import check_prompt
 from producer_api.sse import sse_event
 from producer_api.streams import ClientGone, merge_indexed, unless_disconnected
+from producer_api.workers import ServedModel
 from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus, TokenChunk
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=error_responses(401, 503))
@@ -74,7 +75,10 @@ async def read_model(model: str, state: State, caller: Caller) -> dict[str, Any]
     return _model_card(served)
 
 
-def _model_card(served: Any) -> dict[str, Any]:
+def _model_card(served: ServedModel) -> dict[str, Any]:
+    """OpenAI's model object, with inferq's fields: the context, live workers, and the weight
+    quantization they run (None: full precision; "mixed" when they differ, each method then
+    in `quantizations`)."""
     return {
         "id": served.name,
         "object": "model",
@@ -82,6 +86,8 @@ def _model_card(served: Any) -> dict[str, Any]:
         "owned_by": "inferq",
         "max_model_len": served.max_model_len,
         "workers": served.workers,
+        "quantization": served.quantization,
+        "quantizations": list(served.quantizations),
     }
 
 

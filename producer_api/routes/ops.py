@@ -33,6 +33,11 @@ class ModelReadiness(BaseModel):
     queued: int = Field(description="jobs in the model's queues no worker took yet")
     kv_cache_usage: float = Field(description="fraction of the workers' KV-cache blocks in use")
     max_model_len: int | None = Field(description="the smallest context among its workers")
+    quantization: str | None = Field(
+        None,
+        description="the weight quantization its workers run (None: full precision; "
+        '"mixed": they differ)',
+    )
 
 
 class Readiness(BaseModel):
@@ -92,6 +97,7 @@ async def _served_load(state: ApiState) -> list[ModelReadiness]:
                 queued=load.queued,
                 kv_cache_usage=load.kv_usage,
                 max_model_len=served[name].max_model_len,
+                quantization=served[name].quantization,
             )
         )
     return out

@@ -104,6 +104,7 @@ class Stack:
         step_delay_s: float = 0.0,
         name: str | None = None,
         tokenizer_file: Path | None = None,
+        quantization: str | None = None,
     ) -> EchoWorker:
         async def make() -> tuple[EchoWorker, Redis]:
             redis = Redis.from_url(self.redis_url, decode_responses=True)
@@ -115,6 +116,7 @@ class Stack:
                 max_model_len=max_model_len,
                 step_delay_s=step_delay_s,
                 tokenizer_file=tokenizer_file,
+                quantization=quantization,
             )
             await worker.create_group()
             await worker.beat()

@@ -119,8 +119,10 @@ class EchoWorker(FakeWorker):
         max_model_len: int | None = None,
         step_delay_s: float = 0.0,
         tokenizer_file: Path | None = None,
+        quantization: str | None = None,
     ) -> None:
         super().__init__(redis, keys, model, name)
+        self.quantization = quantization
         self.max_model_len = max_model_len
         self.tokenizer_file = tokenizer_file
         self.step_delay_s = step_delay_s
@@ -135,6 +137,7 @@ class EchoWorker(FakeWorker):
             kv_blocks_total=100,
             vocab_size=ECHO_VOCAB,
             tokenizer_file=str(self.tokenizer_file) if self.tokenizer_file else None,
+            quantization=self.quantization,
             started_at=now,
             updated_at=now,
         ).to_redis_hash()

@@ -201,6 +201,33 @@ def test_models_lists_only_models_with_live_workers(stack):
         assert http.get("/v1/models").json()["data"] == []
 
 
+def test_models_name_the_quantization_their_workers_run(stack):
+    """One method when a model's workers agree (None: full precision), "mixed" when not, and
+    every method in `quantizations` either way."""
+    api = stack.api(models=[])
+    stack.worker("gguf-model", name="q1", quantization="gguf")
+    stack.worker("gguf-model", name="q2", quantization="gguf")
+    stack.worker("mixed-model", name="m1", quantization="int4")
+    stack.worker("mixed-model", name="m2")
+    stack.worker("mixed-model", name="m3", quantization="gguf")
+    stack.worker("full-model", name="f1")
+    with httpx.Client(base_url=api.url, headers=auth()) as http:
+        cards = {card["id"]: card for card in http.get("/v1/models").json()["data"]}
+        one = http.get("/v1/models/mixed-model").json()
+    assert (cards["gguf-model"]["quantization"], cards["gguf-model"]["quantizations"]) == (
+        "gguf",
+        ["gguf"],
+    )
+    assert cards["gguf-model"]["workers"] == 2
+    assert cards["mixed-model"]["quantization"] == "mixed"
+    assert cards["mixed-model"]["quantizations"] == [None, "gguf", "int4"]
+    assert one == cards["mixed-model"]
+    assert (cards["full-model"]["quantization"], cards["full-model"]["quantizations"]) == (
+        None,
+        [None],
+    )
+
+
 def test_missing_key_is_401_for_openai_routes(stack):
     api = stack.api()
     sdk = openai.OpenAI(base_url=api.url + "/v1", api_key="sk-nope", max_retries=0)

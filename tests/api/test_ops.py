@@ -27,7 +27,7 @@ def test_health_and_ready(stack):
         not_ready = http.get("/ready")
         assert not_ready.status_code == 503
         assert not_ready.json()["redis"] is True and not_ready.json()["workers"] == 0
-        stack.worker()
+        stack.worker(quantization="gguf")
         ready = http.get("/ready")
         assert ready.status_code == 200
         assert ready.json()["models"] == [MODEL] and ready.json()["workers"] == 1
@@ -40,6 +40,7 @@ def test_health_and_ready(stack):
             "queued": 0,
             "kv_cache_usage": 0.0,
             "max_model_len": None,
+            "quantization": "gguf",
         }
 
 

@@ -25,6 +25,7 @@ from schemas.workers import TokenSample, TtftSample
 from worker.heartbeat import TtftBuffer, beat
 
 MODEL = "org/Model v1"  # needs percent-encoding in keys
+WEIGHT_BYTES = 99 * 2**20 + 2**19  # 99.5 MiB of quantized weights
 KEYS = RedisKeys()
 
 
@@ -40,7 +41,7 @@ def stats(free: int, total: int, running: int, waiting: int, prompt: int, genera
 
 
 async def _populate(url: str) -> dict[str, float]:
-    """Two heartbeats of one worker 0.5 s apart (+200 generated tokens), three TTFTs of
+    """Two heartbeats of one gguf worker 0.5 s apart (+200 generated tokens), three TTFTs of
     interactive jobs and two of batch jobs, a queue with one job running and two waiting, one
     dead letter."""
     redis = Redis.from_url(url, decode_responses=True)
@@ -57,7 +58,8 @@ async def _populate(url: str) -> dict[str, float]:
         ttfts.add(TtftSample(time.time(), ttft, f"bulk{i}", PriorityClass.BATCH))
     second = await beat(
         redis, KEYS, name="gpu-0", model=MODEL, stats=stats(60, 100, 3, 1, 400, 250),
-        started_at=started, ttl_s=30, ttfts=ttfts.take(),
+        started_at=started, ttl_s=30, ttfts=ttfts.take(), quantization="gguf",
+        weight_bytes=WEIGHT_BYTES,
     )  # fmt: skip
     stream = KEYS.jobs_stream(MODEL)
     await redis.xgroup_create(stream, KEYS.group, "0", mkstream=True)
@@ -89,6 +91,7 @@ def test_snapshot_reports_what_the_worker_wrote(redis_url, populated):
     (worker,) = snapshot.workers
     assert (worker.name, worker.model, worker.running, worker.waiting) == ("gpu-0", MODEL, 3, 1)
     assert worker.kv_usage == pytest.approx(0.4) and worker.generated_tokens == 250
+    assert (worker.quantization, worker.weight_bytes) == ("gguf", WEIGHT_BYTES)
     (queue,) = snapshot.queues
     assert (queue.model, queue.kind, queue.length, queue.pending, queue.waiting) == (
         MODEL, "jobs", 3, 1, 2,
@@ -114,11 +117,40 @@ def test_inferq_status_prints_the_tables(redis_url, populated, capsys):
     assert "40%" in model_row and "100ms/400ms" in model_row and "2000ms/3000ms" in model_row
     worker_row = next(line for line in out.splitlines() if line.startswith("gpu-0"))
     assert "40% (40/100)" in worker_row and " 250 " in worker_row
+    assert " gguf " in worker_row and " 99.5 MiB " in worker_row
     assert "max_attempts_exceeded" in out
 
     assert inferq(["status", "--redis-url", redis_url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["queues"][0]["waiting"] == 2 and data["workers"][0]["name"] == "gpu-0"
+    assert data["workers"][0]["quantization"] == "gguf"
+
+
+def test_inferq_status_shows_a_full_precision_worker_beside_a_quantized_one(redis_url, capsys):
+    """A worker that names no quantization (full precision, or one from before the field) reads
+    as "none"; each worker row names its own method and weight size."""
+
+    async def two_workers() -> None:
+        redis = Redis.from_url(redis_url, decode_responses=True)
+        now = datetime.now(UTC)
+        try:
+            for name, quantization, size in (("full-0", None, None), ("int8-0", "int8", 2**27)):
+                await beat(
+                    redis, KEYS, name=name, model=MODEL, stats=stats(10, 10, 0, 0, 0, 0),
+                    started_at=now, ttl_s=30, quantization=quantization, weight_bytes=size,
+                )  # fmt: skip
+        finally:
+            await redis.aclose()
+
+    asyncio.run(two_workers())
+    assert inferq(["status", "--redis-url", redis_url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("WORKER"))
+    assert "quantization" in header and "weights" in header
+    full = next(line for line in lines if line.startswith("full-0"))
+    quantized = next(line for line in lines if line.startswith("int8-0"))
+    assert " none " in full and " - " in full
+    assert " int8 " in quantized and " 128.0 MiB " in quantized
 
 
 def test_check_worker_exit_codes(redis_url, populated, capsys, monkeypatch):

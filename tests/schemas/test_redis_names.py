@@ -165,9 +165,23 @@ def test_worker_info_hash_round_trip():
         running=3,
         waiting=1,
         version="0.1.0",
+        quantization="gguf",
+        weight_bytes=123_456_789,
         started_at=utc_now(),
         updated_at=utc_now(),
     )
     flat = info.to_redis_hash()
     assert all(isinstance(v, str) for v in flat.values())
     assert WorkerInfo.from_redis_hash({k.encode(): v.encode() for k, v in flat.items()}) == info
+
+
+def test_a_heartbeat_without_quantization_reads_as_full_precision():
+    """A worker from before the quantization fields, or one running full precision, writes
+    neither field: its heartbeat still parses, with None for both."""
+    now = utc_now()
+    full = WorkerInfo(name="w", model="m", kv_blocks_free=1, kv_blocks_total=2, started_at=now,
+                      updated_at=now)  # fmt: skip
+    flat = full.to_redis_hash()
+    assert "quantization" not in flat and "weight_bytes" not in flat
+    old = WorkerInfo.from_redis_hash(flat)
+    assert (old.quantization, old.weight_bytes) == (None, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -68,7 +69,27 @@ async def test_heartbeat_reports_capacity(redis_url):
         assert (info.model, info.kv_blocks_total, info.kv_blocks_free) == (MODEL, 77, 77)
         assert info.vocab_size == engine.vocab_size  # the API refuses unknown ids with it
         assert 0 < await redis.ttl(KEYS.worker("hb-worker")) <= worker.settings.heartbeat_ttl_s
+        assert (info.quantization, info.weight_bytes) == (None, 0)  # full precision
     assert not await redis.exists(KEYS.worker("hb-worker"))  # a stopped worker says goodbye
+
+
+async def test_heartbeat_and_start_log_name_the_quantization_and_weight_bytes(redis_url, caplog):
+    caplog.set_level(logging.INFO, logger="worker.worker")
+    engine = FakeEngine(quantization="int4", weight_bytes=95 * 2**20)
+    async with running_worker(redis_url, engine, model=MODEL, name="hb-quantized"):
+        redis = Redis.from_url(redis_url, decode_responses=True)
+
+        async def beat():
+            return await redis.hgetall(KEYS.worker("hb-quantized"))
+
+        await wait_for(beat)
+        info = WorkerInfo.from_redis_hash(await beat())
+        assert (info.quantization, info.weight_bytes) == ("int4", 95 * 2**20)
+    started = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("worker_started")
+    ]
+    assert len(started) == 1
+    assert "quantization=int4" in started[0] and "weight_mib=95.0" in started[0]
 
 
 async def _finished_chunks(client: AsyncRedisClient, redis_url: str, **request) -> tuple:

@@ -80,6 +80,8 @@ class FakeEngine:
     max_model_len: int = 512
     vocab_size: int = VOCAB
     tokenizer_file: Path | None = None  # its tokenizer is a function, with no tokenizer.json
+    quantization: str | None = None  # what it says it runs (the heartbeat carries it)
+    weight_bytes: int = 0
     step_seconds: float = 0.0
     fail_on_prompt_token: int | None = None  # a prompt holding this id makes step() raise
     kill_on_prompt_token: int | None = None  # ... makes step() SIGKILL this process
