@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from kernels.activation import silu_and_mul
     from kernels.kv_cache import reshape_and_cache
     from kernels.paged_attention import choose_num_splits, unified_attention
+    from kernels.quant_matmul import quant_matmul_triton
     from kernels.reference import (
+        quant_matmul_triton_ref,
         reshape_and_cache_ref,
         rms_norm_ref,
         rotary_embedding_ref,
@@ -31,15 +33,19 @@ _HOME = {
     "rms_norm": "kernels.rms_norm",
     "rotary_embedding": "kernels.rotary",
     "silu_and_mul": "kernels.activation",
+    "quant_matmul_triton": "kernels.quant_matmul",
     "unified_attention_ref": "kernels.reference",
     "reshape_and_cache_ref": "kernels.reference",
     "rms_norm_ref": "kernels.reference",
     "rotary_embedding_ref": "kernels.reference",
     "silu_and_mul_ref": "kernels.reference",
+    "quant_matmul_triton_ref": "kernels.reference",
 }
 
 __all__ = [
     "choose_num_splits",
+    "quant_matmul_triton",
+    "quant_matmul_triton_ref",
     "reshape_and_cache",
     "reshape_and_cache_ref",
     "rms_norm",

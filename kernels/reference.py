@@ -104,3 +104,34 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """[..., 2*I] = [gate; up] -> silu(gate) * up, in x.dtype like the unfused MLP."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def quant_matmul_triton_ref(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ dequantized(weight)^T (+ bias) in fp32, returned in x.dtype.
+
+    8 bits: data int8 [out, in], weight = q * scale. 4 bits: data uint8 [out, in // 2], each run
+    of 32 inputs 16 bytes with inputs 0..15 in the low nibbles and 16..31 in the high ones,
+    weight = q * scale + min. scales (and mins) [out, in // group_size].
+    """
+    out_features = data.shape[0]
+    if bits == 4:
+        runs = data.reshape(out_features, -1, 1, 16)
+        q = torch.cat([runs & 0xF, runs >> 4], dim=2).reshape(out_features, -1)
+    else:
+        q = data
+    grouped = q.float().reshape(out_features, -1, group_size)
+    weight = grouped * scales.float()[..., None]
+    if bits == 4 and mins is not None:
+        weight = weight + mins.float()[..., None]
+    out = x.float() @ weight.reshape(out_features, -1).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -24,16 +24,19 @@ STRIDES_CACHE = [
 ]  # fmt: skip
 
 
-def _compile(fn, signature: dict, constants: dict, num_warps: int) -> None:
+def _compile(
+    fn, signature: dict, constants: dict, num_warps: int, num_stages: int | None = None
+) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
     source = ASTSource(fn, signature, constants)
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
-    )
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert "cubin" in compiled.asm, f"{fn.__name__}: no cubin"
 
 
@@ -54,6 +57,32 @@ def _attention(dtype: str, head_dim: int, queries_per_kv: int, prefill: bool, sp
         DOT_PRECISION="ieee" if dtype == "fp32" else None,
     )  # fmt: skip
     _compile(_unified_attention_kernel, signature, constants, shape.num_warps)
+
+
+def _quant_matmul(
+    dtype: str, bits: int, rows: int, in_features: int, group_size: int, out_features: int = 4096
+) -> None:
+    from kernels.quant_matmul import _quant_matmul_kernel, choose_tiles
+
+    tiles = choose_tiles(rows, out_features, in_features, group_size, compute_units=132)
+    signature = {
+        "x_ptr": f"*{dtype}",
+        "data_ptr": "*i8" if bits == 8 else "*u8",
+        "scales_ptr": "*fp16",
+        "mins_ptr": "*fp16",
+        "bias_ptr": f"*{dtype}",
+        "out_ptr": f"*{dtype}",
+    }
+    signature |= dict.fromkeys(["M", "N", "K", "group_size"], "i32")
+    signature |= dict.fromkeys(
+        ["stride_xm", "stride_dn", "stride_sn", "stride_mn", "stride_om"], "i32"
+    )
+    constants = dict(
+        BITS=bits, HAS_BIAS=True, EVEN_K=in_features % tiles.block_k == 0,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_UPCAST=False,
+        DOT_PRECISION="ieee" if dtype == "fp32" else None,
+    )  # fmt: skip
+    _compile(_quant_matmul_kernel, signature, constants, tiles.num_warps, tiles.num_stages)
 
 
 def main() -> None:
@@ -111,6 +140,15 @@ def main() -> None:
         dict(BLOCK=1024),
         num_warps=4,
     )  # fmt: skip
+    for dtype in ("bf16", "fp16", "fp32"):
+        for bits in (4, 8):
+            for rows in (1, 48, 512):  # decode, small prefill, prefill tiles
+                _quant_matmul(dtype, bits, rows, 4096, 128)
+    _quant_matmul("bf16", 4, 1, 4096, 128, out_features=16384)  # 64-wide decode tiles
+    _quant_matmul("bf16", 4, 1, 4096, 32)
+    _quant_matmul("bf16", 4, 512, 4096, 4096)  # per-channel
+    _quant_matmul("bf16", 4, 1, 96, 96)  # per-channel, ragged last K tile
+    _quant_matmul("bf16", 8, 512, 80, 80)
     print("all kernels compiled for sm_90")
 
 
