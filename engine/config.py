@@ -44,8 +44,13 @@ class EngineConfig:
         ),
     ] = None
     quantization_group_size: Annotated[
-        Literal[32, 64, 128],
-        Field(description="inputs sharing one scale and minimum in int4 quantized at load"),
+        int,
+        Field(
+            ge=32,
+            multiple_of=32,
+            description="inputs sharing one scale and minimum in int4 quantized at load (32, "
+            "64, 128, ...: it must divide every linear layer's input size)",
+        ),
     ] = 32
     # KV cache
     block_size: Annotated[int, Field(ge=1, description="tokens per KV-cache block")] = 16

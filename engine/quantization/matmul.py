@@ -1,8 +1,9 @@
-"""x @ W.T for a quantized W: the CPU kernels where they are built, else dequantize per call.
+"""x @ W.T for a quantized W: the C++ kernels on the CPU, a Triton dequantize-GEMM on CUDA.
 
-The per-call dequantization is the reference (and the path on CUDA until it has kernels of
-its own): it gives the same numbers as the dequantized full-precision model, slowly. A CPU
-without a compiler for the kernels says so once in the log (kernels.cpu_ops).
+Both compute in full precision from the integer codes (no activation quantization), so a
+quantized model gives the numbers of its dequantized full-precision twin up to summation order.
+Where neither kernel runs (a CPU without a compiler, which kernels.cpu_ops says once in the log),
+the weight is dequantized per call: the same numbers, slowly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ def quantized_linear(
             rows, weight.data, weight.scales, weight.mins, weight.bits, weight.group_size, bias
         )
         return out.reshape(*x.shape[:-1], weight.out_features)
+    if x.device.type == "cuda":
+        from kernels import quant_matmul_triton
+
+        if weight.input_order is not None:
+            x = x.index_select(-1, weight.input_order)
+        return quant_matmul_triton(
+            x, weight.data, weight.scales, weight.mins, weight.bits, weight.group_size, bias
+        )
     return F.linear(x, dequantize(weight, x.dtype), bias)
 
 

@@ -98,6 +98,13 @@ def quantize_at_load(model: nn.Module, method: QuantizationMethod, group_size: i
     than the rest of the model together). The embedding keeps its precision: a lookup reads one
     row."""
     shared = _shared_parameters(model)
+    if method == "int4":
+        sizes = sorted({m.in_features for m in model.modules() if isinstance(m, Linear)})
+        if any(size % group_size for size in sizes):
+            raise QuantizationError(
+                f"quantization_group_size={group_size} does not divide the input sizes of the "
+                f"linear layers ({', '.join(map(str, sizes))}); supported: multiples of 32 that do"
+            )
     with torch.no_grad():
         for name, module in model.named_modules():
             if not isinstance(module, Linear) or module.quantized is not None:

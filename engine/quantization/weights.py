@@ -152,19 +152,24 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight of the parts' output rows stacked in order (a fused projection's shards)."""
     first = parts[0]
     for part in parts[1:]:
-        same_order = (part.input_order is None) == (first.input_order is None) and (
-            part.input_order is None or torch.equal(part.input_order, first.input_order)
-        )
-        if (
-            (part.bits, part.in_features, part.group_size)
-            != (first.bits, first.in_features, first.group_size)
-            or (part.mins is None) != (first.mins is None)
-            or not same_order
-        ):
+        if (part.bits, part.group_size) != (first.bits, first.group_size):
             raise ValueError(
-                "the projections of one fused layer are quantized differently "
-                f"({first.bits} bits, group {first.group_size} vs {part.bits} bits, group {part.group_size}, "
-                "or a different input order)"
+                "the projections of one fused layer are quantized differently: "
+                f"{first.bits} bits in groups of {first.group_size} and "
+                f"{part.bits} bits in groups of {part.group_size}"
+            )
+        if part.in_features != first.in_features or (part.mins is None) != (first.mins is None):
+            raise ValueError("the projections of one fused layer have different layouts")
+        same_order = (part.input_order is None and first.input_order is None) or (
+            part.input_order is not None
+            and first.input_order is not None
+            and torch.equal(part.input_order, first.input_order)
+        )
+        if not same_order:
+            raise ValueError(
+                "the projections of one fused layer (q/k/v or gate/up) order their inputs "
+                "differently (GPTQ act-order g_idx); they read the same input, so their orders "
+                "must agree"
             )
     mins = None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
     return QuantizedWeight(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,8 @@ _LINEAR = re.compile(
     r"model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
 )
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# q/k/v_proj read one input, gate/up_proj another: the name up to the projection kind.
+_SHARED_INPUT = re.compile(r"(.*\.(self_attn\.|mlp\.))(q|k|v|gate|up)_proj$")
 
 
 @dataclass
@@ -67,14 +70,18 @@ def write_gptq_checkpoint(
         "sym": sym, "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True,
     }  # fmt: skip
     written = WrittenCheckpoint(destination, config)
-    generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, weight in _source_tensors(source, num_layers):
         if not _LINEAR.match(name):
             tensors[name] = weight.half()
             continue
         prefix = name.removesuffix(".weight")
-        packed, reference, offset = _gptq_pack(weight, bits, group_size, desc_act, sym, generator)
+        # Act-order sorts inputs by their Hessian, which projections reading the same input
+        # (q/k/v, gate/up) share: one permutation per layer and input.
+        layer_input = _SHARED_INPUT.sub(r"\1", name.removesuffix(".weight"))
+        packed, reference, offset = _gptq_pack(
+            weight, bits, group_size, desc_act, sym, seed + zlib.crc32(layer_input.encode())
+        )
         tensors.update({f"{prefix}.{part}": value for part, value in packed.items()})
         written.references[name], written.largest_offsets[name] = reference, offset
     _write_folder(source, destination, tensors, config, num_layers)
@@ -118,12 +125,12 @@ def _gptq_pack(
     group_size: int,
     desc_act: bool,
     sym: bool,
-    generator: torch.Generator,
+    seed: int,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, float]:
     in_features = weight.shape[1]
     size = in_features if group_size == -1 else group_size
     if desc_act:  # input perm[k] is the k-th quantized: its group is k // size
-        perm = torch.randperm(in_features, generator=generator)
+        perm = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
         g_idx = torch.empty(in_features, dtype=torch.int64)
         g_idx[perm] = torch.arange(in_features) // size
     else:
