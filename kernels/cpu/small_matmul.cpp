@@ -514,11 +514,18 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& data, const at::T
         large_rows(source, N, x2, b, out, group_size);
         return;
       }
-      // The 4-bit minimum's share of each output needs x's sum over every group.
-      at::Tensor xsum = bits == 4 ? x2.view({rows, groups, group_size}).sum(-1).contiguous()
-                                  : at::Tensor();
-      const Problem p{x2.data_ptr<float>(), rows, K, group_size,
-                      xsum.defined() ? xsum.data_ptr<float>() : nullptr,
+      // The 4-bit minimum's share of each output needs x's sum over every group (a plain loop:
+      // an aten reduction here costs more in dispatch than the sums themselves).
+      std::vector<float> xsum(bits == 4 ? rows * groups : 0);
+      const float* x_data = x2.data_ptr<float>();
+      for (size_t i = 0; i < xsum.size(); ++i) {
+        const float* chunk = x_data + i * group_size;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < group_size; ++j) sum += chunk[j];
+        xsum[i] = sum;
+      }
+      const Problem p{x_data, rows, K, group_size, xsum.empty() ? nullptr : xsum.data(),
                       b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>(), N};
       small_rows(source, N, p, rows >= kBufferedMinRows);
     });
