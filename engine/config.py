@@ -47,9 +47,8 @@ class EngineConfig:
         int,
         Field(
             ge=32,
-            multiple_of=32,
-            description="inputs sharing one scale and minimum in int4 quantized at load (32, "
-            "64, 128, ...: it must divide every linear layer's input size)",
+            description="inputs sharing one scale and minimum in int4 quantized at load: a "
+            "multiple of 32 (32, 64, 128, ...) that divides every linear layer's input size",
         ),
     ] = 32
     # KV cache

@@ -19,7 +19,7 @@ from torch import nn
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear
 from engine.quantization.errors import QuantizationError
-from engine.quantization.weights import quantize_fp8, quantize_int4, quantize_int8
+from engine.quantization.weights import Q4_BLOCK, quantize_fp8, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def quantize_at_load(model: nn.Module, method: QuantizationMethod, group_size: i
     shared = _shared_parameters(model)
     if method == "int4":
         sizes = sorted({m.in_features for m in model.modules() if isinstance(m, Linear)})
-        if any(size % group_size for size in sizes):
+        if group_size % Q4_BLOCK or any(size % group_size for size in sizes):
             raise QuantizationError(
                 f"quantization_group_size={group_size} does not divide the input sizes of the "
                 f"linear layers ({', '.join(map(str, sizes))}); supported: multiples of 32 that do"

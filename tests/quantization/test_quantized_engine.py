@@ -176,10 +176,11 @@ def test_quantized_bfloat16_runs(tiny_llama_dir: Path) -> None:
         ("fp8", {}, "CUDA"),
         ("int4", {"dtype": "float16"}, "float16"),
         ("gguf", {"load_format": "dummy"}, "dummy"),
+        ("int4", {"quantization_group_size": 48}, "quantization_group_size=48"),
     ],
 )
 def test_unsupported_settings_fail_at_start_up_naming_the_value(
-    tiny_llama_dir: Path, quantization: str, engine_args: dict[str, str], named: str
+    tiny_llama_dir: Path, quantization: str, engine_args: dict[str, object], named: str
 ) -> None:
     with pytest.raises(QuantizationError, match=named) as error:
         LLM(str(tiny_llama_dir), device="cpu", quantization=quantization, **engine_args)
