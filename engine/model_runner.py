@@ -205,6 +205,7 @@ class ModelRunner:
         key = machine_key(
             shapes={**asdict(shapes), "dtype": str(self.dtype).removeprefix("torch.")},
             candidates=list(candidates),
+            baseline="native" if cpu_glue.native() is cpu_glue.NATIVE else "eager",
         )
 
         def read(stored: Any) -> int | None:
@@ -236,7 +237,7 @@ class ModelRunner:
     def _glue_for_step(self, num_tokens: int) -> cpu_glue.Glue:
         threshold = self.compiled_glue_min_tokens
         if threshold is None or num_tokens < threshold:
-            return cpu_glue.EAGER
+            return cpu_glue.native()
         return cpu_glue.compiled()
 
     def _decide_num_kv_blocks(self) -> int:

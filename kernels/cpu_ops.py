@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     Path(__file__).parent / "cpu" / "paged_decode.cpp",
     Path(__file__).parent / "cpu" / "small_matmul.cpp",
+    Path(__file__).parent / "cpu" / "decode_glue.cpp",
 )
 # -ffast-math lets the compiler vectorize the softmax's exp; the kernels never see inf or NaN
 # inputs (attention reads only the valid part of each context). -fopenmp makes at::parallel_for
@@ -100,4 +101,40 @@ def paged_decode_attention(
     """
     torch.ops.inferq_cpu.paged_decode_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, scale
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight over the last dimension (x, weight contiguous, same dtype)."""
+    return torch.ops.inferq_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual)."""
+    return torch.ops.inferq_cpu.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * d] holding gate then up -> silu(gate) * up [..., d]."""
+    return torch.ops.inferq_cpu.silu_and_mul(x)
+
+
+def rotary_store_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """Neox-rotate q and k of qkv [T, (H + 2 Hkv) * D]; store k and v in their cache slots.
+
+    Returns q [T, H, D]. slot_mapping [T] int64 (-1 skips a token), caches
+    [num_blocks, block_size, Hkv, D] of qkv's dtype, cos_sin_cache [max_position, D] float32.
+    """
+    return torch.ops.inferq_cpu.rotary_store_kv(
+        qkv, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_heads
     )

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
-from kernels.cpu_ops import cpu_kernels_available, paged_decode_attention
+from kernels.cpu_ops import cpu_kernels_available, paged_decode_attention, rotary_store_kv
 
 
 @dataclass
@@ -50,6 +50,9 @@ class TorchAttentionPlan:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, ctx] additive; None: nothing padded
     prefills: list[PrefillChunk]
     max_gather_blocks: int  # workspace size in blocks
+    # Every sequence decodes one token through the fused kernel: the step may rotate and store
+    # in one kernel call too (decode_from_qkv).
+    decodes_only_fused: bool = False
 
 
 def build_plan(
@@ -127,6 +130,7 @@ def build_plan(
         decode_mask=decode_mask,
         prefills=prefills,
         max_gather_blocks=max_gather_blocks,
+        decodes_only_fused=decode_tables is not None and decode_rows is None and not prefills,
     )
 
 
@@ -215,6 +219,41 @@ class TorchAttentionBackend:
             out[chunk.start : chunk.end] = self._prefill(
                 q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
             )
+        return out
+
+    def decode_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        num_heads: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """A decode-only CPU step from the fused projection qkv [T, (H + 2 Hkv) * D]: Neox
+        rotary (cos_sin_cache as in engine.layers.rotary), KV store and attention in two kernel
+        calls, [T, H, D] out. None where this step or build cannot: the caller then rotates and
+        calls forward.
+
+        Per layer a decode step is otherwise a dozen small ops (split, views, rotation,
+        index_copy_, allocations) that each cost more dispatch than arithmetic."""
+        if not meta.is_decode_only or qkv.dtype != k_cache.dtype:
+            return None
+        plan = meta.backend_plan
+        if plan is None:
+            fused = self._use_fused_decode(qkv)
+            plan = meta.backend_plan = build_plan(meta, k_cache.shape[1], qkv.dtype, fused)
+        if not plan.decodes_only_fused:
+            return None
+        q = rotary_store_kv(
+            qkv, positions, cos_sin_cache, plan.write_slots, k_cache, v_cache, num_heads
+        )
+        out = torch.empty_like(q)
+        paged_decode_attention(
+            out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale
+        )
         return out
 
     def _use_fused_decode(self, q: torch.Tensor) -> bool:

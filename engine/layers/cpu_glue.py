@@ -11,6 +11,9 @@ from some number of tokens per step on; the runner measures where (`glue_for_ste
 Inductor's kernels are single-threaded: they link the system's OpenMP runtime, a second one
 beside torch's own, and two thread pools on the same cores stall each other by milliseconds.
 
+At decode sizes the C++ glue (`native`, kernels.cpu_ops) beats both: one call per group of ops,
+no guards, no intermediate tensors. It serves every step the compiled glue does not.
+
 A model forward reads the glue of the runner that calls it (`using`), so engines in one process
 may differ (one compiled, one eager). A compiled function that fails logs a warning once and
 hands its work back to the eager one for good: compiling is an optimisation, never an outage.
@@ -28,6 +31,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
 from kernels.reference import silu_and_mul_ref
 
 logger = logging.getLogger(__name__)
@@ -93,6 +97,46 @@ def using(glue: Glue) -> Iterator[None]:
         yield
     finally:
         _current.reset(token)
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native_fits(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    return (
+        x.dtype in _NATIVE_DTYPES
+        and x.is_contiguous()
+        and (weight is None or (weight.dtype == x.dtype and weight.is_contiguous()))
+    )
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _native_fits(x, weight):
+        return cpu_ops.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
+def native_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _native_fits(x, weight) and residual.dtype == x.dtype and residual.is_contiguous():
+        return cpu_ops.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm(x, residual, weight, eps)
+
+
+def native_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if _native_fits(x):
+        return cpu_ops.silu_and_mul(x)
+    return silu_and_mul_ref(x)
+
+
+# Rotary stays eager here: decode steps rotate inside the KV-cache store (rotary_store_kv).
+NATIVE = Glue(native_rms_norm, native_add_rms_norm, rotate, native_silu_and_mul)
+
+
+def native() -> Glue:
+    """The C++ glue where the CPU kernels could be built, else the eager one."""
+    return NATIVE if cpu_ops.cpu_kernels_available() else EAGER
 
 
 F_ = TypeVar("F_", bound=Callable[..., object])
@@ -187,7 +231,7 @@ def compile_now(shapes: GlueShapes) -> None:
 
 
 def min_tokens_for_compiled(shapes: GlueShapes, candidates: tuple[int, ...]) -> int | None:
-    """The fewest tokens per step from which the compiled glue beats the eager one (measured
+    """The fewest tokens per step from which the compiled glue beats the native one (measured
     on this machine, at the model's shapes); None if it never does among the candidates.
 
     Also compiles every glue function, so no request waits for the compiler later."""
@@ -196,6 +240,6 @@ def min_tokens_for_compiled(shapes: GlueShapes, candidates: tuple[int, ...]) -> 
     with torch.inference_mode():
         for num_tokens in candidates:
             compiled_s = _layer_glue_seconds(glue, shapes, num_tokens)
-            if compiled_s < _CLEAR_WIN * _layer_glue_seconds(EAGER, shapes, num_tokens):
+            if compiled_s < _CLEAR_WIN * _layer_glue_seconds(native(), shapes, num_tokens):
                 return num_tokens
     return None

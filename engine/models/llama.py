@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.activation import silu_and_mul
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
@@ -72,7 +73,21 @@ class LlamaAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if isinstance(self.backend, TorchAttentionBackend) and not qkv.is_cuda:
+            out = self.backend.decode_from_qkv(
+                qkv,
+                positions,
+                self.rotary_emb.cos_sin_cache,
+                self.num_heads,
+                kv_cache[0],
+                kv_cache[1],
+                meta,
+                self.scale,
+            )
+            if out is not None:
+                return self.o_proj(out.view(num_tokens, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k, cos_sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
