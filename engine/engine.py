@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -187,6 +189,30 @@ class Engine:
         if delta.finish_reason is not None:
             seq.mark_finished(delta.finish_reason, delta.stop_reason)
             choice.finished = True
+
+    def token_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 [len - 1]: each token's log-probability after its prefix (perplexity), from
+        one prefill on an idle engine. The blocks come from the block manager like a prompt's,
+        so cached prefixes are evicted, never overwritten behind the cache's back."""
+        if self.has_unfinished():
+            raise RuntimeError("scoring a text needs an idle engine: finish the requests first")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"{len(token_ids)} tokens exceed the engine's max_model_len {self.max_model_len}"
+            )
+        seq = Sequence(
+            request_id="score",
+            token_ids=list(token_ids),
+            num_prompt_tokens=len(token_ids),
+            params=SamplingParams(),
+        )
+        self.block_manager.allocate_prompt(seq, prefix_hits=[])  # every position is computed
+        try:
+            if self.block_manager.try_allocate_slots(seq, len(token_ids)) is None:
+                raise ValueError(f"{len(token_ids)} tokens do not fit the free KV-cache blocks")
+            return self.runner.token_logprobs(seq)
+        finally:
+            self.block_manager.free(seq)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks now. Returns False if it was unknown or done."""

@@ -68,12 +68,10 @@ class LLM:
     def perplexity(self, text: str | list[int]) -> float:
         """exp of the mean negative log-likelihood of the text's tokens after the first, from
         one forward pass over the whole text (it must fit the model and the KV cache)."""
-        if self.engine.has_unfinished():
-            raise RuntimeError("perplexity needs an idle engine: finish the requests first")
         ids = self.tokenizer.encode(text) if isinstance(text, str) else list(text)
         if len(ids) < 2:
             raise ValueError("perplexity needs at least two tokens")
-        return math.exp(-self.engine.runner.token_logprobs(ids).double().mean().item())
+        return math.exp(-self.engine.token_logprobs(ids).double().mean().item())
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

@@ -321,21 +321,10 @@ class ModelRunner:
             return self._run_model(inputs)
 
     @torch.inference_mode()
-    def token_logprobs(self, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
-        """float32 [len - 1]: the model's log-probability of each token after its prefix, from
-        one prefill of the whole text (perplexity). Only on an idle runner: it writes KV blocks
-        from 0 on."""
-        num_blocks = -(-len(token_ids) // self.block_size)
-        if num_blocks > self.num_kv_blocks or len(token_ids) > self.max_model_len:
-            raise ValueError(f"{len(token_ids)} tokens do not fit the KV cache or the model")
-        seq = Sequence(
-            request_id="score",
-            token_ids=list(token_ids),
-            num_prompt_tokens=len(token_ids),
-            params=SamplingParams(),
-            block_table=list(range(num_blocks)),
-        )
-        inputs = self.prepare_inputs([ScheduledSeq(seq, len(token_ids))])
+    def token_logprobs(self, seq: Sequence, chunk: int = 256) -> torch.Tensor:
+        """float32 [len - 1]: the model's log-probability of each of seq's tokens after its
+        prefix, from one prefill of all of them (perplexity). seq's blocks cover its tokens."""
+        inputs = self.prepare_inputs([ScheduledSeq(seq, seq.num_tokens)])
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta
         )[:-1]

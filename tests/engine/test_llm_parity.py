@@ -105,6 +105,20 @@ def test_prefix_cache_computes_only_the_suffix(model_path, prompts) -> None:
     assert out.outputs[0].token_ids == _generate(uncached, [second])[0]
 
 
+def test_perplexity_leaves_cached_prefixes_true(model_path, prompts) -> None:
+    """Scoring a text takes its KV blocks like a prompt: a prefix cached before it still
+    continues as computed from scratch afterwards."""
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=40)
+    uncached = LLM(str(model_path), dtype="float32", enable_prefix_caching=False)
+    prompt = prompts[-1][:200]
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    perplexity = llm.perplexity(prompts[-1][300:500])
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert perplexity == pytest.approx(uncached.perplexity(prompts[-1][300:500]), rel=1e-4)
+    assert again.metrics.num_cached_prompt_tokens > 0
+    assert again.outputs[0].token_ids == _generate(uncached, [prompt])[0]
+
+
 def test_seeded_sampling_ignores_batch_composition(model_path, prompts) -> None:
     llm = LLM(str(model_path), dtype="float32")
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
