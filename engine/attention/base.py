@@ -59,3 +59,19 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...
+
+    def decode_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        num_heads: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """A decode step straight from the fused projection qkv: rotary, KV store and
+        attention in one go, [T, num_heads, head_dim]; None where the backend has no such path
+        for this step (the model then rotates and calls forward)."""
+        ...

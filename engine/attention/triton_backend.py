@@ -48,3 +48,16 @@ class TritonAttentionBackend:
             meta.max_seq_len,
             num_splits=self.num_splits,
         )
+
+    def decode_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        num_heads: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor | None:
+        return None  # on CUDA, decode steps replay captured graphs of forward

@@ -77,3 +77,12 @@ class MergedLinear(Linear):
 
     def shard_offset(self, shard: int) -> int:
         return sum(self.shard_sizes[:shard])
+
+
+def shared_parameter_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters two modules hold (a tied embedding and lm_head): a layer that
+    changes how it stores its weight must keep such a one for the other holder."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    return {key for key, count in uses.items() if count > 1}

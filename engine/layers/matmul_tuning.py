@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, shared_parameter_ids
 from engine.layers.matmul import (
     SMALL_ROWS,
     Backend,
@@ -206,14 +206,12 @@ def auto_dtype(
 
 def apply_plan(model: nn.Module, plan: MatmulPlan) -> None:
     """Switch every Linear of the model to the plan, packing each weight once."""
-    uses: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = uses.get(id(param), 0) + 1
+    shared = shared_parameter_ids(model)
     with torch.inference_mode(False):
         for module in model.modules():
             if isinstance(module, Linear):
                 # A weight shared with another module (a tied embedding) stays as it is.
-                module.use_plan(plan, keep_plain_weight=uses[id(module.weight)] > 1)
+                module.use_plan(plan, keep_plain_weight=id(module.weight) in shared)
 
 
 def tune_model(model: nn.Module, shapes: list[Shape], dtype: torch.dtype, choice: str) -> Tuning:

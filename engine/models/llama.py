@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers.activation import silu_and_mul
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
@@ -74,19 +73,18 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if isinstance(self.backend, TorchAttentionBackend) and not qkv.is_cuda:
-            out = self.backend.decode_from_qkv(
-                qkv,
-                positions,
-                self.rotary_emb.cos_sin_cache,
-                self.num_heads,
-                kv_cache[0],
-                kv_cache[1],
-                meta,
-                self.scale,
-            )
-            if out is not None:
-                return self.o_proj(out.view(num_tokens, self.q_size))
+        out = self.backend.decode_from_qkv(
+            qkv,
+            positions,
+            self.rotary_emb.cos_sin_cache,
+            self.num_heads,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            self.scale,
+        )
+        if out is not None:
+            return self.o_proj(out.view(num_tokens, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k, cos_sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.layers.embedding import VocabEmbedding
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, shared_parameter_ids
 from engine.quantization.errors import QuantizationError
 from engine.quantization.weights import Q4_BLOCK, quantize_fp8, quantize_int4, quantize_int8
 
@@ -97,7 +97,7 @@ def quantize_at_load(model: nn.Module, method: QuantizationMethod, group_size: i
     projections with `method`, the lm_head with int8 for int4 (4 bits there costs more quality
     than the rest of the model together). The embedding keeps its precision: a lookup reads one
     row."""
-    shared = _shared_parameters(model)
+    shared = shared_parameter_ids(model)
     if method == "int4":
         sizes = sorted({m.in_features for m in model.modules() if isinstance(m, Linear)})
         if group_size % Q4_BLOCK or any(size % group_size for size in sizes):
@@ -117,13 +117,6 @@ def quantize_at_load(model: nn.Module, method: QuantizationMethod, group_size: i
             else:
                 quantized = quantize_int8(weight)
             module.use_quantized(quantized, keep_plain_weight=id(module.weight) in shared)
-
-
-def _shared_parameters(model: nn.Module) -> set[int]:
-    uses: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = uses.get(id(param), 0) + 1
-    return {key for key, count in uses.items() if count > 1}
 
 
 def weight_bytes(model: nn.Module) -> int:
