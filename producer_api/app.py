@@ -11,7 +11,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from redis.asyncio import Redis
 
 from producer_api.batches import routes as batches_routes
 from producer_api.deps import ApiState
@@ -20,6 +19,7 @@ from producer_api.limits import BodySizeLimitMiddleware
 from producer_api.metrics import ApiMetrics, RequestMetricsMiddleware
 from producer_api.openapi import install_openapi
 from producer_api.prompt_tokens import TokenizerCache
+from producer_api.redis_connect import redis_client
 from producer_api.redis_memory import warn_about_redis_memory
 from producer_api.routes import dashboard, jobs, openai, ops
 from producer_api.settings import ApiSettings
@@ -38,7 +38,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = Redis.from_url(settings.redis_url, decode_responses=True)
+        redis = redis_client(settings)
         keys = RedisKeys(settings.prefix)
         app.state.inferq = ApiState(
             settings=settings,
