@@ -52,8 +52,14 @@ class SentinelCluster:
     binary: str
     master_port: int = field(default_factory=free_port)
     replica_port: int = field(default_factory=free_port)
-    sentinel_ports: list[int] = field(default_factory=lambda: [free_port() for _ in range(3)])
+    sentinel_count: int = 3
+    sentinel_ports: list[int] = field(default_factory=list)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.sentinel_ports = self.sentinel_ports or [
+            free_port() for _ in range(self.sentinel_count)
+        ]
 
     @property
     def sentinels(self) -> str:
@@ -69,25 +75,37 @@ class SentinelCluster:
             "INFERQ_REDIS_URL": f"redis://127.0.0.1:{self.master_port}/0",
         }
 
-    def start(self) -> None:
+    def start(self, *, sentinels: bool = True) -> None:
+        """Master and replica, then (unless `sentinels` is False) the Sentinels, once each
+        knows the replica and the other Sentinels."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._server("master", self.master_port)
         self._server(
             "replica", self.replica_port, "--replicaof", "127.0.0.1", str(self.master_port)
         )
         self._wait(lambda: "master_link_status:up" in ask(self.replica_port, "INFO", "replication"))
+        if sentinels:
+            self.start_sentinels()
+
+    def start_sentinels(self, *, wait_for_peers: bool = True) -> None:
+        """The Sentinels; with `wait_for_peers`, until every one knows the replica and the
+        other Sentinels (which a failover needs; a client only needs the master's address)."""
         for number, port in enumerate(self.sentinel_ports):
             config = self.root / f"sentinel-{number}.conf"
             config.write_text(
                 f"port {port}\nbind 127.0.0.1\ndir {self.root}\n"
-                f"sentinel monitor {MASTER_NAME} 127.0.0.1 {self.master_port} 2\n"
+                f"sentinel monitor {MASTER_NAME} 127.0.0.1 {self.master_port} {self.quorum}\n"
                 f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}\n"
                 f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}\n"
                 f"sentinel parallel-syncs {MASTER_NAME} 1\n"
             )
             self._start(f"sentinel-{number}", port, [str(config), "--sentinel"])
-        # every Sentinel has found the replica and the other Sentinels (needed for a failover)
-        self._wait(lambda: all(self._sees_peers(port) for port in self.sentinel_ports), 30)
+        if wait_for_peers:
+            self._wait(lambda: all(self._sees_peers(port) for port in self.sentinel_ports), 30)
+
+    @property
+    def quorum(self) -> int:
+        return min(2, len(self.sentinel_ports))
 
     def master_port_now(self) -> int | None:
         """The master's port as the first answering Sentinel names it."""
@@ -120,7 +138,8 @@ class SentinelCluster:
         reply = ask(port, "SENTINEL", "master", MASTER_NAME)
         lines = reply.split("\r\n")
         fields = dict(zip(lines[2::4], lines[4::4], strict=False))
-        return fields.get("num-slaves") == "1" and fields.get("num-other-sentinels") == "2"
+        others = str(len(self.sentinel_ports) - 1)
+        return fields.get("num-slaves") == "1" and fields.get("num-other-sentinels") == others
 
     def _server(self, name: str, port: int, *extra: str) -> None:
         args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]

@@ -88,7 +88,6 @@ class Outbox:
             payload=chunk.to_json(),
             set_ttl=set_ttl,
         )
-        self.replay.record(write)
         self.ops.append(_Op(chunk=write, job_id=chunk.job_id))
 
     def transition(
@@ -194,6 +193,9 @@ class Outbox:
             raise
         finally:
             self._in_flight = []
+        for op in batch:
+            if op.chunk is not None:
+                self.replay.record(op.chunk)
         position = 0
         for commands, on_reply in units:
             if on_reply is not None:

@@ -4,8 +4,9 @@ Replication is asynchronous: chunks a master acknowledged may not have reached t
 that a failover promotes. The new master's replay stream of a running job then ends early,
 and a client that resumes from it would never see the chunks in between (explicit ids only
 grow, so once a later chunk is added the gap can never be filled). So the worker keeps the
-chunks it published for every job still in its hands, and after a reconnect (or a change of
-master), before anything else is sent, re-publishes what each replay stream lacks. Live
+chunks Redis acknowledged for every job still in its hands, and after a reconnect (or a change
+of master), before anything else is sent, re-publishes what each replay stream lacks; the
+outbox then sends the chunks never acknowledged, as always. Live
 listeners skip the repeated PUBLISHes by chunk index: every chunk number reaches every client
 exactly once.
 """
@@ -41,7 +42,7 @@ class ChunkWrite:
 
 @dataclass
 class ReplayLog:
-    """The chunks published (or queued) for each job this worker still holds, in index order."""
+    """The chunks Redis acknowledged for each job this worker still holds, in index order."""
 
     _by_job: dict[str, list[ChunkWrite]] = field(default_factory=dict)
 
@@ -78,19 +79,11 @@ async def refill(redis: Redis, log: ReplayLog, maxlen: int, ttl_s: int, field_na
     missing: list[ChunkWrite] = []
     for job_id, top in zip(streams, tops, strict=True):
         last = chunk_index_from_stream_id(top[0][0]) if top else -1
-        lacking = log.after(job_id, last)
-        if lacking:
-            log_event(
-                logger,
-                logging.WARNING,
-                "replay_stream_refilled",
-                job=job_id,
-                stream_ended_at=last,
-                chunks=len(lacking),
-            )
-        missing += lacking
+        missing += log.after(job_id, last)
     if not missing:
         return 0
+    jobs = len({write.job_id for write in missing})
+    log_event(logger, logging.WARNING, "replay_streams_refilled", jobs=jobs, chunks=len(missing))
     args: list[str | int] = [maxlen, ttl_s, field_name]
     for write in missing:
         args += [write.channel, write.entry_id, write.payload, "1"]

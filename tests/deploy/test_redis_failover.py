@@ -113,7 +113,7 @@ async def test_master_failover_loses_no_job_and_no_chunk(cluster: SentinelCluste
             await asyncio.sleep(0.3)
             killed_at = time.monotonic()
             cluster.kill_master()
-            promoted_s = cluster.wait_promoted()
+            promoted_s = await asyncio.to_thread(cluster.wait_promoted)
             await _until(lambda: any(t > killed_at for t, _ in probe.accepted), 60)
             stop_probe.set()
             await asyncio.wait_for(probing, PROBE_TIMEOUT_S + 5)
