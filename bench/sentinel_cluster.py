@@ -143,6 +143,7 @@ class SentinelCluster:
 
     def _server(self, name: str, port: int, *extra: str) -> None:
         args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--repl-diskless-sync-delay", "0"]  # a replica syncs at once, not after 5 s
         self._start(name, port, [*args, "--dir", str(self.root), *extra])
 
     def _start(self, name: str, port: int, args: list[str]) -> None:

@@ -79,9 +79,9 @@ class AsyncClient(AsyncJobClient):
         max_retries: int = DEFAULT_MAX_RETRIES,
         poll_interval: float = DEFAULT_POLL_INTERVAL_S,
     ) -> None:
-        if isinstance(url, RedisConnectionSettings):
-            transport = "redis"
-        self.transport: Transport = transport or transport_of(url)
+        self.transport: Transport = (
+            "redis" if isinstance(url, RedisConnectionSettings) else transport or transport_of(url)
+        )
         self.max_retries = max_retries
         self._impl: AsyncJobClient
         if self.transport == "http" and isinstance(url, str):

@@ -20,10 +20,12 @@ from schemas import Job, JobStatus, TokenChunk
 from schemas.chunks import REPLAY_FIELD
 from schemas.redis_connection import ReplicaWait
 from worker.publisher import Outbox
+from worker.redis_connect import master_address, redis_client
 from worker.replay_log import refill
+from worker.settings import WorkerSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sentinel_cluster import SentinelCluster, ask, redis_binary
+from sentinel_cluster import MASTER_NAME, SentinelCluster, ask, redis_binary
 
 pytestmark = pytest.mark.anyio
 MODEL = "fake-model"
@@ -139,6 +141,22 @@ async def test_a_worker_refills_the_streams_a_failover_cut_short(pair):
         expected = expected_output(job.request.prompt_token_ids, job.request.sampling.max_tokens)
         await check_delivery(redis, job, streamed, None, expected)
     await redis.aclose()
+
+
+async def test_the_worker_client_knows_which_master_it_reached(pair):
+    cluster, _, _ = pair
+    cluster.start_sentinels(wait_for_peers=False)
+    where = WorkerSettings(
+        redis_sentinels=cluster.sentinels, redis_master_name=MASTER_NAME, model=MODEL
+    )
+    client = redis_client(where, decode_responses=True, socket_timeout=5, socket_connect_timeout=5)
+    assert master_address(client) is None  # not connected yet
+    assert await client.ping()
+    assert master_address(client) == ("127.0.0.1", cluster.master_port)
+    await client.aclose()
+    plain = Redis(port=cluster.master_port)
+    assert master_address(plain) is None
+    await plain.aclose()
 
 
 async def _wait_through_the_switch(client: AsyncClient, job_id: str) -> Job:
