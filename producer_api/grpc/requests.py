@@ -71,7 +71,7 @@ def job_request(
         "timeout_s": timeout_s,
     }
     if isinstance(request, pb.ChatCompletionsRequest):
-        fields["messages"] = [_message(m) for m in request.messages] or None
+        fields["messages"] = [_message(m) for m in request.messages]  # [] is refused as empty
     elif request.prompt_token_ids:
         fields["prompt_token_ids"] = list(request.prompt_token_ids)
         if request.prompt:

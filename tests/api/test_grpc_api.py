@@ -68,7 +68,13 @@ def test_unary_completion_equals_the_http_api(client, stack):
     with http(stack) as api:
         body = api.post(
             "/v1/completions",
-            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2},
+            json={
+                "model": MODEL,
+                "prompt": PROMPT,
+                "max_tokens": 5,
+                "temperature": 0,
+                "logprobs": 2,
+            },
         ).json()
     [choice] = reply.choices
     assert choice.text == body["choices"][0]["text"]
@@ -181,9 +187,7 @@ def test_a_deadline_that_passes_cancels_the_job(slow_client, stack):
 
 
 def test_a_job_cancelled_meanwhile_ends_the_call_with_cancelled(slow_client, stack):
-    request = pb.CompletionsRequest(
-        model_id=MODEL, prompt=PROMPT, num_tokens=9, keep_running=True
-    )
+    request = pb.CompletionsRequest(model_id=MODEL, prompt=PROMPT, num_tokens=9, keep_running=True)
     stream = slow_client.stub.StreamCompletion(
         pb.StreamCompletionRequest(completion=request), metadata=metadata(), timeout=30
     )
