@@ -37,24 +37,24 @@ def _logprobs(items: Sequence[TokenLogprob] | None) -> list[pb.TokenLogprob]:
     ]
 
 
-def _stop_reason(reason: StopReason) -> dict[str, str | int]:
-    """The oneof field a stop reason fills: the stop sequence (str) or the stop token (int)."""
+def _set_stop_reason(message: pb.Choice | pb.CompletionChunk, reason: StopReason) -> None:
+    """Fill the stop_reason oneof: the stop sequence (str) or the stop token (int)."""
     if isinstance(reason, str):
-        return {"stop_sequence": reason}
-    if isinstance(reason, int):
-        return {"stop_token_id": reason}
-    return {}
+        message.stop_sequence = reason
+    elif isinstance(reason, int):
+        message.stop_token_id = reason
 
 
 def choice_message(choice: ChoiceResult) -> pb.Choice:
-    return pb.Choice(
+    message = pb.Choice(
         index=choice.index,
         text=choice.text,
         token_ids=choice.token_ids,
         finish_reason=choice.finish_reason,
         logprobs=_logprobs(choice.logprobs),
-        **_stop_reason(choice.stop_reason),
     )
+    _set_stop_reason(message, choice.stop_reason)
+    return message
 
 
 def completions_response(job: Job, result: JobResult) -> pb.CompletionsResponse:
@@ -67,7 +67,7 @@ def completions_response(job: Job, result: JobResult) -> pb.CompletionsResponse:
 
 
 def chunk_message(chunk: TokenChunk, usage: Usage | None = None) -> pb.CompletionChunk:
-    return pb.CompletionChunk(
+    message = pb.CompletionChunk(
         job_id=chunk.job_id,
         index=chunk.index,
         choice=chunk.choice,
@@ -77,8 +77,9 @@ def chunk_message(chunk: TokenChunk, usage: Usage | None = None) -> pb.Completio
         finish_reason=chunk.finish_reason or "",
         final=chunk.final,
         usage=None if usage is None else usage_message(usage),
-        **_stop_reason(chunk.stop_reason),
     )
+    _set_stop_reason(message, chunk.stop_reason)
+    return message
 
 
 def _timestamp(value: datetime | None) -> Timestamp | None:

@@ -33,7 +33,7 @@ from producer_api.grpc.responses import (
     job_message,
     model_message,
 )
-from producer_api.grpc.status import HasRetryAfter, stream_errors, unary_errors
+from producer_api.grpc.status import stream_errors, unary_errors
 from producer_api.grpc.stubs import inference_pb2 as pb
 from producer_api.grpc.stubs import inference_pb2_grpc
 from schemas import ErrorCode, Job, JobStatus, TokenChunk, utc_now
@@ -45,7 +45,7 @@ MIN_CALL_TIMEOUT_S = 0.001  # a call whose deadline has all but passed still mak
 _FAILED_CHUNK = ("error", "abort")
 
 
-class InferenceServicer(inference_pb2_grpc.InferenceServicer, HasRetryAfter):
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, state: ApiState) -> None:
         self.state = state
         self.retry_after_s = state.settings.retry_after_s
@@ -167,11 +167,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer, HasRetryAfter):
         wait_s = self.state.settings.request_timeout_s
         if deadline is not None:
             wait_s = max((deadline - utc_now()).total_seconds(), 0.0)
-        ended: Job | None = None
+        ended = job
         try:
             ended = await self.state.wait_job(job.id, wait_s + WAIT_GRACE_S)
         finally:
-            if not keep_running and (ended is None or not ended.status.is_terminal):
+            # cancelled (client gone, deadline), failed, or given up on: free the job's blocks
+            if not keep_running and not ended.status.is_terminal:
                 await cancel_jobs(self.state, [job])
         if ended.status is not JobStatus.SUCCEEDED or ended.result is None:
             raise _failure(ended)

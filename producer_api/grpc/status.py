@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from functools import wraps
-from typing import NoReturn, TypeVar
+from typing import NoReturn, Protocol, TypeVar
 
 import grpc
 from grpc import aio
@@ -105,13 +105,13 @@ async def _report(context: aio.ServicerContext, exc: Exception, retry_after_s: i
     await abort(context, error, retry_after_s if retry else None)
 
 
+class Servicer(Protocol):
+    retry_after_s: int  # the hint sent with a refusal worth retrying
+
+
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-Self = TypeVar("Self", bound="HasRetryAfter")
-
-
-class HasRetryAfter:
-    retry_after_s: int
+Self = TypeVar("Self", bound=Servicer)
 
 
 def unary_errors(
