@@ -54,11 +54,13 @@ def add_settings_arguments(
     exclude: Collection[str] = (),
     sections: Mapping[str, Collection[str]] | None = None,
     environment: bool = True,
+    aliases: Mapping[str, Collection[str]] | None = None,
 ) -> SettingsFlags[S]:
     """Add a flag for each field of `model` but those in `exclude`; the fields named in a
     section are listed under that title in `--help`. `environment`: the command builds the
     model (`SettingsFlags.settings`), so the help names each flag's variable; a command that
-    passes on only the flags given (`SettingsFlags.given`) says False."""
+    passes on only the flags given (`SettingsFlags.given`) says False. `aliases`: more flags
+    for a field (`{"grpc_port": ["--port"]}`)."""
     prefix = model.model_config.get("env_prefix", "")
     groups = {}
     for title, members in (sections or {}).items():
@@ -71,7 +73,10 @@ def add_settings_arguments(
         flag = "--" + name.replace("_", "-")
         help_text = _help(field, f"{prefix}{name}".upper() if environment else None)
         target = groups.get(name, parser)
-        target.add_argument(flag, dest=name, default=None, help=help_text, **_parsing(name, field))
+        flags = [flag, *(aliases or {}).get(name, ())]
+        target.add_argument(
+            *flags, dest=name, default=None, help=help_text, **_parsing(name, field)
+        )
         names.append(name)
     return SettingsFlags(model, tuple(names))
 

@@ -16,6 +16,7 @@ from cli.flags import ENGINE_SECTION, SettingsCommand, SettingsFlags, add_settin
 from cli.status import add_status_arguments, run_status
 from cli.up import UpSettings, run_up
 from engine.config import EngineConfig
+from producer_api.grpc.settings import GrpcSettings
 from producer_api.settings import ApiSettings
 from schemas.defaults import DEFAULT_MODEL
 from worker.engine_settings import ENGINE_SETTINGS, EngineSettings
@@ -88,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     api_flags = add_settings_arguments(api, ApiSettings, exclude=("api_keys",))
     api.set_defaults(handler=SettingsCommand("api", api_flags, _api))
 
+    grpc = commands.add_parser("grpc", help="run the gRPC API (the HTTP API's jobs over gRPC)")
+    # every API setting applies (same environment); --port is the gRPC port, as `inferq api`'s
+    # --port is the HTTP one
+    grpc_flags = add_settings_arguments(
+        grpc, GrpcSettings, exclude=("api_keys", "port"), aliases={"grpc_port": ["--port"]}
+    )
+    grpc.set_defaults(handler=SettingsCommand("grpc", grpc_flags, _grpc))
+
     worker = commands.add_parser(
         "worker",
         help="run a worker: the model's job stream -> engine",
@@ -117,6 +126,12 @@ def _api(settings: ApiSettings, args: argparse.Namespace) -> int:
     from producer_api.serve import run_api
 
     return run_api(settings, args.log_level)
+
+
+def _grpc(settings: GrpcSettings, _: argparse.Namespace) -> int:
+    from producer_api.grpc.server import run_grpc
+
+    return run_grpc(settings)
 
 
 def _worker(settings: WorkerSettings, _: argparse.Namespace) -> int:

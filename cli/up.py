@@ -1,12 +1,13 @@
-"""`inferq up`: the whole system on one machine: Redis, the API, the batch controller and one
-worker.
+"""`inferq up`: the whole system on one machine: Redis, the API (HTTP, and gRPC on
+`--grpc-port`), the batch controller and one worker.
 
 Redis: used as it is when something answers at the configured URL; otherwise, for a local URL,
 a `redis-server` is started with its data (AOF) in `--data-dir`. Then the API (uvicorn), the
-Batch API's controller (arq) and one worker on `--model` start as child processes; once /ready
-answers, the URLs and a curl example are printed. Ctrl-C (or SIGTERM) stops the worker (it
-finishes its running jobs for up to its drain timeout, then hands the rest back to the queue),
-the controller, the API, then the Redis server this command started, in that order; a second
+gRPC API (`inferq grpc`, unless --no-grpc), the Batch API's controller (arq) and one worker
+on `--model` start as child processes; once /ready answers and the gRPC port listens, the URLs
+and a curl example are printed. Ctrl-C (or SIGTERM) stops the worker (it finishes its running
+jobs for up to its drain timeout, then hands the rest back to the queue), the controller, the
+gRPC API, the API, then the Redis server this command started, in that order; a second
 Ctrl-C passes on "now": the worker hands its jobs back at once, the API drops open streams.
 Nothing here loads the engine: the worker is a child.
 
@@ -42,6 +43,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from cli.addresses import api_base_url, redacted
 from cli.flags import same_setting
 from engine.model_files import inferq_home
+from producer_api.grpc.settings import GrpcSettings
 from producer_api.settings import ApiSettings
 from schemas import DEFAULT_PREFIX
 from worker.settings import WorkerSettings
@@ -74,6 +76,8 @@ class UpSettings(BaseSettings):
         "$INFERQ_HOME/redis-<port of --redis-url>; $INFERQ_HOME/redis for port 6379)",
     )
     worker: bool = Field(True, description="start a worker (--no-worker: Redis and the API only)")
+    grpc: bool = Field(True, description="start the gRPC API too (--no-grpc: HTTP only)")
+    grpc_port: int = same_setting(GrpcSettings, "grpc_port")
     drain_timeout_s: float = same_setting(WorkerSettings, "drain_timeout_s")
     ready_timeout: float = Field(READY_TIMEOUT_S, gt=0, description="seconds to wait for /ready")
 
@@ -174,8 +178,8 @@ class System:
         return [c for c in self.children if not c.alive()]
 
     def stop(self) -> None:
-        """Newest first: worker (drains its jobs), batch controller, API, then the Redis server
-        we started."""
+        """Newest first: worker (drains its jobs), batch controller, gRPC API, API, then the
+        Redis server we started."""
         for child in reversed(self.children):
             code = child.stop(self.hurried)
             clean = (0, -signal.SIGTERM, -signal.SIGINT)
@@ -293,6 +297,20 @@ def wait_ready(
     raise UpError(f"{base_url}{path} did not answer 200 in {timeout:.0f} s (--ready-timeout)")
 
 
+def wait_listening(system: System, host: str, port: int, timeout: float) -> None:
+    """Until something accepts connections at host:port, a child dies, or Ctrl-C."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up and not system.stopping:
+        if system.dead():
+            names = ", ".join(c.name for c in system.dead())
+            raise UpError(f"{names} exited during start-up (see its log above)")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+            return
+        time.sleep(0.1)
+    if not system.stopping:
+        raise UpError(f"nothing listens on {host}:{port} after {timeout:.0f} s (--ready-timeout)")
+
+
 def _banner(base_url: str, settings: UpSettings, auth_off: bool) -> str:
     key = "anything" if auth_off else "$INFERQ_KEY"
     model = settings.model
@@ -304,6 +322,11 @@ def _banner(base_url: str, settings: UpSettings, auth_off: bool) -> str:
         "",
         f"inferq is up: API {base_url} (docs {base_url}/docs, metrics {base_url}/metrics)",
         f"  model: {model}",
+        *(
+            [f"  gRPC: {settings.host}:{settings.grpc_port} (inferq.v1.Inference, reflection on)"]
+            if settings.grpc
+            else []
+        ),
         f"  other inferq commands (status, batch submit) find it with: export {where}",
         "  try:",
         f"    curl -s {base_url}/v1/completions -H 'Content-Type: application/json' \\",
@@ -333,6 +356,11 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
     try:
         if not _port_free(settings.host, settings.port):
             raise UpError(f"port {settings.port} on {settings.host} is taken: pass --port")
+        if settings.grpc and not _port_free(settings.host, settings.grpc_port):
+            raise UpError(
+                f"port {settings.grpc_port} on {settings.host} is taken: pass --grpc-port "
+                "(or --no-grpc)"
+            )
         data_dir = settings.data_dir or default_data_dir(settings.redis_url)
         start_redis(system, settings.redis_url, data_dir)
         env, auth_off = api_environment(settings)
@@ -346,6 +374,17 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
             waits_for="open connections (streams) to close; Ctrl-C again closes them",
             hurry_signal=signal.SIGINT,  # uvicorn: a second SIGINT drops open connections
         )  # fmt: skip
+        if settings.grpc:
+            system.spawn(
+                "grpc",
+                [
+                    sys.executable, "-m", "cli", "--log-level", log_level, "grpc",
+                    "--host", settings.host, "--port", str(settings.grpc_port),
+                ],
+                env,
+                waits_for="open calls (streams) to end",
+                hurry_signal=None,  # its grace for open calls is short already
+            )  # fmt: skip
         # the Batch API's controller: without it a batch waits in `validating` forever
         system.spawn(
             "batch-controller",
@@ -369,6 +408,8 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
                 grace_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
             )
         wait_ready(system, base_url, settings.ready_timeout, settings.worker)
+        if settings.grpc:
+            wait_listening(system, settings.host, settings.grpc_port, settings.ready_timeout)
         if not system.stopping:
             print(_banner(base_url, settings, auth_off), flush=True)
         while not system.stopping:

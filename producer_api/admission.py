@@ -1,16 +1,29 @@
 """The checks a request passes before it is enqueued: model served, `n` and `max_tokens` within
 limits, the prompt within the model's vocabulary and context (producer_api.prompt_check), queue
-not full. Each refusal is a 4xx naming the field."""
+not full. Each refusal is a 4xx (or gRPC status) naming the field.
+
+`admit_jobs` runs them all for the generation interfaces (OpenAI routes, gRPC), which then wait
+for their jobs, cancel them when the caller leaves (`cancel_jobs`), and report a job that did
+not succeed as its error (`job_failure`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+
+import anyio
+
+from producer_api import queue
 from producer_api.auth import Principal
 from producer_api.deps import ApiState
 from producer_api.errors import ApiError
-from producer_api.prompt_check import PromptLimits, prompt_limits
+from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
 from producer_api.queue import enqueue
 from producer_api.workers import ServedModel
-from schemas import ErrorCode, Job, JobRequest
+from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus
+
+# A job request and the request field its prompt came from (named in a refusal).
+PromptedRequest = tuple[JobRequest, str]
 
 
 def check_n(state: ApiState, n: int, param: str) -> None:
@@ -61,3 +74,54 @@ async def model_and_context(
 ) -> tuple[ServedModel | None, int | None]:
     served = await state.require_model(model, allow_configured=allow_configured)
     return served, state.context_of(model, served)
+
+
+async def admit_jobs(
+    state: ApiState,
+    caller: Principal,
+    model: str,
+    max_tokens: tuple[int | None, str],
+    build: Callable[[int], Iterable[PromptedRequest]],
+) -> list[Job]:
+    """Check the model (it must have a live worker), resolve `max_tokens` (requested, and the
+    field it came from) against its context, `build` the job requests with it (checking each
+    prompt against the model as it comes), and enqueue them all or none (a refusal cancels those queued)."""
+    served, context = await model_and_context(state, model, allow_configured=False)
+    requested, param = max_tokens
+    resolved = resolve_max_tokens(state, requested, context, param)
+    limits = await limits_of(state, served, context)
+    requests = []
+    for job_request, prompt_param in build(resolved):
+        await check_prompt(job_request, limits, prompt_param)
+        requests.append(job_request)
+    jobs: list[Job] = []
+    try:
+        for job_request in requests:
+            jobs.append(await submit(state, job_request, caller))
+    except BaseException:
+        await cancel_jobs(state, jobs)
+        raise
+    return jobs
+
+
+async def cancel_jobs(
+    state: ApiState, jobs: Sequence[Job], reason: str = "client went away"
+) -> None:
+    """Cancel the jobs, best effort (each job's deadline ends it anyway), even while the
+    caller's own task is being cancelled."""
+    with anyio.CancelScope(shield=True):
+        for job in jobs:
+            with contextlib.suppress(Exception):
+                await queue.cancel_job(state.redis, state.keys, job.id, reason=reason)
+
+
+def job_failure(job: Job) -> ErrorBody:
+    """Why a job that ended, or was given up on, did not succeed."""
+    if job.status is JobStatus.SUCCEEDED:
+        raise ValueError("job succeeded")
+    if job.error is not None:
+        return job.error
+    if job.status.is_terminal:
+        code = ErrorCode.CANCELLED if job.status is JobStatus.CANCELLED else ErrorCode.EXPIRED
+        return ErrorBody.of(code, f"the job ended as {job.status.value}")
+    return ErrorBody.of(ErrorCode.DEADLINE_EXCEEDED, "the job did not finish in time")

@@ -13,18 +13,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from producer_api.batches import routes as batches_routes
-from producer_api.deps import ApiState
 from producer_api.errors import error_response, install_error_handlers
 from producer_api.limits import BodySizeLimitMiddleware
 from producer_api.metrics import ApiMetrics, RequestMetricsMiddleware
 from producer_api.openapi import install_openapi
-from producer_api.prompt_tokens import TokenizerCache
-from producer_api.redis_connect import redis_client
-from producer_api.redis_memory import warn_about_redis_memory
 from producer_api.routes import dashboard, jobs, openai, ops
 from producer_api.settings import ApiSettings
-from producer_api.workers import WorkerDirectory
-from schemas import ErrorBody, ErrorCode, RedisKeys
+from producer_api.state import open_state
+from schemas import ErrorBody, ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +34,9 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = redis_client(settings)
-        keys = RedisKeys(settings.prefix)
-        app.state.inferq = ApiState(
-            settings=settings,
-            redis=redis,
-            keys=keys,
-            key_table=settings.key_table(),
-            workers=WorkerDirectory(redis, keys, settings.worker_cache_s),
-            metrics=metrics,
-            tokenizers=TokenizerCache(),
-        )
-        await warn_about_redis_memory(redis)
-        if settings.auth_disabled:
-            log.warning(
-                "AUTHENTICATION IS DISABLED: anyone who can reach this port can use the API "
-                "(INFERQ_AUTH_DISABLED); use it on localhost only"
-            )
-        try:
+        async with open_state(settings, metrics) as state:
+            app.state.inferq = state
             yield
-        finally:
-            await redis.aclose()
 
     app = FastAPI(
         title="inferq",

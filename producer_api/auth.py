@@ -66,6 +66,25 @@ def bearer_token(authorization: str | None) -> str | None:
     return token
 
 
+class Unauthenticated(Exception):
+    """No key, or a key nobody owns, while authentication is on (the message says which)."""
+
+
+def authenticate(key_table: KeyTable, key: str | None, *, auth_disabled: bool) -> Principal:
+    """The caller a request's API key names, for every interface (HTTP, gRPC). Without
+    authentication any key is anonymous: SDKs always send some key."""
+    if key:
+        owner = key_table.owner_of(key)
+        if owner is not None:
+            return Principal(owner)
+        if auth_disabled:
+            return ANONYMOUS
+        raise Unauthenticated("Incorrect API key provided")
+    if auth_disabled:
+        return ANONYMOUS
+    raise Unauthenticated("Missing API key: send `Authorization: Bearer <key>`")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m producer_api.auth KEY", file=sys.stderr)

@@ -11,7 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis.asyncio import Redis
 
 from producer_api import queue
-from producer_api.auth import ANONYMOUS, KeyTable, Principal
+from producer_api.auth import KeyTable, Principal, Unauthenticated, authenticate
 from producer_api.errors import ApiError
 from producer_api.metrics import ApiMetrics
 from producer_api.prompt_tokens import TokenizerCache
@@ -87,16 +87,11 @@ def get_principal(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
     state = get_state(request)
-    if credentials is not None and credentials.credentials:
-        owner = state.key_table.owner_of(credentials.credentials)
-        if owner is not None:
-            return Principal(owner)
-        if state.settings.auth_disabled:
-            return ANONYMOUS  # SDKs always send some key; without auth any key is anonymous
-        raise _unauthorized("Incorrect API key provided")
-    if state.settings.auth_disabled:
-        return ANONYMOUS
-    raise _unauthorized("Missing API key: send `Authorization: Bearer <key>`")
+    key = credentials.credentials if credentials is not None else None
+    try:
+        return authenticate(state.key_table, key, auth_disabled=state.settings.auth_disabled)
+    except Unauthenticated as exc:
+        raise _unauthorized(str(exc)) from None
 
 
 def _unauthorized(message: str) -> ApiError:

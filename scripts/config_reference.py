@@ -5,7 +5,8 @@
     python scripts/config_reference.py --check   # exit 1 when README.md is out of date
 
 Every field of the worker's engine settings (derived from `engine.config.EngineConfig`),
-`worker.settings.WorkerSettings` and `producer_api.settings.ApiSettings` becomes a row: its
+`worker.settings.WorkerSettings`, `producer_api.settings.ApiSettings` and
+`producer_api.grpc.settings.GrpcSettings` becomes a row: its
 environment variable, type (with bounds), default and description. The comment block above a
 group of fields in the class source becomes a heading row, so the reference carries the same
 explanations as the code without anyone copying them by hand.
@@ -36,6 +37,7 @@ SHARED_PREFIX = "INFERQ_"
 def settings_classes() -> list[tuple[str, type]]:
     """Each table: a title and the settings class whose own fields it lists (a class's fields
     inherited from another settings class are that class's table)."""
+    from producer_api.grpc.settings import GrpcSettings
     from producer_api.settings import ApiSettings
     from schemas.redis_connection import RedisConnectionSettings
     from worker.engine_settings import EngineSettings
@@ -46,6 +48,7 @@ def settings_classes() -> list[tuple[str, type]]:
         ("Engine (`inferq worker`)", EngineSettings),
         ("Worker (`inferq worker`)", WorkerSettings),
         ("API (`inferq api`)", ApiSettings),
+        ("gRPC API (`inferq grpc`)", GrpcSettings),
     ]
 
 

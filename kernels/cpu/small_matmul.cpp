@@ -24,6 +24,11 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define INFERQ_AVX2 1
+// AVX-512 halves the instructions of the one-row (decode) path, which is bound by converting
+// codes to floats rather than by memory; the multi-row tiles keep AVX2's register layout.
+#if defined(__AVX512F__)
+#define INFERQ_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -61,6 +66,12 @@ inline __m256 broadcast_half(const at::Half* h) {
 }
 #endif
 
+#ifdef INFERQ_AVX512
+inline __m512 broadcast_half512(const at::Half* h) {
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h->x)));
+}
+#endif
+
 // Weight sources: row n's inputs k..k+31 (k a multiple of 32, in group g) as fp32 (load32).
 // Quantized ones (kScaled) also give the raw codes q as fp32 (raw32) and each group's scale, so a
 // one-row tile sums q * x over a group and scales once per group, and the 4-bit minimum's share,
@@ -85,6 +96,13 @@ struct F32RowsOf {
     for (int j = 0; j < 4; ++j) w[j] = _mm256_loadu_ps(p + 8 * j);
   }
 #endif
+#ifdef INFERQ_AVX512
+  inline void load32(int64_t n, int64_t k, int64_t, __m512 w[2]) const {
+    const float* p = data + n * stride + k;
+    w[0] = _mm512_loadu_ps(p);
+    w[1] = _mm512_loadu_ps(p + 16);
+  }
+#endif
   inline void scalar32(int64_t n, int64_t k, int64_t, float* w) const {
     std::memcpy(w, data + n * stride + k, kBlock * sizeof(float));
   }
@@ -106,6 +124,15 @@ struct BF16Rows {
     for (int j = 0; j < 4; ++j) {
       const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * j));
       w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    }
+  }
+#endif
+#ifdef INFERQ_AVX512
+  inline void load32(int64_t n, int64_t k, int64_t, __m512 w[2]) const {
+    const uint16_t* p = data + n * stride + k;
+    for (int j = 0; j < 2; ++j) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * j));
+      w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
     }
   }
 #endif
@@ -146,6 +173,18 @@ struct Int8Rows {
     raw32(n, k, w);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(w[j], scale);
+  }
+#endif
+#ifdef INFERQ_AVX512
+  inline void raw32(int64_t n, int64_t k, __m512 w[2]) const {
+    const int8_t* p = data + n * stride + k;
+    for (int j = 0; j < 2; ++j) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j));
+      w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    }
+  }
+  inline __m512 group_scale512(int64_t n, int64_t g) const {
+    return broadcast_half512(scales + n * groups + g);
   }
 #endif
   inline void scalar32(int64_t n, int64_t k, int64_t g, float* w) const {
@@ -206,6 +245,18 @@ struct Int4Rows {
     raw32(n, k, w);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(w[j], scale, low);
+  }
+#endif
+#ifdef INFERQ_AVX512
+  // The block's 16 bytes widen to 16 lanes: low nibbles are inputs 0..15, high ones 16..31.
+  inline void raw32(int64_t n, int64_t k, __m512 w[2]) const {
+    const uint8_t* p = data + n * stride + k / 2;
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+  }
+  inline __m512 group_scale512(int64_t n, int64_t g) const {
+    return broadcast_half512(scales + n * groups + g);
   }
 #endif
   inline void scalar32(int64_t n, int64_t k, int64_t g, float* w) const {
@@ -276,6 +327,50 @@ inline void tile(const Source& source, int64_t n_src, int64_t n_out, int64_t m0,
 
 // One row of x (decode's common case) against NR source rows: for quantized sources the codes
 // multiply x as they are and each group's sum is scaled once (see the sources above).
+#ifdef INFERQ_AVX512
+template <int NR, class Source>
+inline void tile_row(const Source& source, int64_t n_src, int64_t n_out, int64_t m0,
+                     const Problem& p) {
+  __m512 total[NR], part[NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i) total[i] = _mm512_setzero_ps();
+  const float* x = p.x + m0 * p.K;
+  const int64_t groups = p.K / p.group_size;
+  for (int64_t g = 0; g < groups; ++g) {
+#pragma GCC unroll 8
+    for (int i = 0; i < NR; ++i) part[i] = _mm512_setzero_ps();
+    for (int64_t k = g * p.group_size; k < (g + 1) * p.group_size; k += kBlock) {
+      const __m512 x0 = _mm512_loadu_ps(x + k);
+      const __m512 x1 = _mm512_loadu_ps(x + k + 16);
+#pragma GCC unroll 8
+      for (int i = 0; i < NR; ++i) {
+        source.prefetch_ahead(n_src + i, k);
+        __m512 w[2];
+        if constexpr (Source::kScaled) {
+          source.raw32(n_src + i, k, w);
+        } else {
+          source.load32(n_src + i, k, g, w);
+        }
+        part[i] = _mm512_fmadd_ps(w[0], x0, part[i]);
+        part[i] = _mm512_fmadd_ps(w[1], x1, part[i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < NR; ++i) {
+      if constexpr (Source::kScaled) {
+        total[i] = _mm512_fmadd_ps(source.group_scale512(n_src + i, g), part[i], total[i]);
+      } else {
+        total[i] = _mm512_add_ps(total[i], part[i]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    float value = _mm512_reduce_add_ps(total[i]) + (p.bias ? p.bias[n_out + i] : 0.f);
+    if constexpr (Source::kScaled) value += source.min_dot(n_src + i, p.xsum + m0 * groups);
+    p.out[m0 * p.out_stride + n_out + i] = value;
+  }
+}
+#else
 template <int NR, class Source>
 inline void tile_row(const Source& source, int64_t n_src, int64_t n_out, int64_t m0,
                      const Problem& p) {
@@ -318,6 +413,7 @@ inline void tile_row(const Source& source, int64_t n_src, int64_t n_out, int64_t
     p.out[m0 * p.out_stride + n_out + i] = value;
   }
 }
+#endif  // INFERQ_AVX512
 #else
 // Portable fallback: the same tiling, one 32-input block of weights at a time through a buffer.
 template <int NR, int MR, class Source>

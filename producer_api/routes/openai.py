@@ -9,24 +9,20 @@ answering, so a job that fails at once (e.g. context_length_exceeded) is an HTTP
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from producer_api import queue
 from producer_api.admission import (
+    PromptedRequest,
+    admit_jobs,
+    cancel_jobs,
     check_n,
-    limits_of,
-    model_and_context,
-    resolve_max_tokens,
-    submit,
+    job_failure,
 )
-from producer_api.auth import Principal
 from producer_api.deps import ApiState, Caller, State
 from producer_api.errors import ApiError, error_payload, error_responses, error_status
 from producer_api.openai_convert import (
@@ -42,11 +38,10 @@ from producer_api.openai_convert import (
     completion_prompts,
 )
 from producer_api.openai_models import ChatCompletionRequest, CompletionRequest
-from producer_api.prompt_check import check_prompt
 from producer_api.sse import sse_event
 from producer_api.streams import ClientGone, merge_indexed, unless_disconnected
 from producer_api.workers import ServedModel
-from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus, TokenChunk
+from schemas import ErrorCode, Job, JobStatus, TokenChunk
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=error_responses(401, 503))
 # A generation answers with its job's failure too: 408 past its deadline, 409 cancelled meanwhile,
@@ -104,17 +99,13 @@ async def completions(
             f"prompt: at most {state.settings.max_prompts} prompts in one request",
             "prompt",
         )
-    served, context = await model_and_context(state, body.model, allow_configured=False)
-    max_tokens = resolve_max_tokens(state, body.max_tokens, context, "max_tokens")
-    limits = await limits_of(state, served, context)
-    requests = []
-    for index, prompt in enumerate(prompts):
-        job_request = completion_job(body, prompt, max_tokens, state.settings.request_timeout_s)
-        await check_prompt(
-            job_request, limits, "prompt" if len(prompts) == 1 else f"prompt.{index}"
-        )
-        requests.append(job_request)
-    jobs = await _submit_all(state, requests, caller)
+
+    def build(max_tokens: int) -> Iterator[PromptedRequest]:
+        for index, prompt in enumerate(prompts):
+            job_request = completion_job(body, prompt, max_tokens, state.settings.request_timeout_s)
+            yield job_request, "prompt" if len(prompts) == 1 else f"prompt.{index}"
+
+    jobs = await admit_jobs(state, caller, body.model, (body.max_tokens, "max_tokens"), build)
     if body.stream:
         return await _open_stream(
             state, request, jobs, CompletionChunks(body, jobs[0]), body.include_usage
@@ -129,12 +120,11 @@ async def chat_completions(
 ) -> Response:
     check_chat(body)
     check_n(state, body.n, "n")
-    served, context = await model_and_context(state, body.model, allow_configured=False)
-    requested, param = chat_max_tokens(body)
-    max_tokens = resolve_max_tokens(state, requested, context, param)
-    job_request = chat_job(body, max_tokens, state.settings.request_timeout_s)
-    await check_prompt(job_request, await limits_of(state, served, context), "messages")
-    jobs = await _submit_all(state, [job_request], caller)
+
+    def build(max_tokens: int) -> list[PromptedRequest]:
+        return [(chat_job(body, max_tokens, state.settings.request_timeout_s), "messages")]
+
+    jobs = await admit_jobs(state, caller, body.model, chat_max_tokens(body), build)
     if body.stream:
         return await _open_stream(
             state, request, jobs, ChatChunks(body, jobs[0]), body.include_usage
@@ -143,36 +133,13 @@ async def chat_completions(
     return JSONResponse(chat_body(body, finished[0]))
 
 
-async def _submit_all(state: ApiState, requests: list[JobRequest], caller: Principal) -> list[Job]:
-    jobs: list[Job] = []
-    try:
-        for job_request in requests:
-            jobs.append(await submit(state, job_request, caller))
-    except BaseException:
-        await _cancel_all(state, jobs)  # all prompts or none
-        raise
-    return jobs
-
-
 async def _cancel_all(state: ApiState, jobs: list[Job]) -> None:
-    with anyio.CancelScope(shield=True):
-        for job in jobs:
-            # best effort: the job's deadline ends it anyway
-            with contextlib.suppress(Exception):
-                await queue.cancel_job(state.redis, state.keys, job.id, reason="client went away")
+    await cancel_jobs(state, jobs)
 
 
 def _job_failure(job: Job, path: str) -> ApiError:
     """The HTTP error for a job that did not succeed (context_length_exceeded -> 400, ...)."""
-    if job.status is JobStatus.SUCCEEDED:
-        raise ValueError("job succeeded")
-    if job.error is not None:
-        error = job.error
-    elif job.status.is_terminal:
-        code = ErrorCode.CANCELLED if job.status is JobStatus.CANCELLED else ErrorCode.EXPIRED
-        error = ErrorBody.of(code, f"the job ended as {job.status.value}")
-    else:
-        error = ErrorBody.of(ErrorCode.DEADLINE_EXCEEDED, "the job did not finish in time")
+    error = job_failure(job)
     return ApiError(error.code, error.message, error.param, status=error_status(error.code, path))
 
 

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
@@ -66,13 +67,13 @@ def test_existing_redis_is_used_not_started(redis_url):
 @pytest.mark.slow
 @pytest.mark.model
 def test_up_answers_a_completion_and_stops_cleanly(tmp_path):
-    api_port, redis_port = free_port(), free_port()
+    api_port, redis_port, grpc_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("INFERQ_API_KEYS",)}
     process = subprocess.Popen(
         [
             sys.executable, "-m", "cli", "--log-level", "warning", "up",
             "--port", str(api_port), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
-            "--data-dir", str(tmp_path),
+            "--data-dir", str(tmp_path), "--grpc-port", str(grpc_port),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -98,15 +99,31 @@ def test_up_answers_a_completion_and_stops_cleanly(tmp_path):
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] >= 1
         assert _batch_output(f"http://127.0.0.1:{api_port}") == ["only-line"]
+        assert _grpc_completion(grpc_port).usage.completion_tokens >= 1
         process.send_signal(signal.SIGINT)
         rest, _ = process.communicate(timeout=90)
     finally:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 0, "".join(output) + rest
-    for child in ("worker", "batch-controller", "api", "redis"):
+    for child in ("worker", "batch-controller", "grpc", "api", "redis"):
         assert f"{child} stopped cleanly" in rest, rest
-    assert not answers(api_port) and not answers(redis_port)
+    assert not answers(api_port) and not answers(redis_port) and not answers(grpc_port)
+
+
+def _grpc_completion(port: int):
+    """The issue's example request, through the gRPC server `inferq up` started."""
+    from producer_api.grpc.stubs import inference_pb2, inference_pb2_grpc
+
+    with grpc.insecure_channel(f"localhost:{port}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        return stub.CreateCompletion(
+            inference_pb2.CompletionsRequest(
+                prompt="The quick brown fox jumps over the lazy", num_tokens=10,
+                temperature=0.7, top_p=0.9, stop_sequences=["\n"], model_id=MODEL,
+            ),
+            timeout=120,
+        )  # fmt: skip
 
 
 def _batch_output(base_url: str) -> list[str]:

@@ -164,6 +164,7 @@ class UpProcess:
             [
                 sys.executable, "-m", "cli", "up", "--model", FAKE_MODEL,
                 "--port", str(self.api_port), "--redis-url", redis_url,
+                "--grpc-port", str(free_port()),  # not the default: runs may overlap
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

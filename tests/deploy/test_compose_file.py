@@ -83,10 +83,12 @@ HA = ("redis-replica", "redis-sentinel-1", "redis-sentinel-2", "redis-sentinel-3
 
 def test_services_and_profiles(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "api", "batch-controller", "worker-gpu", "worker-cpu", *HA}
+    assert set(services) == {
+        "redis", "api", "grpc", "batch-controller", "worker-gpu", "worker-cpu", *HA
+    }  # fmt: skip
     assert services["worker-cpu"]["profiles"] == ["cpu"]
     assert all(services[s]["profiles"] == ["ha"] for s in HA)
-    always = ("redis", "api", "batch-controller", "worker-gpu")
+    always = ("redis", "api", "grpc", "batch-controller", "worker-gpu")
     assert all("profiles" not in services[s] for s in always)
     assert set(compose["volumes"]) == {"redis-data", "redis-replica-data", "model-cache"}
 
@@ -185,9 +187,22 @@ def test_batch_controller_runs_off_the_gpu_against_the_same_redis(compose):
         assert controller["environment"][variable] == api_env[variable]
 
 
+def test_grpc_serves_the_apis_jobs_with_its_keys_on_its_port(compose, raw):
+    grpc = compose["services"]["grpc"]
+    api = compose["services"]["api"]
+    assert grpc["command"][:2] == ["inferq", "grpc"] and "0.0.0.0" in grpc["command"]
+    assert grpc["ports"] == ["50051:50051"]
+    assert interpolate(raw, {**ENV, "INFERQ_GRPC_PORT": "9051"})["services"]["grpc"]["ports"] == [
+        "9051:50051"
+    ]
+    for variable in ("INFERQ_REDIS_URL", "INFERQ_PREFIX", "INFERQ_API_KEYS", "INFERQ_MODELS"):
+        assert grpc["environment"][variable] == api["environment"][variable]
+    assert grpc["image"] == api["image"]
+
+
 def test_every_inferq_command_exists_in_the_cli(compose):
     commands = _inferq_commands(compose)
-    assert {c[1] for c in commands} == {"api", "worker", "status", "batch"}
+    assert {c[1] for c in commands} == {"api", "grpc", "worker", "status", "batch"}
     parser = build_parser()
     for command in commands:
         args = parser.parse_args(command[1:])  # argparse exits (fails the test) on a bad flag

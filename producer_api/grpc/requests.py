@@ -1,0 +1,134 @@
+"""gRPC request messages -> `schemas.JobRequest`, validated by `schemas` as every other interface
+is, with each refusal naming the field of the gRPC message (`num_tokens`, not
+`sampling.max_tokens`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ValidationError
+
+from producer_api.errors import ApiError
+from producer_api.grpc.stubs import inference_pb2 as pb
+from producer_api.openai_models import CompletionRequest
+from schemas import ErrorCode, JobRequest
+from schemas.errors import error_location, field_path
+
+GenerationRequest = pb.CompletionsRequest | pb.ChatCompletionsRequest
+PromptField = Literal["prompt", "prompt_token_ids", "messages"]
+
+# Unset num_tokens of a completion: what /v1/completions does without max_tokens.
+COMPLETION_MAX_TOKENS: int = CompletionRequest.model_fields["max_tokens"].default
+
+# JobRequest (and SamplingParams) fields whose gRPC field has another name.
+_MESSAGE_FIELDS = {
+    "model": "model_id",
+    "max_tokens": "num_tokens",
+    "stop": "stop_sequences",
+}
+
+
+def message_field(param: str) -> str:
+    """A field path of a JobRequest (or a refusal's param) as the gRPC message names it:
+    `sampling.max_tokens` -> `num_tokens`, `sampling.stop.3` -> `stop_sequences.3`."""
+    parts = param.split(".")
+    if parts[0] == "sampling" and len(parts) > 1:
+        parts = parts[1:]
+    parts[0] = _MESSAGE_FIELDS.get(parts[0], parts[0])
+    return ".".join(parts)
+
+
+def requested_max_tokens(request: GenerationRequest) -> tuple[int | None, str]:
+    """num_tokens as given (None when unset: a chat then gets the server's default)."""
+    if request.HasField("num_tokens"):
+        return request.num_tokens, "num_tokens"
+    if isinstance(request, pb.CompletionsRequest):
+        return COMPLETION_MAX_TOKENS, "num_tokens"
+    return None, "num_tokens"
+
+
+def requested_n(request: GenerationRequest) -> int:
+    return request.n if request.HasField("n") else 1
+
+
+def prompt_field(request: GenerationRequest) -> PromptField:
+    """The field holding the prompt, named when the prompt is refused."""
+    if isinstance(request, pb.ChatCompletionsRequest):
+        return "messages"
+    return "prompt_token_ids" if request.prompt_token_ids else "prompt"
+
+
+def job_request(
+    request: GenerationRequest, max_tokens: int, *, stream: bool, timeout_s: float
+) -> JobRequest:
+    """The job `request` asks for, with `max_tokens` resolved and a deadline `timeout_s` from
+    now; ApiError (invalid_request, naming the message's field) when schemas refuses it."""
+    fields: dict[str, object] = {
+        "model": request.model_id,
+        "sampling": _sampling(request, max_tokens),
+        "stream": stream,
+        "priority": request.priority,
+        "timeout_s": timeout_s,
+    }
+    if isinstance(request, pb.ChatCompletionsRequest):
+        fields["messages"] = [_message(m) for m in request.messages]  # [] is refused as empty
+    elif request.prompt_token_ids:
+        fields["prompt_token_ids"] = list(request.prompt_token_ids)
+        if request.prompt:
+            fields["prompt"] = request.prompt  # refused: exactly one input
+    else:
+        fields["prompt"] = request.prompt  # "" is refused as an empty prompt
+    try:
+        return JobRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise _invalid(exc) from exc
+
+
+def _message(message: pb.ChatMessage) -> dict[str, str]:
+    entry = {"role": message.role, "content": message.content}
+    if message.name:
+        entry["name"] = message.name
+    return entry
+
+
+def _sampling(request: GenerationRequest, max_tokens: int) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "n": requested_n(request),
+        "max_tokens": max_tokens,
+        "stop": list(request.stop_sequences),
+        "stop_token_ids": list(request.stop_token_ids),
+        "ignore_eos": request.ignore_eos,
+        "logprobs": request.logprobs,
+        "top_logprobs": request.top_logprobs,
+    }
+    if request.HasField("temperature"):
+        fields["temperature"] = request.temperature
+    if request.HasField("top_p"):
+        fields["top_p"] = request.top_p
+    if request.HasField("top_k"):
+        fields["top_k"] = request.top_k
+    if request.HasField("min_p"):
+        fields["min_p"] = request.min_p
+    if request.HasField("presence_penalty"):
+        fields["presence_penalty"] = request.presence_penalty
+    if request.HasField("frequency_penalty"):
+        fields["frequency_penalty"] = request.frequency_penalty
+    if request.HasField("repetition_penalty"):
+        fields["repetition_penalty"] = request.repetition_penalty
+    if request.HasField("seed"):
+        fields["seed"] = request.seed
+    if request.HasField("min_tokens"):
+        fields["min_tokens"] = request.min_tokens
+    if request.HasField("skip_special_tokens"):
+        fields["skip_special_tokens"] = request.skip_special_tokens
+    return fields
+
+
+def _invalid(exc: ValidationError) -> ApiError:
+    problems, first = [], None
+    for error in exc.errors(include_url=False):
+        path = field_path(error_location(error))
+        param = None if path is None else message_field(path)
+        first = first or param
+        problems.append(f"{param}: {error['msg']}" if param else error["msg"])
+    return ApiError(ErrorCode.INVALID_REQUEST, "; ".join(problems), first)

@@ -1,0 +1,53 @@
+"""The shared state of a producer process (the HTTP app, the gRPC server): its Redis client,
+key names, API keys, live-worker directory and tokenizers, opened and closed in one place."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from redis.asyncio import Redis
+
+from producer_api.deps import ApiState
+from producer_api.metrics import ApiMetrics
+from producer_api.prompt_tokens import TokenizerCache
+from producer_api.redis_connect import redis_client
+from producer_api.redis_memory import warn_about_redis_memory
+from producer_api.settings import ApiSettings
+from producer_api.workers import WorkerDirectory
+from schemas import RedisKeys
+
+log = logging.getLogger(__name__)
+
+
+def connect_redis(settings: ApiSettings) -> Redis:
+    """The one way a producer process makes its Redis client (a connection pool): the URL's
+    server, or the master the Sentinels name (see producer_api.redis_connect)."""
+    return redis_client(settings)
+
+
+@asynccontextmanager
+async def open_state(settings: ApiSettings, metrics: ApiMetrics) -> AsyncIterator[ApiState]:
+    """The process's state; its Redis connections are closed on exit."""
+    redis = connect_redis(settings)
+    keys = RedisKeys(settings.prefix)
+    state = ApiState(
+        settings=settings,
+        redis=redis,
+        keys=keys,
+        key_table=settings.key_table(),
+        workers=WorkerDirectory(redis, keys, settings.worker_cache_s),
+        metrics=metrics,
+        tokenizers=TokenizerCache(),
+    )
+    await warn_about_redis_memory(redis)
+    if settings.auth_disabled:
+        log.warning(
+            "AUTHENTICATION IS DISABLED: anyone who can reach this port can use the API "
+            "(INFERQ_AUTH_DISABLED); use it on localhost only"
+        )
+    try:
+        yield state
+    finally:
+        await redis.aclose()
