@@ -31,20 +31,22 @@ from redis.exceptions import RedisError
 
 from cli.addresses import redacted
 from cli.flags import SettingsFlags, add_settings_arguments, same_setting
+from producer_api.redis_connect import redis_client
 from producer_api.settings import ApiSettings
 from producer_api.status import StatusSnapshot, TtftStats, read_snapshot
 from producer_api.workers import parse_heartbeat
 from schemas import RedisKeys
+from schemas.redis_connection import RedisConnectionSettings
 
 CHECK_TIMEOUT_S = 3.0
 
 
-class StatusSettings(BaseSettings):
-    """Where `inferq status` reads: the Redis and prefix the API and the workers use."""
+class StatusSettings(RedisConnectionSettings, BaseSettings):
+    """Where `inferq status` reads: the Redis (or Sentinels) and prefix the API and the workers
+    use."""
 
     model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
 
-    redis_url: str = same_setting(ApiSettings, "redis_url")
     prefix: str = same_setting(ApiSettings, "prefix")
 
 
@@ -220,21 +222,29 @@ def render(snapshot: StatusSnapshot, redis_url: str) -> str:
     return "\n".join(out) + "\n"
 
 
-async def _snapshot(redis_url: str, prefix: str) -> StatusSnapshot:
-    redis = Redis.from_url(redis_url, decode_responses=True, socket_timeout=CHECK_TIMEOUT_S)
+def _client(where: RedisConnectionSettings) -> Redis:
+    return redis_client(
+        where, socket_timeout=CHECK_TIMEOUT_S, socket_connect_timeout=CHECK_TIMEOUT_S
+    )
+
+
+async def _snapshot(where: RedisConnectionSettings, prefix: str) -> StatusSnapshot:
+    redis = _client(where)
     try:
         return await read_snapshot(redis, RedisKeys(prefix))
     finally:
         await redis.aclose()
 
 
-def worker_is_alive(redis_url: str, prefix: str, name: str | None) -> tuple[bool, str]:
+def worker_is_alive(
+    where: RedisConnectionSettings, prefix: str, name: str | None
+) -> tuple[bool, str]:
     """Whether worker `name` (or, for None/"", $INFERQ_NAME or any worker named after this
     host, as the worker's default name `host-pid-random` is) has a live heartbeat."""
 
     async def check() -> tuple[bool, str]:
         keys = RedisKeys(prefix)
-        redis = Redis.from_url(redis_url, decode_responses=True, socket_timeout=CHECK_TIMEOUT_S)
+        redis = _client(where)
         try:
             wanted = name or os.environ.get("INFERQ_NAME")
             if wanted:
@@ -293,7 +303,7 @@ def run_status(settings: StatusSettings, args: argparse.Namespace) -> int:
         ok, notes = True, []
         try:
             if args.check_worker is not None:
-                alive, note = worker_is_alive(redis_url, prefix, args.check_worker)
+                alive, note = worker_is_alive(settings, prefix, args.check_worker)
                 ok, notes = ok and alive, [*notes, note]
         except (RedisError, OSError) as exc:
             return _unreachable(redis_url, exc)
@@ -304,7 +314,7 @@ def run_status(settings: StatusSettings, args: argparse.Namespace) -> int:
         return 0 if ok else 1
     try:
         while True:
-            snapshot = asyncio.run(_snapshot(redis_url, prefix))
+            snapshot = asyncio.run(_snapshot(settings, prefix))
             if args.json:
                 text = json.dumps(snapshot.to_dict(), indent=2) + "\n"
             else:

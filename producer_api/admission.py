@@ -65,6 +65,7 @@ async def submit(state: ApiState, request: JobRequest, principal: Principal) -> 
         request,
         owner=principal.owner,
         max_queue_len=state.settings.queue_limit(request.model),
+        replicas=state.settings.replica_wait(),
     )
 
 

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError as RedisFullError
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -189,8 +190,10 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         body = ErrorBody.of(code, str(exc.detail))
         return error_response(body, request.url.path, status=exc.status_code, headers=exc.headers)
 
+    # a master demoted by a failover answers READONLY until clients find the new one
     @app.exception_handler(RedisConnectionError)
     @app.exception_handler(RedisTimeoutError)
+    @app.exception_handler(RedisReadOnlyError)
     async def _redis_down(request: Request, exc: Exception) -> JSONResponse:
         log.warning("Redis unavailable: %s", exc)
         body = ErrorBody.of(ErrorCode.UNAVAILABLE, "the queue (Redis) cannot be reached")

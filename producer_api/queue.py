@@ -17,8 +17,10 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producer_api.redis_connect import replicated
 from schemas import (
     IDEMPOTENCY_TTL_S,
     TRANSITION_SCRIPT,
@@ -40,15 +42,22 @@ from schemas import (
 )
 from schemas.chunks import REPLAY_FIELD, chunk_stream_id
 from schemas.jobs import JobField, as_text
+from schemas.redis_connection import ReplicaWait
 from schemas.redis_scripts import ENQUEUE_SCRIPT, EnqueueOutcome
 
 log = logging.getLogger(__name__)
 
 DEFAULT_POLL_INTERVAL_S = 1.0
 SUBSCRIBE_TIMEOUT_S = 5.0
-# What Redis being away (down, restarting, unreachable) raises from these functions; OSError
-# covers the socket errors that reach us unwrapped.
-REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# What Redis being away (down, restarting, unreachable, or a master demoted by a failover that
+# now answers READONLY) raises from these functions; OSError covers the socket errors that
+# reach us unwrapped.
+REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    RedisReadOnlyError,
+    OSError,
+)
 
 
 class QueueError(Exception):
@@ -89,11 +98,13 @@ async def enqueue(
     *,
     owner: str | None = None,
     max_queue_len: int | None = None,
+    replicas: ReplicaWait | None = None,
 ) -> Job:
     """Store a new queued job and add it to its model's stream; returns it.
 
     With `request.idempotency_key`, a second call (same owner and key, within IDEMPOTENCY_TTL_S,
-    while the first job is still stored) returns the first job instead. Raises QueueFullError
+    while the first job is still stored) returns the first job instead. With `replicas`, the
+    job is answered only once that many replicas have it (or the WAIT timed out). Raises QueueFullError
     when the model's backlog (queued + running entries) is at `max_queue_len`, and QueueError
     (invalid_request) when the deadline has already passed."""
     if max_queue_len is not None and max_queue_len < 1:
@@ -110,7 +121,16 @@ async def enqueue(
     args: list[str | int] = [job.id, max_queue_len or 0, IDEMPOTENCY_TTL_S, keys.job_key_prefix()]
     for name, value in job.to_redis_hash().items():
         args += [name, value]
-    outcome, value = await redis.register_script(ENQUEUE_SCRIPT)(keys=script_keys, args=args)
+    script = redis.register_script(ENQUEUE_SCRIPT)
+    if replicas is None:
+        outcome, value = await script(keys=script_keys, args=args)
+    else:
+        # One pipeline, so the WAIT runs on the connection that wrote the job.
+        async with redis.pipeline(transaction=False) as pipe:
+            await script(keys=script_keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", replicas.replicas, replicas.timeout_ms)
+            (outcome, value), reached = await pipe.execute()
+        replicated(reached, replicas, f"job {job.id}")
     outcome, value = EnqueueOutcome(as_text(outcome)), as_text(value)
     if outcome is EnqueueOutcome.CREATED:
         return job.model_copy(update={"entry_id": value})

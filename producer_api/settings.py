@@ -13,7 +13,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer_api.auth import KeyTable, hash_api_key, is_key_hash
 from schemas import DEFAULT_PREFIX
-from schemas.defaults import DEFAULT_REDIS_URL, PREFIX_HELP, REDIS_URL_HELP
+from schemas.defaults import PREFIX_HELP
+from schemas.redis_connection import RedisConnectionSettings
 from schemas.sampling import MAX_N
 
 log = logging.getLogger(__name__)
@@ -21,13 +22,13 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 8000
 
 
-class ApiSettings(BaseSettings):
+class ApiSettings(RedisConnectionSettings, BaseSettings):
     """API configuration; each field can be set as `INFERQ_<FIELD>` in the environment
-    (dicts and lists as JSON, e.g. `INFERQ_API_KEYS='{"alice": "sha256:..."}'`)."""
+    (dicts and lists as JSON, e.g. `INFERQ_API_KEYS='{"alice": "sha256:..."}'`); where
+    Redis is: `schemas.redis_connection.RedisConnectionSettings`."""
 
     model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
 
-    redis_url: str = Field(DEFAULT_REDIS_URL, description=REDIS_URL_HELP)
     prefix: str = Field(DEFAULT_PREFIX, description=PREFIX_HELP)
     host: str = Field("127.0.0.1", description="address the API listens on")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="port the API listens on")

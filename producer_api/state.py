@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from producer_api.deps import ApiState
 from producer_api.metrics import ApiMetrics
 from producer_api.prompt_tokens import TokenizerCache
+from producer_api.redis_connect import redis_client
 from producer_api.redis_memory import warn_about_redis_memory
 from producer_api.settings import ApiSettings
 from producer_api.workers import WorkerDirectory
@@ -21,8 +22,9 @@ log = logging.getLogger(__name__)
 
 
 def connect_redis(settings: ApiSettings) -> Redis:
-    """The one way a producer process makes its Redis client (a connection pool)."""
-    return Redis.from_url(settings.redis_url, decode_responses=True)
+    """The one way a producer process makes its Redis client (a connection pool): the URL's
+    server, or the master the Sentinels name (see producer_api.redis_connect)."""
+    return redis_client(settings)
 
 
 @asynccontextmanager

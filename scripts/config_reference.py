@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 BLOCK = "config-reference"
 README = REPO / "README.md"
 REGENERATE = "python scripts/config_reference.py --write"
+SHARED_PREFIX = "INFERQ_"
 
 
 def settings_classes() -> list[tuple[str, type]]:
@@ -38,10 +39,12 @@ def settings_classes() -> list[tuple[str, type]]:
     inherited from another settings class are that class's table)."""
     from producer_api.grpc.settings import GrpcSettings
     from producer_api.settings import ApiSettings
+    from schemas.redis_connection import RedisConnectionSettings
     from worker.engine_settings import EngineSettings
     from worker.settings import WorkerSettings
 
     return [
+        ("Redis connection (every process)", RedisConnectionSettings),
         ("Engine (`inferq worker`)", EngineSettings),
         ("Worker (`inferq worker`)", WorkerSettings),
         ("API (`inferq api`)", ApiSettings),
@@ -119,7 +122,9 @@ def _cell(text: str) -> str:
 
 
 def render_class(title: str, cls: type) -> str:
-    prefix = cls.model_config.get("env_prefix", "")
+    # the Redis connection fields are a mixin without a prefix of its own; every settings class
+    # that inherits them reads INFERQ_*
+    prefix = cls.model_config.get("env_prefix") or SHARED_PREFIX
     groups = group_comments(declared_in(cls))
     doc = " ".join((cls.__doc__ or "").split())
     rows = ["| variable | type | default | description |", "|---|---|---|---|"]

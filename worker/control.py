@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from schemas import ControlMessage, JobField, JobStatus, RedisKeys
@@ -19,7 +20,15 @@ from worker.logs import log_event
 
 logger = logging.getLogger(__name__)
 
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+# Redis away: down, unreachable, or (plain URL) a master a failover demoted, which answers READONLY
+REDIS_DOWN = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    RedisReadOnlyError,
+    ConnectionError,
+    TimeoutError,
+    OSError,
+)
 
 
 async def listen_for_cancels(

@@ -68,6 +68,10 @@ class WorkerMetrics:
         self.redis_errors = counter(
             "inferq_worker_redis_errors", "Redis calls that failed (connection lost)"
         )
+        self.chunks_republished = counter(
+            "inferq_worker_chunks_republished",
+            "Chunks re-published because a failover lost them from the replay stream",
+        )
         self._last_prompt_tokens = 0
         self._last_generation_tokens = 0
         self._server: Any = None

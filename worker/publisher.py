@@ -32,29 +32,23 @@ from schemas import (
 )
 from schemas.chunks import REPLAY_FIELD
 from schemas.keys import DEAD_LETTER_MAXLEN, JOB_ENTRY_FIELD
+from schemas.redis_connection import ReplicaWait
 from schemas.redis_scripts import CHUNKS_SCRIPT
 from worker.logs import log_event
+from worker.replay_log import ChunkWrite, ReplayLog
 
 logger = logging.getLogger(__name__)
 
 Reply = Callable[[list[Any]], None]
 
 
-@dataclass(frozen=True)
-class _ChunkWrite:
-    out_stream: str
-    channel: str
-    entry_id: str
-    payload: str
-    set_ttl: bool
-
-
 @dataclass
 class _Op:
     commands: list[tuple[Any, ...]] = field(default_factory=list)
     on_reply: Reply | None = None
-    chunk: _ChunkWrite | None = None  # chunk ops are sent as runs through CHUNKS_SCRIPT
+    chunk: ChunkWrite | None = None  # chunk ops are sent as runs through CHUNKS_SCRIPT
     acks_entry: str | None = None  # jobs-stream entry this op retires
+    job_id: str | None = None  # the job whose chunk or status this op writes
 
 
 @dataclass
@@ -64,6 +58,8 @@ class Outbox:
     keys: RedisKeys
     jobs_stream: str
     worker_name: str
+    replicas: ReplicaWait | None = None  # WAIT for them before an ack goes out
+    replay: ReplayLog = field(default_factory=ReplayLog)
     ops: list[_Op] = field(default_factory=list)
     _in_flight: list[_Op] = field(default_factory=list)
 
@@ -74,19 +70,25 @@ class Outbox:
         """Entries whose XACK is queued or on its way (they still show as pending in Redis)."""
         return {op.acks_entry for op in (*self._in_flight, *self.ops) if op.acks_entry}
 
+    def jobs_queued(self) -> set[str]:
+        """Jobs with a chunk or status change queued or on its way."""
+        return {op.job_id for op in (*self._in_flight, *self.ops) if op.job_id}
+
     # ------------------------------------------------------------------ what can be queued
 
     def chunk(self, chunk: TokenChunk, *, set_ttl: bool = True) -> None:
         """XADD to the replay stream, then PUBLISH. `set_ttl` (re)sets the stream's TTL; once
         per attempt and on the final chunk is enough."""
-        write = _ChunkWrite(
+        write = ChunkWrite(
+            job_id=chunk.job_id,
+            index=chunk.index,
             out_stream=self.keys.out_stream(chunk.job_id),
             channel=self.keys.channel(chunk.job_id),
             entry_id=chunk_stream_id(chunk.index),
             payload=chunk.to_json(),
             set_ttl=set_ttl,
         )
-        self.ops.append(_Op(chunk=write))
+        self.ops.append(_Op(chunk=write, job_id=chunk.job_id))
 
     def transition(
         self,
@@ -106,7 +108,8 @@ class Outbox:
             if on_done is not None:
                 on_done(*transition_applied(reply))
 
-        self.ops.append(_Op([("EVAL", TRANSITION_SCRIPT, 2, *script_keys, *args)], handle))
+        command = ("EVAL", TRANSITION_SCRIPT, 2, *script_keys, *args)
+        self.ops.append(_Op([command], handle, job_id=job_id))
 
     def ack(self, entry_id: str, stream: str | None = None) -> None:
         """Done with a jobs-stream entry: XACK then XDEL (XLEN is the backlog). `stream`: the
@@ -178,7 +181,7 @@ class Outbox:
             return 0
         batch, self.ops = self.ops, []
         self._in_flight = batch
-        units = _units(batch)
+        units = _units(self._with_replica_wait(batch))
         try:
             async with redis.pipeline(transaction=False) as pipe:
                 for commands, _ in units:
@@ -190,6 +193,9 @@ class Outbox:
             raise
         finally:
             self._in_flight = []
+        for op in batch:
+            if op.chunk is not None:
+                self.replay.record(op.chunk)
         position = 0
         for commands, on_reply in units:
             if on_reply is not None:
@@ -200,11 +206,35 @@ class Outbox:
             position += len(commands)
         return len(batch)
 
+    def _with_replica_wait(self, batch: list[_Op]) -> list[_Op]:
+        """`batch` with a WAIT for the replicas before its first ack: a result (and every chunk
+        before it) is on the replicas before its entry is retired, so a failover cannot undo
+        the result yet keep the ack. Not re-queued with the batch: a re-send adds it again."""
+        wait = self.replicas
+        first_ack = next((i for i, op in enumerate(batch) if op.acks_entry), None)
+        if wait is None or first_ack is None:
+            return batch
+
+        def check(replies: list[Any]) -> None:
+            reached = replies[0]
+            if isinstance(reached, Exception) or int(reached) < wait.replicas:
+                log_event(
+                    logger,
+                    logging.WARNING,
+                    "results_not_replicated",
+                    replicas=reached,
+                    wanted=wait.replicas,
+                    timeout_ms=wait.timeout_ms,
+                )
+
+        op = _Op([("WAIT", wait.replicas, wait.timeout_ms)], check)
+        return [*batch[:first_ack], op, *batch[first_ack:]]
+
 
 def _units(batch: list[_Op]) -> list[tuple[list[tuple[Any, ...]], Reply | None]]:
     """Commands to send, in order, each run of consecutive chunk ops folded into one EVAL."""
     units: list[tuple[list[tuple[Any, ...]], Reply | None]] = []
-    run: list[_ChunkWrite] = []
+    run: list[ChunkWrite] = []
     for op in batch:
         if op.chunk is not None:
             run.append(op.chunk)
@@ -218,7 +248,7 @@ def _units(batch: list[_Op]) -> list[tuple[list[tuple[Any, ...]], Reply | None]]
     return units
 
 
-def _chunk_run(run: list[_ChunkWrite]) -> tuple[list[tuple[Any, ...]], Reply]:
+def _chunk_run(run: list[ChunkWrite]) -> tuple[list[tuple[Any, ...]], Reply]:
     args: list[Any] = [OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD]
     for write in run:
         args += [write.channel, write.entry_id, write.payload, "1" if write.set_ttl else "0"]

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from engine.config import EngineConfig
 from schemas import DEFAULT_PREFIX
-from schemas.defaults import DEFAULT_MODEL, DEFAULT_REDIS_URL, PREFIX_HELP, REDIS_URL_HELP
+from schemas.defaults import DEFAULT_MODEL, PREFIX_HELP
 from schemas.keys import (
     DEFAULT_CLAIM_MIN_IDLE_MS,
     DEFAULT_MAX_ATTEMPTS,
@@ -23,6 +23,7 @@ from schemas.keys import (
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
 )
+from schemas.redis_connection import RedisConnectionSettings
 from worker.engine_settings import EngineSettings, engine_config_of, engine_setting
 
 
@@ -31,7 +32,7 @@ def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-class WorkerSettings(EngineSettings):
+class WorkerSettings(RedisConnectionSettings, EngineSettings):
     """Worker configuration; each field can be set as `INFERQ_<FIELD>` in the environment."""
 
     # what to serve, and where
@@ -39,7 +40,6 @@ class WorkerSettings(EngineSettings):
     served_model_name: str | None = Field(
         None, description="queue name to serve (default: `model`); jobs name this model"
     )
-    redis_url: str = Field(DEFAULT_REDIS_URL, description=REDIS_URL_HELP)
     prefix: str = Field(DEFAULT_PREFIX, description=PREFIX_HELP)
     name: str = Field(default_factory=default_worker_name, min_length=1)
 

@@ -25,7 +25,17 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from engine.outputs import EngineStats, RequestDelta
-from schemas import ErrorBody, ErrorCode, JobField, JobStatus, RedisKeys, utc_now
+from schemas import (
+    OUT_STREAM_MAXLEN,
+    OUT_STREAM_TTL_S,
+    ErrorBody,
+    ErrorCode,
+    JobField,
+    JobStatus,
+    RedisKeys,
+    utc_now,
+)
+from schemas.chunks import REPLAY_FIELD
 from worker.backoff import Backoff
 from worker.batch import AbortReason, Batch
 from worker.chunking import ChunkPolicy
@@ -40,7 +50,9 @@ from worker.logs import log_event
 from worker.metrics import WorkerMetrics
 from worker.priority import PriorityReader, ReadPacing
 from worker.publisher import Outbox
+from worker.redis_connect import master_address, redis_client
 from worker.redis_memory import warn_about_redis_memory
+from worker.replay_log import refill
 from worker.settings import WorkerSettings
 from worker.tracing import ChunkTracer
 
@@ -78,7 +90,9 @@ class Worker:
         self.reader = PriorityReader(self.intake_redis, self.keys, self.model, self.name)
         self.pacing = ReadPacing(settings.bulk_max_held, self.reader.bulk_stream)
         self.crash_policy = CrashPolicy(settings.max_attempts, settings.max_crash_resumes)
-        self.outbox = Outbox(self.keys, self.jobs_stream, self.name)
+        self.outbox = Outbox(
+            self.keys, self.jobs_stream, self.name, replicas=settings.replica_wait()
+        )
         self.metrics = WorkerMetrics(self.model)
         self.tracer = ChunkTracer(settings.chunk_trace_path)
         self.batch = Batch(
@@ -99,16 +113,16 @@ class Worker:
         self._drain_deadline = float("inf")
         self._next_janitor = 0.0
         self._recover_pending = True  # read our own pending entries first
+        self._master: tuple[str, int] | None = None  # where the last round went (Sentinels)
 
     def _connect(self, *, decode: bool) -> Redis:
         settings = self.settings
-        client: Redis = Redis.from_url(
-            settings.redis_url,
+        return redis_client(
+            settings,
             decode_responses=decode,
             socket_timeout=settings.socket_timeout_s + settings.block_ms / 1000,
             socket_connect_timeout=min(settings.socket_timeout_s, 5.0),
         )
-        return client
 
     @property
     def outcomes(self) -> dict[str, int]:
@@ -235,6 +249,11 @@ class Worker:
             if block or not self.engine.has_unfinished():
                 await asyncio.sleep(min(self._redis.delay(), 0.5))
             return
+        try:
+            await self._refill_after_failover()
+        except REDIS_DOWN as exc:
+            await self._redis_failed(exc)
+            return
         results = await asyncio.gather(
             self._flush(), self._pull(budget, block), return_exceptions=True
         )
@@ -253,9 +272,25 @@ class Worker:
                 logger.error("Redis round failed", exc_info=failure)
         if failures:
             await self._redis_failed(failures[0])
-        elif self._redis.succeeded():
+            return
+        held = {h.job_id for h in self.batch.all_jobs()}
+        self.outbox.replay.keep_only(held | self.outbox.jobs_queued())
+        if self._redis.succeeded():
             log_event(logger, logging.INFO, "redis_reconnected", worker=self.name)
             self._recover_pending = True  # reads cut off while Redis was away left entries
+
+    async def _refill_after_failover(self) -> None:
+        """After Redis was away, or the Sentinels named another master, and before anything
+        else is sent: re-publish the chunks the replay streams lost (worker.replay_log)."""
+        master = master_address(self.redis)
+        moved = master is not None and self._master is not None and master != self._master
+        if self._redis.failures or moved:
+            sent = await refill(
+                self.redis, self.outbox.replay, OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD
+            )
+            if sent:
+                self.metrics.chunks_republished.labels(self.model).inc(sent)
+        self._master = master_address(self.redis) or master
 
     async def _redis_failed(self, exc: BaseException) -> None:
         """Back off before the next round. Only a lost connection is Redis being away; anything
@@ -332,6 +367,8 @@ class Worker:
             if entries:
                 self._take(await self.reader.load(entries, self.crash_policy, utc_now()))
         except REDIS_DOWN as exc:
+            await self._redis_failed(exc)
+        except ResponseError as exc:  # a new master without our group: the next round fixes it
             await self._redis_failed(exc)
 
     def _not_held(self, entries: list[Entry]) -> list[Entry]:
@@ -434,6 +471,7 @@ class Worker:
         give_up = time.monotonic() + max(5.0, self.settings.drain_timeout_s)
         while True:
             try:
+                await self._refill_after_failover()
                 await self.outbox.flush(self.redis)
                 requeued = await hand_back(self.redis, self.keys, self.jobs_stream, jobs)
                 break

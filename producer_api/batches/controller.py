@@ -25,7 +25,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from producer_api.batches.runner import BatchRunner, Lease
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.prompt_tokens import TokenizerCache
+from producer_api.redis_connect import redis_client
 from schemas import RedisKeys
+from schemas.redis_connection import RedisConnectionSettings
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,24 @@ async def enqueue_advance(arq: ArqRedis, keys: RedisKeys, batch_id: str, tag: st
     )
 
 
-async def submit_batch(redis_url: str, keys: RedisKeys, batch_id: str) -> None:
+def arq_redis_settings(settings: RedisConnectionSettings) -> RedisSettings:
+    """arq's view of the same Redis: the URL's server, or the Sentinels' master."""
+    if not settings.uses_sentinel:
+        return RedisSettings.from_dsn(settings.redis_url)
+    login = settings.master_login()
+    return RedisSettings(
+        host=settings.sentinel_addresses(),
+        sentinel=True,
+        sentinel_master=settings.redis_master_name,
+        database=login.db,
+        username=login.username,
+        password=login.password,
+    )
+
+
+async def submit_batch(settings: RedisConnectionSettings, keys: RedisKeys, batch_id: str) -> None:
     """From the API: start the controller on a new batch (one short-lived arq connection)."""
-    arq = await create_pool(RedisSettings.from_dsn(redis_url), default_queue_name=keys.arq_queue())
+    arq = await create_pool(arq_redis_settings(settings), default_queue_name=keys.arq_queue())
     try:
         await enqueue_advance(arq, keys, batch_id, "start")
     finally:
@@ -110,7 +127,7 @@ async def startup(ctx: dict[str, Any]) -> None:
     ctx["settings"] = settings
     ctx["keys"] = RedisKeys(settings.prefix)
     ctx["tokenizers"] = TokenizerCache()  # loaded once per controller process
-    ctx["inferq_redis"] = Redis.from_url(settings.redis_url, decode_responses=True)
+    ctx["inferq_redis"] = redis_client(settings)
     await resume_batches(ctx)
 
 
@@ -139,7 +156,7 @@ class WorkerSettings:
     ]
     on_startup = startup
     on_shutdown = shutdown
-    redis_settings = RedisSettings.from_dsn(_SETTINGS.redis_url)
+    redis_settings = arq_redis_settings(_SETTINGS)
     queue_name = RedisKeys(_SETTINGS.prefix).arq_queue()
     max_tries = _MAX_TRIES
     # a run stops itself after batch_tick_s; the margin covers its last round and finalizing

@@ -186,7 +186,7 @@ async def create_batch(body: CreateBatch, state: State, caller: Caller) -> Batch
         window_s=window_s,
         metadata=body.metadata,
     )
-    await submit_batch(state.settings.redis_url, state.keys, batch.id)
+    await submit_batch(state.settings, state.keys, batch.id)
     return batch
 
 

@@ -9,13 +9,13 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import DEFAULT_PREFIX
-from schemas.defaults import DEFAULT_REDIS_URL, PREFIX_HELP, REDIS_URL_HELP
+from schemas.defaults import PREFIX_HELP
+from schemas.redis_connection import RedisConnectionSettings
 
 
-class BatchControllerSettings(BaseSettings):
+class BatchControllerSettings(RedisConnectionSettings, BaseSettings):
     model_config = SettingsConfigDict(env_prefix="INFERQ_", extra="ignore")
 
-    redis_url: str = Field(DEFAULT_REDIS_URL, description=REDIS_URL_HELP)
     prefix: str = Field(DEFAULT_PREFIX, description=PREFIX_HELP)
     default_max_tokens: int = Field(
         1024, ge=1, description="chat max_tokens when a batch line gives none"

@@ -11,6 +11,11 @@
     async with AsyncClient("redis://127.0.0.1:6379/0") as client:
         job = await client.run(model="SmolLM2-135M-Instruct", prompt="Hi", timeout=60)
 
+    # Redis behind Sentinels (follows failovers; waits for a replica to hold each job):
+    where = RedisConnectionSettings(redis_sentinels="s1:26379,s2:26379,s3:26379",
+                                    redis_master_name="inferq", redis_wait_replicas=1)
+    async with AsyncClient(where) as client: ...
+
 The transport follows the URL's scheme (http/https or redis/rediss/unix) unless `transport`
 says otherwise. Methods: enqueue, get, wait, stream, cancel, run; errors are
 `producer_api.queue.QueueError` (`JobNotFoundError` for an unknown job) on both transports.
@@ -39,6 +44,7 @@ from producer_api.client.redis_client import AsyncRedisClient, RedisClient
 from producer_api.client.resume import DEFAULT_MAX_RETRIES, resuming_stream
 from producer_api.queue import DEFAULT_POLL_INTERVAL_S, JobNotFoundError, QueueError
 from schemas import DEFAULT_PREFIX, Job, JobRequest, TokenChunk
+from schemas.redis_connection import RedisConnectionSettings
 
 Transport = Literal["http", "redis"]
 _REDIS_RETRY_ON = (RedisConnectionError, RedisTimeoutError, ConnectionError)
@@ -63,7 +69,7 @@ class AsyncClient(AsyncJobClient):
 
     def __init__(
         self,
-        url: str = DEFAULT_BASE_URL,
+        url: str | RedisConnectionSettings = DEFAULT_BASE_URL,
         *,
         transport: Transport | None = None,
         api_key: str | None = None,
@@ -73,10 +79,12 @@ class AsyncClient(AsyncJobClient):
         max_retries: int = DEFAULT_MAX_RETRIES,
         poll_interval: float = DEFAULT_POLL_INTERVAL_S,
     ) -> None:
-        self.transport: Transport = transport or transport_of(url)
+        self.transport: Transport = (
+            "redis" if isinstance(url, RedisConnectionSettings) else transport or transport_of(url)
+        )
         self.max_retries = max_retries
         self._impl: AsyncJobClient
-        if self.transport == "http":
+        if self.transport == "http" and isinstance(url, str):
             self._impl = AsyncHttpClient(
                 url, api_key=api_key, timeout=timeout, max_retries=max_retries
             )
@@ -125,7 +133,11 @@ class ClientOptions(TypedDict, total=False):
 class Client(BlockingClient[AsyncClient]):
     """Blocking client over HTTP or Redis: AsyncClient's methods and options, for sync code."""
 
-    def __init__(self, url: str = DEFAULT_BASE_URL, **options: Unpack[ClientOptions]) -> None:
+    def __init__(
+        self,
+        url: str | RedisConnectionSettings = DEFAULT_BASE_URL,
+        **options: Unpack[ClientOptions],
+    ) -> None:
         super().__init__(AsyncClient(url, **options))
         self.transport: Transport = self.async_client.transport
         self.max_retries = self.async_client.max_retries
@@ -141,6 +153,7 @@ __all__ = [
     "JobNotFoundError",
     "QueueError",
     "RedisClient",
+    "RedisConnectionSettings",
     "ServiceUnavailable",
     "Transport",
     "transport_of",

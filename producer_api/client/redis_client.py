@@ -1,6 +1,8 @@
 """A small client that talks to Redis directly: enqueue, get, wait, stream, cancel.
 
-    async with AsyncRedisClient("redis://localhost:6379/0") as client:
+    async with AsyncRedisClient("redis://localhost:6379/0") as client:   # or Sentinels:
+    # AsyncRedisClient(RedisConnectionSettings(redis_sentinels="s1:26379,s2:26379",
+    #                                          redis_master_name="inferq", redis_wait_replicas=1))
         job = await client.enqueue(model="SmolLM2-135M-Instruct", prompt="Hi", stream=True)
         async for chunk in client.stream(job.id):
             print(chunk.text, end="")
@@ -23,25 +25,34 @@ from redis.asyncio import Redis
 from producer_api import queue
 from producer_api.client.base import AsyncJobClient, as_request
 from producer_api.client.blocking import BlockingClient
+from producer_api.redis_connect import redis_client
 from schemas import DEFAULT_PREFIX, Job, JobRequest, RedisKeys, TokenChunk
+from schemas.redis_connection import RedisConnectionSettings, ReplicaWait
 
 DEFAULT_URL = "redis://localhost:6379/0"
 
 
 class AsyncRedisClient(AsyncJobClient):
-    """asyncio client. Give it a URL (it owns the connection pool) or a `redis.asyncio.Redis`."""
+    """asyncio client. Give it a URL or `RedisConnectionSettings` (Sentinels, replicas to wait
+    for; it then owns the connection pool), or a `redis.asyncio.Redis`."""
 
     def __init__(
         self,
-        redis: Redis | str = DEFAULT_URL,
+        redis: Redis | str | RedisConnectionSettings = DEFAULT_URL,
         *,
         prefix: str = DEFAULT_PREFIX,
         owner: str | None = None,
         max_queue_len: int | None = None,
         poll_interval: float = queue.DEFAULT_POLL_INTERVAL_S,
     ) -> None:
-        self._owns_redis = isinstance(redis, str)
-        self.redis: Redis = Redis.from_url(redis) if isinstance(redis, str) else redis
+        self._owns_redis = not isinstance(redis, Redis)
+        if isinstance(redis, str):
+            redis = RedisConnectionSettings(redis_url=redis)
+        self.replicas: ReplicaWait | None = None
+        if isinstance(redis, RedisConnectionSettings):
+            self.replicas = redis.replica_wait()
+            redis = redis_client(redis, decode_responses=False)
+        self.redis: Redis = redis
         self.keys = RedisKeys(prefix)
         self.owner = owner
         self.max_queue_len = max_queue_len
@@ -56,6 +67,7 @@ class AsyncRedisClient(AsyncJobClient):
             as_request(request, fields),
             owner=self.owner,
             max_queue_len=self.max_queue_len,
+            replicas=self.replicas,
         )
 
     async def get(self, job_id: str) -> Job:
@@ -89,6 +101,8 @@ class RedisOptions(TypedDict, total=False):
 class RedisClient(BlockingClient[AsyncRedisClient]):
     """AsyncRedisClient for sync code (see `BlockingClient`)."""
 
-    def __init__(self, url: str = DEFAULT_URL, **options: Unpack[RedisOptions]) -> None:
+    def __init__(
+        self, url: str | RedisConnectionSettings = DEFAULT_URL, **options: Unpack[RedisOptions]
+    ) -> None:
         super().__init__(AsyncRedisClient(url, **options))
         self.keys = self.async_client.keys

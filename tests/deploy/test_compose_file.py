@@ -14,6 +14,7 @@ import yaml
 from cli.main import build_parser
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.settings import ApiSettings
+from schemas.redis_connection import RedisConnectionSettings
 from schemas.redis_memory import redis_memory_warning
 from worker.settings import WorkerSettings
 
@@ -49,9 +50,13 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
     return _VAR.sub(substitute, value)
 
 
+def compose_raw() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
 @pytest.fixture(scope="module")
 def raw() -> dict[str, Any]:
-    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    return compose_raw()
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +78,38 @@ def _inferq_commands(compose: dict[str, Any]) -> list[list[str]]:
     return commands
 
 
+HA = ("redis-replica", "redis-sentinel-1", "redis-sentinel-2", "redis-sentinel-3")
+
+
 def test_services_and_profiles(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "api", "grpc", "batch-controller", "worker-gpu", "worker-cpu"}
+    assert set(services) == {
+        "redis", "api", "grpc", "batch-controller", "worker-gpu", "worker-cpu", *HA
+    }  # fmt: skip
     assert services["worker-cpu"]["profiles"] == ["cpu"]
+    assert all(services[s]["profiles"] == ["ha"] for s in HA)
     always = ("redis", "api", "grpc", "batch-controller", "worker-gpu")
     assert all("profiles" not in services[s] for s in always)
-    assert set(compose["volumes"]) == {"redis-data", "model-cache"}
+    assert set(compose["volumes"]) == {"redis-data", "redis-replica-data", "model-cache"}
+
+
+def test_the_ha_profile_replicates_redis_and_its_sentinels_name_the_settings_master(compose):
+    services = compose["services"]
+    replica = " ".join(services["redis-replica"]["command"])
+    assert "--replicaof redis 6379" in replica and '--masterauth "$REDIS_PASSWORD"' in replica
+    master_name = RedisConnectionSettings().redis_master_name
+    for name in HA[1:]:
+        sentinel = " ".join(services[name]["command"])
+        assert f"sentinel monitor {master_name} redis 6379 2" in sentinel
+        assert "--sentinel" in sentinel
+    # off by default: the processes use INFERQ_REDIS_URL until the Sentinels are named
+    assert services["api"]["environment"]["INFERQ_REDIS_SENTINELS"] == ""
+    hosts = ",".join(f"{name}:26379" for name in HA[1:])
+    env = {**ENV, "INFERQ_REDIS_SENTINELS": hosts, "INFERQ_REDIS_WAIT_REPLICAS": "1"}
+    for service in ("api", "batch-controller", "worker-gpu"):
+        settings = interpolate(compose_raw(), env)["services"][service]["environment"]
+        assert settings["INFERQ_REDIS_SENTINELS"] == hosts
+        assert RedisConnectionSettings(redis_sentinels=hosts).sentinel_addresses()[0][1] == 26379
 
 
 def test_redis_has_aof_a_volume_and_the_password_from_the_environment(compose, raw):
