@@ -58,7 +58,9 @@ async def _all_have_chunks(redis: Redis, jobs: list[Job], count: int) -> bool:
 
 def _executor_ranks(worker_pid: int) -> list[int]:
     """pids of the executor ranks a worker started (its children running the executor)."""
-    children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
+    # Each thread lists the children it started (the engine thread starts the ranks).
+    threads = Path(f"/proc/{worker_pid}/task").glob("*/children")
+    children = [pid for thread in threads for pid in thread.read_text().split()]
     ranks = []
     for pid in map(int, children):
         try:
@@ -87,7 +89,10 @@ async def test_tp2_worker_serves_like_the_offline_engine_and_stops_every_rank(re
         async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
             jobs = await _enqueue(client, prompts, max_tokens)
             cancelled = await client.enqueue(
-                model=MODEL, prompt="Count slowly to one thousand:", sampling=_params(2000)
+                model=MODEL,
+                prompt="Count slowly to one thousand:",
+                stream=True,
+                sampling=_params(2000),
             )
             streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
             streamed = await asyncio.wait_for(asyncio.gather(*streams), 600)
