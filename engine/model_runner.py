@@ -68,8 +68,6 @@ class ModelRunner:
         """Load the HF config (or take hf_config) and the model, then allocate the KV cache."""
         self.config = config
         self.device = resolve_device(config.device)
-        # Under tensor parallelism: this rank's place, and the executors a driver started.
-        self.tp, self.tp_ranks = tensor_parallel.join(config, model_path, self.device)
         threads = tensor_parallel.threads_per_rank(config, self.device)
         if threads:
             torch.set_num_threads(threads)
@@ -84,6 +82,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = self._resolve_max_model_len()
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        # Under tensor parallelism: this rank's place, and the executors a driver started.
+        self.tp, self.tp_ranks = tensor_parallel.join(config, model_path, self.device, hf_config)
         shapes = matmul_tuning.linear_shapes(hf_config, self.attn_backend, self.tp)
         self.dtype = resolve_dtype(
             config.dtype, self.device, lambda: matmul_tuning.auto_dtype(shapes, config.cpu_matmul)

@@ -39,16 +39,21 @@ __all__ = [
 
 
 def join(
-    config: EngineConfig, model_path: Path | None, device: torch.device
+    config: EngineConfig, model_path: Path | None, device: torch.device, hf_config: Any
 ) -> tuple[TensorParallel | None, RankProcesses | None]:
-    """(this rank's TensorParallel, the executors this driver started); (None, None) for 1."""
-    if config.tensor_parallel_size == 1:
+    """(this rank's TensorParallel, the executors this driver started); (None, None) for 1.
+
+    What the driver can refuse is refused before any rank starts."""
+    size = config.tensor_parallel_size
+    if size == 1:
         return None, None
     if config.quantization is not None:
         raise ValueError(
-            f"quantization={config.quantization!r} with tensor_parallel_size="
-            f"{config.tensor_parallel_size}: quantized weights are not sharded across ranks yet"
+            f"quantization={config.quantization!r} with tensor_parallel_size={size}: quantized "
+            "weights are not sharded across ranks yet"
         )
+    for rank in range(size):
+        local_sizes(hf_config, TensorParallel(rank, size))  # raises where the heads do not split
     return join_replica(config, model_path, device)
 
 

@@ -146,9 +146,20 @@ def test_heads_split_by_kv_group() -> None:
         split_heads(8, 2, 16, TensorParallel(0, 3))
 
 
-def test_quantization_is_refused_clearly(tiny_models: dict[str, Path]) -> None:
-    config = EngineConfig(model="x", tensor_parallel_size=RANKS, device="cpu", quantization="int8")
-    with pytest.raises(ValueError, match="quantization='int8' with tensor_parallel_size=2"):
+@pytest.mark.parametrize(
+    ("size", "quantization", "message"),
+    [
+        (RANKS, "int8", "quantization='int8' with tensor_parallel_size=2"),
+        (3, None, "tensor_parallel_size=3 cannot split 8 attention heads with 2 KV heads"),
+    ],
+)
+def test_what_cannot_be_sharded_is_refused_before_ranks_start(
+    tiny_models: dict[str, Path], size: int, quantization: str | None, message: str
+) -> None:
+    config = EngineConfig(
+        model="x", tensor_parallel_size=size, device="cpu", quantization=quantization
+    )
+    with pytest.raises(ValueError, match=message):
         ModelRunner(config, tiny_models["llama"])
 
 
