@@ -61,7 +61,8 @@ def threads_per_rank(config: EngineConfig, device: torch.device) -> int | None:
 
 @dataclass
 class RankProcesses:
-    """The executor subprocesses the driver started, and the watchdog over them."""
+    """The executor subprocesses the driver started (none when torchrun started them), the
+    watchdog over them, and the replica's stop."""
 
     processes: list[subprocess.Popen[bytes]]
     sender: StepSender | None = None
@@ -143,11 +144,15 @@ def join_replica(
     config: EngineConfig, model_path: Path | None, device: torch.device
 ) -> tuple[TensorParallel, RankProcesses | None]:
     """Join this process's replica: as the rank torchrun's environment names, else as the
-    driver of ranks it starts itself (returned, to be stopped at exit)."""
+    driver of ranks it starts itself. A driver gets the RankProcesses that stop the replica
+    (at exit, or when told); an executor None."""
     if launched_by_torchrun():
-        return init_tensor_parallel(
-            Rendezvous.from_env(), config.tensor_parallel_size, device
-        ), None
+        tp = init_tensor_parallel(Rendezvous.from_env(), config.tensor_parallel_size, device)
+        if not tp.is_driver:
+            return tp, None
+        outside = RankProcesses([])  # the ranks are torchrun's; the driver still says "stop"
+        atexit.register(outside.stop)
+        return tp, outside
     rendezvous = Rendezvous("127.0.0.1", _free_port(), 0, config.tensor_parallel_size)
     ranks = spawn_executors(config, model_path, rendezvous, threads_per_rank(config, device))
     ranks.watch()
