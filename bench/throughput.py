@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from figures import print_row, rates
+from tp_comm import CommunicationClock
 from workload import (
     Request,
     add_workload_args,
@@ -44,18 +45,29 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks of the replica; >1 also reports the driver's time in collectives per step",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = parser.parse_args()
     runtime = tune_cpu_runtime(args.threads)
-    llm = load_llm(args, enforce_eager=args.enforce_eager)
+    llm = load_llm(
+        args, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size
+    )
     vocab = llm.engine.runner.vocab_size
     requests = workload_series(vars(args), vocab, args.seed)(0)
     print(workload_line(requests))
     print(f"# runtime: {runtime}")
 
     warm_up(llm, args.seed)
+    comm = CommunicationClock.attach(llm)
     results = {"ours": measure_inferq(llm, requests)}
     print_row("inferq LLM.generate", results["ours"])
+    if comm is not None:
+        results["tensor_parallel"] = comm.report(args.tensor_parallel_size)
 
     hf_model = None
     if not args.skip_baseline or not args.skip_decode:

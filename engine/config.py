@@ -102,3 +102,13 @@ class EngineConfig:
             "start-up over the model's shapes (cached per CPU), per decode/prefill row count"
         ),
     ] = "auto"
+    tensor_parallel_size: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="devices (ranks) one model replica is split across: attention heads, "
+            "MLP and vocabulary sharded, one all-reduce per projection pair; ranks are started "
+            "by this process, or taken from torchrun's RANK/WORLD_SIZE when those are set. On "
+            "the CPU each rank uses num_threads threads (default 1)",
+        ),
+    ] = 1

@@ -9,6 +9,8 @@ from dataclasses import fields
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.distributed.executor import run_executor
+from engine.distributed.group import is_torchrun_executor
 from engine.engine import Engine
 from engine.outputs import EngineRequest, RequestOutput
 from schemas.sampling import SamplingParams
@@ -28,8 +30,19 @@ class LLM:
         unknown = set(engine_args) - _ENGINE_FIELDS
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        if is_torchrun_executor(config.tensor_parallel_size):
+            # A non-driver rank of a torchrun-started replica serves the driver's steps, then
+            # ends the script here: only the driver generates.
+            raise SystemExit(run_executor(config))
+        self.engine = Engine(config)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel replica now (else done at exit)."""
+        ranks = self.engine.runner.tp_ranks
+        if ranks is not None:
+            ranks.stop()
 
     @property
     def tokenizer(self) -> Any:

@@ -22,6 +22,7 @@ from engine.attention.base import AttentionMetadata
 from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
+from engine.distributed import tensor_parallel
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.layers import cpu_glue, matmul_tuning
 from engine.machine_cache import cached, machine_key
@@ -66,9 +67,10 @@ class ModelRunner:
     ) -> None:
         """Load the HF config (or take hf_config) and the model, then allocate the KV cache."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        threads = tensor_parallel.threads_per_rank(config, self.device)
+        if threads:
+            torch.set_num_threads(threads)
         if hf_config is None:
             if model_path is None:
                 raise ValueError("ModelRunner needs a model folder or an hf_config")
@@ -80,7 +82,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = self._resolve_max_model_len()
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
-        shapes = matmul_tuning.linear_shapes(hf_config, self.attn_backend)
+        # Under tensor parallelism: this rank's place, and the executors a driver started.
+        self.tp, self.tp_ranks = tensor_parallel.join(config, model_path, self.device, hf_config)
+        shapes = matmul_tuning.linear_shapes(hf_config, self.attn_backend, self.tp)
         self.dtype = resolve_dtype(
             config.dtype, self.device, lambda: matmul_tuning.auto_dtype(shapes, config.cpu_matmul)
         )
@@ -97,19 +101,21 @@ class ModelRunner:
             seed=config.seed,
             quantization=self.quantization,
             quantization_group_size=config.quantization_group_size,
+            tp=self.tp,
         )
         self.weight_bytes = weight_bytes(self.model)
         if self.device.type == "cpu":
             matmul_tuning.tune_model(self.model, shapes, self.dtype, config.cpu_matmul)
         self.kv_spec = KVCacheSpec(
             num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None)
-            or hf_config.num_attention_heads,
+            num_kv_heads=tensor_parallel.local_sizes(hf_config, self.tp).num_kv_heads,
             head_dim=head_dim_of(hf_config),
             block_size=self.block_size,
             dtype=self.dtype,
         )
-        self.num_kv_blocks = self._decide_num_kv_blocks()
+        self.num_kv_blocks = tensor_parallel.agree_on_blocks(
+            self.tp, self._decide_num_kv_blocks(), self.device
+        )
         self.kv_cache = KVCache(self.kv_spec, self.num_kv_blocks, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         if self._wants_cuda_graphs():
@@ -118,6 +124,7 @@ class ModelRunner:
         self.compiled_glue_min_tokens: int | None = None
         if self.device.type == "cpu" and not config.enforce_eager:
             self._compile_cpu_forward()
+        self.step_sender = tensor_parallel.driver_sender(self.tp, self.tp_ranks)
         logger.info(
             "model runner: %s on %s (%s, weights %s, %.1f MiB), %d KV blocks of %d tokens "
             "(%.1f MiB), backend %s",
@@ -160,6 +167,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and not self.config.enforce_eager
             and isinstance(self.attn_backend, TritonAttentionBackend)
+            and self.tp is None  # a captured all-reduce would need every rank to replay alike
         )
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
@@ -192,10 +200,11 @@ class ModelRunner:
         where it is "never" later starts skip compiling. A failure leaves the forward eager,
         never the worker down."""
         started = time.perf_counter()
+        local = tensor_parallel.local_sizes(self.hf_config, self.tp)
         shapes = cpu_glue.GlueShapes(
             hidden_size=self.hf_config.hidden_size,
-            intermediate_size=self.hf_config.intermediate_size,
-            num_heads=self.hf_config.num_attention_heads,
+            intermediate_size=local.intermediate_size,
+            num_heads=local.num_heads,
             num_kv_heads=self.kv_spec.num_kv_heads,
             head_dim=self.kv_spec.head_dim,
             dtype=self.dtype,
@@ -313,6 +322,11 @@ class ModelRunner:
         Returns float32 logits [num_sampling_seqs, vocab] for the entries of `batch` whose
         `samples` is True, in batch order.
         """
+        if self.step_sender is not None:
+            inputs = self.prepare_inputs(batch) if batch else None
+            with tensor_parallel.fatal_step_errors(self.tp_ranks):
+                self.step_sender.send(tensor_parallel.message_of(inputs, block_copies))
+                return self.execute_inputs(inputs, block_copies)
         self.kv_cache.copy_blocks(block_copies)
         if not batch:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
@@ -321,9 +335,26 @@ class ModelRunner:
             return self._run_model(inputs)
 
     @torch.inference_mode()
+    def execute_inputs(
+        self, inputs: StepInputs | None, block_copies: list[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """`execute` from prepared inputs (None: no sequences); executor ranks run this."""
+        self.kv_cache.copy_blocks(block_copies)
+        if inputs is None:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        with cpu_glue.using(self._glue_for_step(inputs.input_ids.shape[0])):
+            return self._run_model(inputs)
+
+    def execute_message(self, message: tensor_parallel.StepMessage) -> None:
+        """Run the step a driver sent (on an executor rank)."""
+        self.execute_inputs(tensor_parallel.inputs_of(message, self.device), message.block_copies)
+
+    @torch.inference_mode()
     def token_logprobs(self, seq: Sequence, chunk: int = 256) -> torch.Tensor:
         """float32 [len - 1]: the model's log-probability of each of seq's tokens after its
         prefix, from one prefill of all of them (perplexity). seq's blocks cover its tokens."""
+        if self.tp is not None:
+            raise NotImplementedError("perplexity is not available with tensor_parallel_size > 1")
         inputs = self.prepare_inputs([ScheduledSeq(seq, seq.num_tokens)])
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta

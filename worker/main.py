@@ -16,7 +16,15 @@ from worker.settings import WorkerSettings
 def run_worker(settings: WorkerSettings) -> int:
     """Run a worker until SIGTERM / SIGINT (`inferq worker` parses the settings)."""
     config = settings.engine_config()
-    tune_cpu_process(config.device, config.num_threads)
+    # Tensor-parallel ranks sharing a host run one thread each unless told otherwise.
+    threads = config.num_threads or (1 if config.tensor_parallel_size > 1 else None)
+    tune_cpu_process(config.device, threads)
+    from engine.distributed.group import is_torchrun_executor
+
+    if is_torchrun_executor(config.tensor_parallel_size):
+        from engine.distributed.executor import run_executor
+
+        return run_executor(config)  # torchrun started this rank: it only executes steps
     return asyncio.run(serve(settings))
 
 

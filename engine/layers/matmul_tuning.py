@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.distributed.group import TensorParallel
 from engine.layers.linear import Linear, shared_parameter_ids
 from engine.layers.matmul import (
     SMALL_ROWS,
@@ -76,12 +77,15 @@ class Tuning:
         return f"{text}; ms per pass at {decode}/{PREFILL_ROWS} rows: {measured}"
 
 
-def linear_shapes(hf_config: Any, attention: AttentionBackend) -> list[Shape]:
-    """The distinct (out, in) of the model's linear layers, lm_head included, in model order.
+def linear_shapes(
+    hf_config: Any, attention: AttentionBackend, tp: TensorParallel | None = None
+) -> list[Shape]:
+    """The distinct (out, in) of the model's linear layers, lm_head included, in model order
+    (of this rank's shards under tensor parallelism).
 
     The model is built on the meta device, which costs no memory and no initialisation."""
     with torch.device("meta"):
-        model = model_factory(hf_config)(hf_config, attention)
+        model = model_factory(hf_config)(hf_config, attention, tp=tp)
     shapes = ((m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear))
     return list(dict.fromkeys(shapes))
 

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.distributed.group import TensorParallel
 from engine.models.llama import LlamaForCausalLM
 
-ModelFactory = Callable[[Any, AttentionBackend], nn.Module]
 
-# HF architecture name -> factory(hf_config, backend)
+class ModelFactory(Protocol):
+    def __call__(
+        self, hf_config: Any, backend: AttentionBackend, *, tp: TensorParallel | None = None
+    ) -> nn.Module: ...
+
+
+# HF architecture name -> factory(hf_config, backend, tp=...)
 _ARCHITECTURES: dict[str, ModelFactory] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,

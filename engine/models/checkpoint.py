@@ -6,11 +6,14 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from engine.quantization.weights import QuantizedWeight
+
+if TYPE_CHECKING:
+    from engine.layers.parallel import TensorSlice
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -89,6 +92,19 @@ class SafetensorsCheckpoint:
         )
         destination.copy_(source.view(entry.dtype).view(entry.shape))
 
+    def read_slice_into(self, name: str, destination: torch.Tensor, piece: TensorSlice) -> None:
+        """Read only indices piece.start:+piece.length along piece.dim (one tensor-parallel
+        rank's shard): the file is memory-mapped and only the slice's pages are touched."""
+        from safetensors import safe_open
+
+        entry = self.entries[name]
+        index = tuple(
+            slice(piece.start, piece.start + piece.length) if dim == piece.dim else slice(None)
+            for dim in range(len(entry.shape))
+        )
+        with safe_open(str(entry.file), framework="pt") as f:
+            destination.copy_(f.get_slice(name)[index])
+
 
 def _read_header(file: Path) -> dict[str, _TensorEntry]:
     with open(file, "rb") as f:
@@ -123,6 +139,9 @@ class TensorDictCheckpoint:
 
     def read_into(self, name: str, destination: torch.Tensor) -> None:
         destination.copy_(self.tensors[name])
+
+    def read_slice_into(self, name: str, destination: torch.Tensor, piece: TensorSlice) -> None:
+        destination.copy_(self.tensors[name].narrow(piece.dim, piece.start, piece.length))
 
 
 @runtime_checkable

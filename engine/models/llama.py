@@ -14,10 +14,20 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.distributed.group import TensorParallel
 from engine.layers.activation import silu_and_mul
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorSlice,
+    VocabParallelEmbedding,
+    balanced_slice,
+    split_heads,
+)
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
@@ -31,10 +41,24 @@ def head_dim_of(hf_config: Any) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj: MergedLinear
+        self.down_proj: Linear
+        if tp is None:
+            self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+            self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        else:
+            part = balanced_slice(intermediate_size, tp)
+            self.gate_up_proj = ColumnParallelLinear(hidden_size, [part, part], bias=bias)
+            columns = TensorSlice(1, part.start, part.length, part.full)
+            self.down_proj = RowParallelLinear(columns, hidden_size, tp, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -48,18 +72,31 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         qkv_bias: bool,
         o_bias: bool,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(hf_config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = MergedLinear(
-            hf_config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
-        )
-        self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        self.qkv_proj: MergedLinear
+        self.o_proj: Linear
+        if tp is None:
+            self.q_size = self.num_heads * self.head_dim
+            self.kv_size = self.num_kv_heads * self.head_dim
+            self.qkv_proj = MergedLinear(
+                hf_config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
+            )
+            self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+        else:  # this rank's heads only
+            heads = split_heads(self.num_heads, self.num_kv_heads, self.head_dim, tp)
+            self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+            self.q_size, self.kv_size = heads.q.length, heads.kv.length
+            self.qkv_proj = ColumnParallelLinear(
+                hf_config.hidden_size, [heads.q, heads.kv, heads.kv], bias=qkv_bias
+            )
+            columns = TensorSlice(1, heads.q.start, heads.q.length, heads.q.full)
+            self.o_proj = RowParallelLinear(columns, hf_config.hidden_size, tp, bias=o_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
         self.backend = backend
 
@@ -101,13 +138,14 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         mlp_bias: bool,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.self_attn = LlamaAttention(hf_config, rotary_emb, backend, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(hf_config, rotary_emb, backend, qkv_bias, o_bias, tp)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, mlp_bias)
+        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, mlp_bias, tp)
 
     def forward(
         self,
@@ -130,15 +168,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, backend: AttentionBackend, biases: dict[str, bool]) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        backend: AttentionBackend,
+        biases: dict[str, bool],
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         theta, scaling = rope_parameters(hf_config)
         self.rotary_emb = RotaryEmbedding(
             head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling
         )
-        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.embed_tokens = (
+            VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+            if tp is None
+            else VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, self.rotary_emb, backend, **biases)
+            LlamaDecoderLayer(hf_config, self.rotary_emb, backend, **biases, tp=tp)
             for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -172,7 +220,9 @@ class LlamaForCausalLM(nn.Module):
         hf_config: Any,
         backend: AttentionBackend,
         qkv_bias: bool | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
+        """tp: this rank's place in a tensor-parallel group; None: the whole model here."""
         super().__init__()
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         biases = {
@@ -181,9 +231,13 @@ class LlamaForCausalLM(nn.Module):
             "mlp_bias": bool(getattr(hf_config, "mlp_bias", False)),
         }
         self.config = hf_config
-        self.model = LlamaModel(hf_config, backend, biases)
+        self.model = LlamaModel(hf_config, backend, biases, tp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = (
+            Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            if tp is None
+            else ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size, tp)
+        )
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -4,6 +4,7 @@ The model is built on the meta device (no memory, no random init) and materializ
 the target device; every parameter is then written exactly once. Checkpoint tensors named after
 separate projections (q/k/v_proj, gate/up_proj) are copied into their row range of the fused
 parameter, following the model's `packed_modules`. Only safetensors checkpoints are read.
+A tensor-parallel rank reads only the slice of each tensor its layers hold (`checkpoint_slice`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.distributed.group import TensorParallel
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel import ShardedLayer, TensorSlice
 from engine.models import model_factory
 from engine.models.checkpoint import (
     Checkpoint,
@@ -48,12 +51,19 @@ def build_model(
     seed: int = 0,
     quantization: QuantizationMethod | None = None,
     quantization_group_size: int = 32,
+    tp: TensorParallel | None = None,
 ) -> nn.Module:
     """Build the model for hf_config on device/dtype, with checkpoint or dummy weights,
-    quantized as `quantization` says (already checked by engine.quantization.resolve_method)."""
+    quantized as `quantization` says (already checked by engine.quantization.resolve_method);
+    tp: this rank's shard of a tensor-parallel model."""
+    if tp is not None and quantization is not None:
+        raise ValueError(
+            f"quantization={quantization!r} with tensor_parallel_size={tp.size}: quantized "
+            "weights are not sharded across ranks yet; use one of them alone"
+        )
     factory = model_factory(hf_config)
     with _default_dtype(dtype), torch.device("meta"):
-        model = factory(hf_config, backend)
+        model = factory(hf_config, backend, tp=tp)
     model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
@@ -115,10 +125,17 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
                 logger.warning("checkpoint tensor %s has no place in the model; skipped", name)
                 continue
             shape = tuple(param.shape)
+            module = model.get_submodule(target.rsplit(".", 1)[0]) if "." in target else model
             if shard is not None:
-                module = model.get_submodule(target.rsplit(".", 1)[0])
                 assert isinstance(module, MergedLinear)
                 shape = (module.shard_sizes[shard], *shape[1:])
+            piece = (
+                module.checkpoint_slice(target.rsplit(".", 1)[-1], shard)
+                if isinstance(module, ShardedLayer)
+                else None
+            )
+            if piece is not None:  # the checkpoint holds every rank's slice
+                shape = (*shape[: piece.dim], piece.full, *shape[piece.dim + 1 :])
             if name in quantized_names:
                 weight = checkpoint.read_quantized(name)  # type: ignore[union-attr]
                 stored_shape = weight.shape
@@ -133,8 +150,13 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
             else:
                 destination = param.data
                 if shard is not None:
-                    destination = destination.narrow(0, module.shard_offset(shard), shape[0])
-                checkpoint.read_into(name, destination)
+                    destination = destination.narrow(
+                        0, module.shard_offset(shard), module.shard_sizes[shard]
+                    )
+                if piece is None:
+                    checkpoint.read_into(name, destination)
+                else:
+                    _read_slice(checkpoint, name, destination, piece)
             filled[target].add(0 if shard is None else shard)
     missing = [name for name, shards in filled.items() if len(shards) < _num_shards(model, name)]
     if missing:
@@ -143,6 +165,19 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
         )
     for target, shards in quantized.items():
         _use_quantized(model, target, concat_rows([shards[i] for i in sorted(shards)]), tied)
+
+
+def _read_slice(
+    checkpoint: Checkpoint, name: str, destination: torch.Tensor, piece: TensorSlice
+) -> None:
+    """Read the slice into the first rows of destination; zero what it leaves (the padding of
+    the last rank's vocabulary rows)."""
+    if isinstance(checkpoint, QuantizedCheckpoint):
+        raise WeightLoadError(f"{name}: quantized checkpoints are not tensor-parallel")
+    checkpoint.read_slice_into(name, destination.narrow(piece.dim, 0, piece.length), piece)
+    padding = destination.shape[piece.dim] - piece.length
+    if padding:
+        destination.narrow(piece.dim, piece.length, padding).zero_()
 
 
 def _use_quantized(model: nn.Module, target: str, weight: QuantizedWeight, tied: bool) -> None:
