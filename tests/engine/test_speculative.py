@@ -87,6 +87,7 @@ def test_ngram_batched_with_other_requests_matches(model_path, prompts, referenc
     assert llm.engine.stats().spec_num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_ngram_with_chunked_prefill_matches(model_path, prompts, reference) -> None:
     llm = _spec_llm(model_path, max_num_batched_tokens=48)
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
@@ -127,18 +128,26 @@ def test_stop_string_max_tokens_and_logprobs_as_without(model_path, prompts, pla
         assert [t for t, _ in h.top_logprobs] == [t for t, _ in w.top_logprobs]
 
 
+def _all_choices(outputs: list[RequestOutput]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
 def test_seeded_sampling_gives_the_same_tokens_as_without(model_path, prompts, plain) -> None:
+    """Verification draws one noise row per emitted token, as plain sampling does, so a seed
+    gives the same tokens with or without speculation (n > 1 choices included)."""
     params = [
-        SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, top_p=0.9)
-        for t, s in [(0.5, 1), (1.0, 2), (0.3, 3)]
+        SamplingParams(temperature=t, seed=s, n=n, max_tokens=NEW_TOKENS, top_p=0.9)
+        for t, s, n in [(0.5, 1, 1), (0.3, 3, 1), (1.0, 2, 2)]
     ]
     batch = [prompts[4], prompts[6], prompts[7]]
-    expected = _tokens(plain.generate(batch, params, use_tqdm=False))
+    expected = _all_choices(plain.generate(batch, params, use_tqdm=False))
     llm = _spec_llm(model_path)
-    assert _tokens(llm.generate(batch, params, use_tqdm=False)) == expected
+    assert _all_choices(llm.generate(batch, params, use_tqdm=False)) == expected
+    assert len(expected[2]) == 2 and expected[2][0] != expected[2][1]
     assert llm.engine.stats().spec_num_drafts > 0
 
 
+@pytest.mark.slow
 def test_draft_model_equal_to_target_accepts_everything(model_path, prompts, reference) -> None:
     spec = {
         "method": "draft_model",
@@ -153,6 +162,7 @@ def test_draft_model_equal_to_target_accepts_everything(model_path, prompts, ref
     assert stats.spec_acceptance_rate > 0.9
 
 
+@pytest.mark.slow
 def test_random_draft_model_changes_nothing(
     model_path, prompts, reference, tiny_model_factory
 ) -> None:
