@@ -99,10 +99,21 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="the auto-off batch size to measure (default: the engine's; 0: never off)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
 
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    spec: dict[str, object] = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+    }
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size or None
     engines = {
         "off": LLM(args.model, dtype=args.dtype),
         "ngram": LLM(args.model, dtype=args.dtype, speculative_config=spec),

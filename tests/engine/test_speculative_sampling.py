@@ -1,9 +1,10 @@
 """Speculative sampling keeps the target's distribution exactly (a random tiny model).
 
-Many unseeded draws of three tokens at temperature 0.7 and top-k 8, with n-gram drafts taken
-from a prompt the model continued itself (they disagree with the sampled tokens often): the empirical
-distributions of the second and third tokens must match the model's own, computed by
-enumerating every (first, second) prefix top-k allows, within a chi-square test at p > 0.01.
+Many draws of three tokens at temperature 0.7 and top-k 8, with n-gram drafts taken from a
+prompt the model continued itself, or a random draft model's (both disagree with the sampled
+tokens often): the empirical distributions of the second and third tokens must match the
+model's own, computed by enumerating every (first, second) prefix top-k allows, within a
+chi-square test at p > 0.01.
 The third token is where verification matters: after an accepted draft it is the bonus token
 drawn from the logits of a draft position.
 """
@@ -76,15 +77,21 @@ def _chi_square_p(observed: Counter[int], expected_probs: torch.Tensor, draws: i
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(statistic / 2)))
 
 
-@pytest.mark.parametrize("seeded", [False, True])
-def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir, seeded: bool) -> None:
+@pytest.mark.parametrize(
+    ("method", "seeded"), [("ngram", False), ("ngram", True), ("draft_model", False)]
+)
+def test_sampled_tokens_follow_the_target_distribution(
+    tiny_llama_dir, tiny_model_factory, method: str, seeded: bool
+) -> None:
     prompt = _self_continued_prompt(tiny_llama_dir)
     spec = {
-        "method": "ngram",
+        "method": method,
         "num_speculative_tokens": 2,
         "disable_by_batch_size": None,
         "min_acceptance_rate": 0.0,
     }
+    if method == "draft_model":  # another random model: it agrees with the target by chance
+        spec["model"] = str(tiny_model_factory("llama", seed=1, num_hidden_layers=1))
     llm = LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, speculative_config=spec)
     params = [
         SamplingParams(
