@@ -1,8 +1,8 @@
 """Speculative sampling keeps the target's distribution exactly (a random tiny model).
 
 Many draws of three tokens at temperature 0.7 and top-k 8, with n-gram drafts taken from a
-prompt the model continued itself, or a random draft model's (both disagree with the sampled
-tokens often): the empirical distributions of the second and third tokens must match the
+prompt the model continued itself, or the model's own greedy tokens as a draft model (both
+disagree with the sampled tokens often): the empirical distributions of the second and third tokens must match the
 model's own, computed by enumerating every (first, second) prefix top-k allows, within a
 chi-square test at p > 0.01.
 The third token is where verification matters: after an accepted draft it is the bonus token
@@ -78,10 +78,11 @@ def _chi_square_p(observed: Counter[int], expected_probs: torch.Tensor, draws: i
 
 
 @pytest.mark.parametrize(
-    ("method", "seeded"), [("ngram", False), ("ngram", True), ("draft_model", False)]
+    ("method", "seeded"),
+    [("ngram", False), ("ngram", True), pytest.param("draft_model", False, marks=pytest.mark.slow)],
 )
 def test_sampled_tokens_follow_the_target_distribution(
-    tiny_llama_dir, tiny_model_factory, method: str, seeded: bool
+    tiny_llama_dir, method: str, seeded: bool
 ) -> None:
     prompt = _self_continued_prompt(tiny_llama_dir)
     spec = {
@@ -90,8 +91,8 @@ def test_sampled_tokens_follow_the_target_distribution(
         "disable_by_batch_size": None,
         "min_acceptance_rate": 0.0,
     }
-    if method == "draft_model":  # another random model: it agrees with the target by chance
-        spec["model"] = str(tiny_model_factory("llama", seed=1, num_hidden_layers=1))
+    if method == "draft_model":  # the model itself: its argmax, which sampling often is not
+        spec["model"] = str(tiny_llama_dir)
     llm = LLM(str(tiny_llama_dir), dtype="float32", enforce_eager=True, speculative_config=spec)
     params = [
         SamplingParams(
@@ -107,7 +108,7 @@ def test_sampled_tokens_follow_the_target_distribution(
     tokens = [o.outputs[0].token_ids for o in outputs]
     stats = llm.engine.stats()
     assert stats.spec_num_draft_tokens >= DRAWS // 4
-    assert 0 < stats.spec_acceptance_rate < 0.7  # the drafts disagree often, not always
+    assert 0 < stats.spec_acceptance_rate < 0.8  # the drafts disagree often, not always
 
     second, third = _target_marginals(tiny_llama_dir, prompt)
     assert _chi_square_p(Counter(t[1] for t in tokens), second, DRAWS) > 0.01
