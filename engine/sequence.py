@@ -39,6 +39,7 @@ class SpeculationState:
     num_proposed: int = 0  # draft tokens verified while the acceptance rate is judged
     num_accepted: int = 0
     resume_at_output: int = 0  # speculation stays off until the output is this long
+    num_backoffs: int = 0  # times the acceptance rate was judged too low
 
 
 @dataclass(eq=False)

@@ -16,10 +16,11 @@ from typing import Protocol
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculative.config import SpeculativeConfig
 
-# Draft tokens over which a sequence's acceptance rate is judged, and output tokens it then
-# goes without speculation when the rate was too low.
-ACCEPTANCE_WINDOW = 32
-BACKOFF_TOKENS = 64
+# Draft tokens over which a sequence's acceptance rate is judged: two steps at k = 4, so text
+# that does not repeat costs few wide steps. A sequence judged too low goes without
+# speculation for BACKOFF_TOKENS output tokens, twice as long after each further failure.
+ACCEPTANCE_WINDOW = 8
+BACKOFF_TOKENS = 32
 
 
 class Proposer(Protocol):
@@ -88,5 +89,6 @@ class Speculator:
         if state.num_proposed < ACCEPTANCE_WINDOW:
             return
         if state.num_accepted < self.config.min_acceptance_rate * state.num_proposed:
-            state.resume_at_output = seq.num_output_tokens + BACKOFF_TOKENS
+            state.resume_at_output = seq.num_output_tokens + (BACKOFF_TOKENS << state.num_backoffs)
+            state.num_backoffs = min(state.num_backoffs + 1, 5)
         state.num_proposed = state.num_accepted = 0
