@@ -83,6 +83,7 @@ def timed_round(llm: LLM, prompts: list, params: list[SamplingParams]) -> dict[s
         "tokens_per_s": tokens / elapsed,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": accepted / drafts if drafts else 0.0,
+        "draft_tokens": drafted,
     }
 
 
@@ -144,7 +145,8 @@ def main() -> None:
                 f"{workload:<11} {batch:>5}  {off['ms_per_token']:>10.1f}  "
                 f"{on['ms_per_token']:>12.1f}  {off['ms_per_token'] / on['ms_per_token']:>6.2f}x  "
                 f"{off['tokens_per_s']:>9.1f}  {on['tokens_per_s']:>11.1f}  "
-                f"{on['acceptance_rate']:>6.2f}  {on['mean_accepted_length']:>8.2f}"
+                f"{on['acceptance_rate']:>6.2f}  {on['mean_accepted_length']:>8.2f}  "
+                f"{on['draft_tokens']:>7.0f}"
             )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
