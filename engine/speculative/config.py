@@ -16,7 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SpeculativeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        json_schema_extra={"examples": [{"method": "ngram", "num_speculative_tokens": 4}]},
+    )
 
     method: Literal["ngram", "draft_model"] = Field(
         description="ngram: prompt lookup; draft_model: a small model of the same vocabulary"
