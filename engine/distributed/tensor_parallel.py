@@ -52,6 +52,11 @@ def join(
             f"quantization={config.quantization!r} with tensor_parallel_size={size}: quantized "
             "weights are not sharded across ranks yet"
         )
+    if config.speculative_config is not None:
+        raise ValueError(
+            f"speculative_config with tensor_parallel_size={size}: speculative decoding runs on "
+            "a single device only so far"
+        )
     for rank in range(size):
         local_sizes(hf_config, TensorParallel(rank, size))  # raises where the heads do not split
     return join_replica(config, model_path, device)

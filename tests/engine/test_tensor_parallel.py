@@ -163,6 +163,19 @@ def test_what_cannot_be_sharded_is_refused_before_ranks_start(
         ModelRunner(config, tiny_models["llama"])
 
 
+def test_speculative_decoding_with_ranks_is_refused_before_ranks_start(
+    tiny_models: dict[str, Path],
+) -> None:
+    config = EngineConfig(
+        model="x",
+        tensor_parallel_size=RANKS,
+        device="cpu",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+    )
+    with pytest.raises(ValueError, match="speculative_config with tensor_parallel_size=2"):
+        ModelRunner(config, tiny_models["llama"])
+
+
 PREAMBLE = (
     "You are a careful assistant. Answer briefly and precisely, in plain English, without "
     "lists unless asked, and say so when you do not know. Question: "
