@@ -199,6 +199,7 @@ class BatchRunner:
                         line.request, batch_id=self.batch_id, line=line, deadline=deadline
                     ),  # type: ignore[arg-type]
                     owner=self.owner,
+                    replicas=self.settings.replica_wait(),
                 )
                 for line in runnable
             ),

@@ -25,6 +25,7 @@ event loop too.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal, TypedDict, Unpack
 from urllib.parse import urlsplit
@@ -41,7 +42,7 @@ from producer_api.client.http_client import (
     ServiceUnavailable,
 )
 from producer_api.client.redis_client import AsyncRedisClient, RedisClient
-from producer_api.client.resume import DEFAULT_MAX_RETRIES, resuming_stream
+from producer_api.client.resume import DEFAULT_MAX_RETRIES, resuming_stream, retrying
 from producer_api.queue import DEFAULT_POLL_INTERVAL_S, JobNotFoundError, QueueError
 from schemas import DEFAULT_PREFIX, Job, JobRequest, TokenChunk
 from schemas.redis_connection import RedisConnectionSettings
@@ -99,10 +100,24 @@ class AsyncClient(AsyncJobClient):
         return await self._impl.enqueue(request, **fields)
 
     async def get(self, job_id: str) -> Job:
-        return await self._impl.get(job_id)
+        impl = self._impl
+        if isinstance(impl, AsyncHttpClient):  # it retries by itself
+            return await impl.get(job_id)
+        return await retrying(lambda: impl.get(job_id), _REDIS_RETRY_ON, self.max_retries)
 
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:
-        return await self._impl.wait(job_id, timeout=timeout)
+        """The job once terminal (or as it is after `timeout` s); over Redis a failover or a
+        dropped connection is waited out within the same timeout."""
+        impl = self._impl
+        if isinstance(impl, AsyncHttpClient):
+            return await impl.wait(job_id, timeout=timeout)
+        give_up = None if timeout is None else time.monotonic() + timeout
+
+        async def wait_left() -> Job:
+            left = None if give_up is None else max(give_up - time.monotonic(), 0.0)
+            return await impl.wait(job_id, timeout=left)
+
+        return await retrying(wait_left, _REDIS_RETRY_ON, self.max_retries)
 
     def stream(self, job_id: str, last_index: int = -1) -> AsyncIterator[TokenChunk]:
         """Chunks after `last_index`, each once and in order, reconnecting after drops."""

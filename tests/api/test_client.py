@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 
 import pytest
 import redis as sync_redis
@@ -198,3 +199,23 @@ def test_transport_follows_the_url_scheme():
     assert transport_of("rediss://cache:6380/0") == "redis"
     with pytest.raises(ValueError):
         transport_of("ftp://x")
+
+
+@pytest.mark.anyio
+async def test_redis_client_wait_rides_out_a_redis_restart(redis_server):
+    """A failover or restart drops the client's connection mid-wait; wait() reconnects and
+    still answers within its timeout instead of raising."""
+    client = AsyncClient(redis_server.url, max_retries=8)
+    try:
+        job = await client.enqueue(request())
+        redis_server.kill()
+        restarted = asyncio.get_running_loop().run_in_executor(
+            None, lambda: (time.sleep(0.5), redis_server.start())
+        )
+        waited = await client.wait(job.id, timeout=4)
+        await restarted
+        assert waited.id == job.id
+        assert waited.status == JobStatus.QUEUED  # no worker: it is still queued, not lost
+        assert (await client.get(job.id)).id == job.id
+    finally:
+        await client.aclose()
