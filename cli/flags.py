@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings
@@ -98,12 +98,16 @@ def _parsing(name: str, field: FieldInfo) -> dict[str, Any]:
         return {"choices": choices, "type": type(choices[0])}
     if annotation is bool:
         return {"action": argparse.BooleanOptionalAction}
-    if origin in (dict, list) or annotation in (dict, list):
+    if origin in (dict, list) or annotation in (dict, list) or _is_model(annotation):
         return {"type": json.loads, "metavar": "JSON"}
     parsers: dict[object, Callable[[str], object]] = {int: int, float: float, str: str, Path: Path}
     if annotation in parsers:
         return {"type": parsers[annotation]}
     raise TypeError(f"setting {name!r}: no command-line form for {annotation!r}")
+
+
+def _is_model(annotation: object) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _without_none(annotation: object) -> object:

@@ -294,6 +294,15 @@ class BlockManager:
             seq.num_registered_blocks = first_written
         return copies
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past those that hold seq's first num_tokens tokens (the slots
+        of rejected draft tokens); the tokens they held were never offered to the cache."""
+        keep = self.blocks_for_tokens(num_tokens)
+        table = seq.block_table
+        while len(table) > keep:
+            self._release(table.pop())
+        seq.num_registered_blocks = min(seq.num_registered_blocks, keep)
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's blocks, tail first, so its last blocks are evicted first."""
         for block_id in reversed(seq.block_table):

@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from engine.speculative.config import SpeculativeConfig, parse_speculative_config
+
 
 @dataclass
 class EngineConfig:
@@ -112,3 +114,17 @@ class EngineConfig:
             "the CPU each rank uses num_threads threads (default 1)",
         ),
     ] = 1
+    # Speculative decoding
+    speculative_config: Annotated[
+        SpeculativeConfig | None,
+        Field(
+            description='JSON, as vLLM names it: {"method": "ngram", "num_speculative_tokens": '
+            'k, "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", '
+            '"model": PATH_OR_NAME, "num_speculative_tokens": k}; optional '
+            '"disable_by_batch_size" and "min_acceptance_rate" turn it off where it does not pay'
+        ),
+    ] = None
+
+    def __post_init__(self) -> None:
+        # LLM(...) and the worker's settings pass a dict or JSON text; one validated model after.
+        self.speculative_config = parse_speculative_config(self.speculative_config)

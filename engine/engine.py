@@ -30,8 +30,11 @@ from engine.outputs import (
 )
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.stop import Stop, StopRules, append_until_stop
+from engine.sequence import ScheduledSeq, Sequence
+from engine.speculative.factory import make_speculator
+from engine.speculative.speculator import SpeculationCounts
+from engine.speculative.verify import Verified, verify
+from engine.stop import StopRules, append_until_stop
 from engine.token_text import TokenTexts
 from engine.tokenizer import load_tokenizer, read_eos_token_ids
 from schemas.sampling import SamplingParams
@@ -95,6 +98,7 @@ class Engine:
         self.stop_rules = StopRules.of(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, self.stop_rules)
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.runner.device)
+        self.speculator = make_speculator(config, self.max_model_len, self.vocab_size)
         self._requests: dict[str, _Request] = {}
         self._finished_on_arrival: list[_Request] = []
         self._num_prompt_tokens_computed = 0
@@ -234,11 +238,13 @@ class Engine:
             deltas += [self._delta(choice, [], "", None) for choice in earlier]
             deltas.append(self._delta(last, [], "", None, self._take_output(request)))
         self._finished_on_arrival.clear()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         output = self.scheduler.schedule()
         self._num_preemptions += len(output.preempted)
         if not output.scheduled:
             return deltas
-        sampling_seqs = [item.seq for item in output.scheduled if item.samples]
+        entries = [item for item in output.scheduled if item.samples]
         logits = self.runner.execute(output.scheduled, output.block_copies)
         self.scheduler.update_after_step(output)
         self._num_steps += 1
@@ -251,28 +257,37 @@ class Engine:
             if request is not None and request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.metrics.num_cached_prompt_tokens = item.seq.num_cached_tokens
-        if not sampling_seqs:
+        if not entries:
             return deltas
-        sampled = self.sampler(logits, sampling_seqs)
-        self._num_generation_tokens += len(sampling_seqs)
-        for seq in sampling_seqs:  # before the sampled token may finish (and free) the parent
-            request = self._requests[seq.request_id]
+        picks = self._pick(logits, entries)
+        for entry in entries:  # before the sampled token may finish (and free) the parent
+            request = self._requests[entry.seq.request_id]
             if not request.forked:
                 self._fork_choices(request)
-        stops = self.scheduler.append_sampled(sampling_seqs, sampled.token_ids)
-        for row, seq in enumerate(sampling_seqs):
-            token_id = sampled.token_ids[row]
+        for entry, pick in zip(entries, picks, strict=True):
+            seq = entry.seq
             request = self._requests[seq.request_id]
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            logprob = None
-            if sampled.logprobs[row] is not None:
-                top = sampled.top_logprobs[row] or []
-                texts = self.token_texts([token_id, *(top_id for top_id, _ in top)])
-                logprob = TokenLogprob(token_id, sampled.logprobs[row], top, texts)
             choice = request.choices[seq.choice_index]
-            deltas.append(self._advance_choice(request, choice, token_id, logprob, stops[row]))
+            deltas.append(self._advance_choice(request, choice, pick))
+            if entry.draft_token_ids:
+                self.scheduler.settle_draft(seq)
+                if self.speculator is not None:
+                    self.speculator.record(seq, pick.num_draft_tokens, pick.num_accepted_tokens)
         return deltas
+
+    def _pick(self, logits: torch.Tensor, entries: list[ScheduledSeq]) -> list[Verified]:
+        """Each sampling entry's tokens: one sampled token, or a verified run of drafts."""
+        if any(entry.draft_token_ids for entry in entries):
+            return verify(self.sampler, logits, entries)
+        sampled = self.sampler(logits, [entry.seq for entry in entries])
+        return [
+            Verified([token_id], [logprob], [top], 0, 0)
+            for token_id, logprob, top in zip(
+                sampled.token_ids, sampled.logprobs, sampled.top_logprobs, strict=True
+            )
+        ]
 
     def _fork_choices(self, request: _Request) -> None:
         parent = request.choices[0].seq
@@ -281,30 +296,39 @@ class Engine:
             request.choices.append(self._new_choice(child))
         request.forked = True
 
-    def _advance_choice(
-        self,
-        request: _Request,
-        choice: _Choice,
-        token_id: int,
-        logprob: TokenLogprob | None,
-        stop: Stop | None,
-    ) -> RequestDelta:
-        """The text of the choice's new token; `stop`: how the scheduler saw it end the choice."""
-        text_delta = choice.detokenizer.add_tokens([token_id], stop)
-        choice.text += text_delta.text
-        if choice.logprobs is not None and logprob is not None:
-            choice.logprobs.append(logprob)
-        if text_delta.finish_reason is not None:
-            if stop is None:  # a stop string
-                self.scheduler.finish(choice.seq, text_delta.finish_reason, text_delta.stop_reason)
-            else:  # finished already; a stop string in the text it flushed names the stop
-                choice.seq.mark_finished(text_delta.finish_reason, text_delta.stop_reason)
+    def _advance_choice(self, request: _Request, choice: _Choice, pick: Verified) -> RequestDelta:
+        """Append the choice's new tokens one by one, through the token stop checks and the
+        detokenizer's stop strings; tokens after a stop are dropped."""
+        seq = choice.seq
+        token_ids: list[int] = []
+        texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        for token_id, value, top in zip(
+            pick.token_ids, pick.logprobs, pick.top_logprobs, strict=True
+        ):
+            stop = self.scheduler.append_token(seq, token_id)
+            self._num_generation_tokens += 1
+            token_ids.append(token_id)
+            if value is not None:
+                top = top or []
+                texts_by_id = self.token_texts([token_id, *(top_id for top_id, _ in top)])
+                logprobs.append(TokenLogprob(token_id, value, top, texts_by_id))
+            text_delta = choice.detokenizer.add_tokens([token_id], stop)
+            texts.append(text_delta.text)
+            if text_delta.finish_reason is not None:
+                if stop is None:  # a stop string
+                    self.scheduler.finish(seq, text_delta.finish_reason, text_delta.stop_reason)
+                else:  # finished already; a stop string in the text it flushed names the stop
+                    seq.mark_finished(text_delta.finish_reason, text_delta.stop_reason)
+                choice.finished = True
+                break
+        text = "".join(texts)
+        choice.text += text
+        if choice.finished:
             choice.text = choice.detokenizer.output_text
-            choice.finished = True
-        logprobs = [logprob] if logprob else None
-        return self._delta(
-            choice, [token_id], text_delta.text, logprobs, self._take_output(request)
-        )
+        if choice.logprobs is not None:
+            choice.logprobs.extend(logprobs)
+        return self._delta(choice, token_ids, text, logprobs or None, self._take_output(request))
 
     def _delta(
         self,
@@ -373,6 +397,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         manager = self.block_manager
+        spec = self.speculator.counts if self.speculator is not None else SpeculationCounts()
         return EngineStats(
             num_blocks_total=manager.num_total_blocks,
             num_blocks_free=manager.num_free_blocks,
@@ -385,4 +410,7 @@ class Engine:
             num_generation_tokens=self._num_generation_tokens,
             num_preemptions=self._num_preemptions,
             num_steps=self._num_steps,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
         )

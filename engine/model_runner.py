@@ -61,6 +61,10 @@ def resolve_dtype(
     return _DTYPES[name]
 
 
+def _logit_rows(end: int, entry: ScheduledSeq) -> range:
+    return range(end - entry.num_logits, end)
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, model_path: Path | None, hf_config: Any | None = None
@@ -319,8 +323,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one step; first perform the copy-on-write block copies (src->dst, all layers).
 
-        Returns float32 logits [num_sampling_seqs, vocab] for the entries of `batch` whose
-        `samples` is True, in batch order.
+        Returns float32 logits [rows, vocab] for the entries of `batch` whose `samples` is
+        True, in batch order: one row each, 1 + k for an entry verifying k draft tokens.
         """
         if self.step_sender is not None:
             inputs = self.prepare_inputs(batch) if batch else None
@@ -390,8 +394,8 @@ class ModelRunner:
         starts = [s.seq.num_computed_tokens for s in batch]
         seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)]
         token_ids: list[int] = []
-        for s, start, end in zip(batch, starts, seq_lens, strict=True):
-            token_ids.extend(s.seq.token_ids[start:end])
+        for s in batch:
+            token_ids.extend(s.input_token_ids())
         if len(token_ids) != sum(query_lens):
             raise ValueError("a scheduled sequence asks for tokens it does not have")
 
@@ -420,7 +424,8 @@ class ModelRunner:
         samples = [s.samples for s in batch]
         sample_rows = None
         if not all(samples) or len(token_ids) != num_seqs:
-            rows = [cu_query[i + 1] - 1 for i, sampled in enumerate(samples) if sampled]
+            # The last row of each sampling entry; the last 1 + k rows of a speculating one.
+            rows = [row for i, s in enumerate(batch) for row in _logit_rows(cu_query[i + 1], s)]
             sample_rows = self._to_device(np.asarray(rows, dtype=np.int64))
 
         meta = AttentionMetadata(

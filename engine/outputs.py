@@ -110,6 +110,23 @@ class EngineStats:
     num_generation_tokens: int
     num_preemptions: int
     num_steps: int
+    # Speculative decoding: verification steps of a sequence with draft tokens, the draft
+    # tokens proposed in them and how many the model accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens per proposed draft token."""
+        if not self.spec_num_draft_tokens:
+            return 0.0
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Draft tokens accepted per verification step (each step also yields one more)."""
+        return self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

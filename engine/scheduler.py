@@ -314,6 +314,15 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
+            speculated = self._schedule_draft(seq, budget)
+            if speculated is not None:
+                draft_entry, draft_copies = speculated
+                if draft_copies:
+                    copies[seq] = draft_copies
+                scheduled[seq] = draft_entry
+                budget -= draft_entry.num_new_tokens
+                index += 1
+                continue
             while (block_copies := bm.try_allocate_slots(seq, num_new)) is None:
                 victim = self._pick_victim()
                 victim_index = self._running.index(victim)
@@ -345,6 +354,19 @@ class Scheduler:
             num_batched_tokens=sum(s.num_new_tokens for s in scheduled.values()),
         )
 
+    def _schedule_draft(
+        self, seq: Sequence, budget: int
+    ) -> tuple[ScheduledSeq, list[BlockCopy]] | None:
+        """A decoding sequence's last token and its draft tokens, when the budget and the free
+        blocks take them all; None: schedule it plainly (a plain decode may still preempt)."""
+        draft = seq.spec_state.draft_token_ids[: budget - 1]
+        if not draft or seq.num_tokens - seq.num_computed_tokens != 1:
+            return None
+        block_copies = self.block_manager.try_allocate_slots(seq, 1 + len(draft))
+        if block_copies is None:
+            return None
+        return ScheduledSeq(seq, 1 + len(draft), draft), block_copies
+
     def _admit(self, scheduled: dict[Sequence, ScheduledSeq], budget: int) -> None:
         bm = self.block_manager
         while budget > 0 and self._waiting:
@@ -375,6 +397,23 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += sched.num_new_tokens
             bm.cache_full_blocks(seq)
+
+    def append_token(self, seq: Sequence, token_id: int) -> Stop | None:
+        """Append one token of a verified run and finish seq if it stops there."""
+        seq.append_token(token_id)
+        stop = check_stop(seq, self.stop_rules)
+        if stop is not None:
+            self.finish(seq, stop.finish_reason, stop.stop_reason)
+        return stop
+
+    def settle_draft(self, seq: Sequence) -> None:
+        """After a verified step: only the accepted tokens' K/V count as computed, and the
+        blocks past the sequence's tokens (rejected drafts' slots) go back."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return
+        if seq.num_computed_tokens >= seq.num_tokens:
+            seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.trim(seq, seq.num_tokens)
 
     def append_sampled(self, seqs: list[Sequence], token_ids: list[int]) -> list[Stop | None]:
         """Append each sequence's sampled token and finish those it stops (check_stop), freeing

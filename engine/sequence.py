@@ -32,6 +32,17 @@ class SamplerState:
 
 
 @dataclass(eq=False)
+class SpeculationState:
+    """How speculation has gone for one sequence; it dies with the sequence."""
+
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
+    num_proposed: int = 0  # draft tokens verified while the acceptance rate is judged
+    num_accepted: int = 0
+    resume_at_output: int = 0  # speculation stays off until the output is this long
+    num_backoffs: int = 0  # times the acceptance rate was judged too low
+
+
+@dataclass(eq=False)
 class Sequence:
     request_id: str
     token_ids: list[int]  # prompt followed by generated tokens
@@ -55,6 +66,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hash per full block
     num_registered_blocks: int = 0
     sampler_state: SamplerState = field(default_factory=SamplerState)
+    spec_state: SpeculationState = field(default_factory=SpeculationState)
 
     @property
     def num_tokens(self) -> int:
@@ -91,14 +103,30 @@ class Sequence:
 
 @dataclass(eq=False)
 class ScheduledSeq:
-    """One sequence's share of a step: compute tokens [num_computed_tokens, +num_new_tokens)."""
+    """One sequence's share of a step: compute tokens [num_computed_tokens, +num_new_tokens).
+
+    A speculating sequence computes its last token followed by the proposed draft tokens, and
+    yields logits at each of those 1 + len(draft_token_ids) positions for verification."""
 
     seq: Sequence
     num_new_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
     # True when this step catches the sequence up to all its tokens, so it yields logits.
     # Fixed when the step is scheduled: it must stay valid after update_after_step advanced
     # num_computed_tokens and after the sampled token was appended.
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        caught_up = self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
+        self.samples = caught_up == self.seq.num_tokens
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this entry yields: one per verified position, none mid-prefill."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
+
+    def input_token_ids(self) -> list[int]:
+        """The token ids this step computes (valid until the step's tokens are appended)."""
+        start = self.seq.num_computed_tokens
+        end = start + self.num_new_tokens - len(self.draft_token_ids)
+        return self.seq.token_ids[start:end] + self.draft_token_ids

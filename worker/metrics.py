@@ -72,6 +72,21 @@ class WorkerMetrics:
             "inferq_worker_chunks_republished",
             "Chunks re-published because a failover lost them from the replay stream",
         )
+        self.spec_draft_tokens = counter(
+            "inferq_worker_spec_draft_tokens", "Speculative draft tokens proposed and verified"
+        )
+        self.spec_accepted_tokens = counter(
+            "inferq_worker_spec_accepted_tokens", "Speculative draft tokens accepted"
+        )
+        self.spec_acceptance_rate = gauge(
+            "inferq_worker_spec_acceptance_rate", "Accepted per proposed draft token, so far"
+        )
+        self.spec_mean_accepted_length = gauge(
+            "inferq_worker_spec_mean_accepted_length",
+            "Draft tokens accepted per verification step, so far",
+        )
+        self._last_spec_draft_tokens = 0
+        self._last_spec_accepted_tokens = 0
         self._last_prompt_tokens = 0
         self._last_generation_tokens = 0
         self._server: Any = None
@@ -93,6 +108,18 @@ class WorkerMetrics:
         if generated > self._last_generation_tokens:
             self.generation_tokens.labels(m).inc(generated - self._last_generation_tokens)
         self._last_prompt_tokens, self._last_generation_tokens = prompt, generated
+        self._observe_speculation(stats)
+
+    def _observe_speculation(self, stats: EngineStats) -> None:
+        m = self.model
+        drafted, accepted = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+        if drafted > self._last_spec_draft_tokens:
+            self.spec_draft_tokens.labels(m).inc(drafted - self._last_spec_draft_tokens)
+        if accepted > self._last_spec_accepted_tokens:
+            self.spec_accepted_tokens.labels(m).inc(accepted - self._last_spec_accepted_tokens)
+        self._last_spec_draft_tokens, self._last_spec_accepted_tokens = drafted, accepted
+        self.spec_acceptance_rate.labels(m).set(stats.spec_acceptance_rate)
+        self.spec_mean_accepted_length.labels(m).set(stats.spec_mean_accepted_length)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Expose /metrics; returns the bound port (useful with port 0)."""

@@ -9,6 +9,7 @@ import types
 import typing
 
 import pytest
+from pydantic import BaseModel
 
 import engine.llm
 from cli.flags import SettingsCommand
@@ -43,14 +44,22 @@ def other_value(field: dataclasses.Field) -> object:
         return default / 2 if default else 0.5
     if kind is str:
         return "some-other-model"
+    if isinstance(kind, type) and issubclass(kind, BaseModel):  # a JSON setting: its example
+        return kind.model_validate(kind.model_json_schema()["examples"][0])
     raise AssertionError(f"{field.name}: no test value for {kind!r}; extend other_value")
+
+
+def as_text(value: object) -> str:
+    if isinstance(value, BaseModel):
+        return value.model_dump_json()
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def flag_argv(name: str, value: object) -> list[str]:
     flag = name.replace("_", "-")
     if isinstance(value, bool):
         return [f"--{flag}" if value else f"--no-{flag}"]
-    return [f"--{flag}", str(value)]
+    return [f"--{flag}", as_text(value)]
 
 
 @pytest.fixture(autouse=True)
@@ -95,8 +104,7 @@ def test_inferq_worker_flag(field: dataclasses.Field) -> None:
 @pytest.mark.parametrize("field", FIELDS, ids=lambda f: f.name)
 def test_environment_variable(field: dataclasses.Field, monkeypatch: pytest.MonkeyPatch) -> None:
     value = other_value(field)
-    text = str(value).lower() if isinstance(value, bool) else str(value)
-    monkeypatch.setenv(f"INFERQ_{field.name.upper()}", text)
+    monkeypatch.setenv(f"INFERQ_{field.name.upper()}", as_text(value))
     assert getattr(WorkerSettings().engine_config(), field.name) == value
 
 

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers beside the model runner, verification beside the sampler."""
