@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Any
 from schemas.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.beam_search import BeamSearchParams
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.llm import LLM
 
-__all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "Engine", "EngineConfig", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from engine.engine import Engine
 
         return Engine
+    if name == "BeamSearchParams":
+        from engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "EngineConfig":
         from engine.config import EngineConfig
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.beam_search import BeamSearch, beam_logprobs, split_beam_rows
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -62,6 +63,7 @@ class _Request:
     metrics: RequestMetrics
     choices: list[_Choice] = field(default_factory=list)
     forked: bool = False  # n > 1: children are forked from choice 0 once its prompt is computed
+    beam: BeamSearch | None = None  # a beam search request: its beams replace the choices
 
     @property
     def finished(self) -> bool:
@@ -144,6 +146,9 @@ class Engine:
         if priors and len(priors) != params.n:
             raise RequestRejectedError("prior_output_token_ids needs one list per choice")
         request.forked = params.n == 1 or priors is not None
+        if params.use_beam_search:
+            self._add_beam_request(request, new.priority)
+            return
         for index, prior in enumerate(priors or [[]]):
             seq = Sequence(
                 request_id=new.request_id,
@@ -163,6 +168,22 @@ class Engine:
         self._requests[new.request_id] = request
         if request.finished:  # resumed with every choice already complete
             self._finished_on_arrival.append(request)
+
+    def _add_beam_request(self, request: _Request, priority: int) -> None:
+        """Beams restart from the prompt, even on a resumed job: only final beams go out."""
+        seq = Sequence(
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            params=request.params,
+            priority=priority,
+            arrival_time=request.metrics.arrival_time,
+        )
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        request.beam = BeamSearch(seq, self.stop_rules.eos_token_ids, self.max_model_len, decode)
+        request.forked = True
+        self.scheduler.add(seq)
+        self._requests[request.request_id] = request
 
     def _validate(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -239,7 +260,8 @@ class Engine:
             deltas.append(self._delta(last, [], "", None, self._take_output(request)))
         self._finished_on_arrival.clear()
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            running = self.scheduler.running
+            self.speculator.propose([s for s in running if not s.params.use_beam_search])
         output = self.scheduler.schedule()
         self._num_preemptions += len(output.preempted)
         if not output.scheduled:
@@ -259,7 +281,14 @@ class Engine:
                 request.metrics.num_cached_prompt_tokens = item.seq.num_cached_tokens
         if not entries:
             return deltas
-        picks = self._pick(logits, entries)
+        beams, sampled = split_beam_rows(logits, entries)
+        preempted_beams = [s for s in output.preempted if s.params.use_beam_search]
+        if beams.entries or preempted_beams:
+            deltas += self._advance_beams(beams.entries, beams.logits, preempted_beams, now)
+        entries = sampled.entries
+        if not entries:
+            return deltas
+        picks = self._pick(sampled.logits, entries)
         for entry in entries:  # before the sampled token may finish (and free) the parent
             request = self._requests[entry.seq.request_id]
             if not request.forked:
@@ -276,6 +305,68 @@ class Engine:
                 if self.speculator is not None:
                     self.speculator.record(seq, pick.num_draft_tokens, pick.num_accepted_tokens)
         return deltas
+
+    def _advance_beams(
+        self,
+        entries: list[ScheduledSeq],
+        logits: torch.Tensor,
+        preempted: list[Sequence],
+        now: float,
+    ) -> list[RequestDelta]:
+        """One search step for each beam request whose beams yielded logits (or lost one to
+        preemption); a finished request's beams go out at once, one delta per beam, best first."""
+        rows_by_request: dict[str, dict[Sequence, torch.Tensor]] = {
+            seq.request_id: {} for seq in preempted if seq.request_id in self._requests
+        }
+        for entry, row in zip(entries, logits, strict=True):
+            rows_by_request.setdefault(entry.seq.request_id, {})[entry.seq] = row
+        deltas: list[RequestDelta] = []
+        for request_id, rows in rows_by_request.items():
+            request = self._requests[request_id]
+            search = request.beam
+            assert search is not None
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            seqs = list(rows)
+            scaled: dict[Sequence, torch.Tensor] = {}
+            if seqs:
+                stacked = torch.stack([rows[seq] for seq in seqs])
+                temperature = request.params.temperature
+                logprobs = beam_logprobs(stacked, self.vocab_size, temperature)
+                scaled = dict(zip(seqs, logprobs, strict=True))
+            advanced = search.advance(scaled, self.scheduler)
+            self._num_generation_tokens += advanced
+            if search.done:
+                deltas += self._beam_deltas(request, search)
+        return deltas
+
+    def _beam_deltas(self, request: _Request, search: BeamSearch) -> list[RequestDelta]:
+        del self._requests[request.request_id]
+        request.metrics.finished_time = time.monotonic()
+        outputs = search.best(self.tokenizer, request.prompt_token_ids)
+        if not outputs:  # every beam was lost before one finished
+            outputs = [CompletionOutput(0, "", [], "abort")]
+        result = RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            metrics=request.metrics,
+            finished=True,
+        )
+        return [
+            RequestDelta(
+                request_id=request.request_id,
+                choice_index=out.index,
+                token_ids=out.token_ids,
+                text=out.text,
+                logprobs=None,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                output=result if out is outputs[-1] else None,
+            )
+            for out in outputs
+        ]
 
     def _pick(self, logits: torch.Tensor, entries: list[ScheduledSeq]) -> list[Verified]:
         """Each sampling entry's tokens: one sampled token, or a verified run of drafts."""

@@ -8,6 +8,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import fields
 from typing import Any
 
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.distributed.executor import run_executor
 from engine.distributed.group import is_torchrun_executor
@@ -65,6 +66,16 @@ class LLM:
             self.engine.add_request(EngineRequest(request_id, prompt, params, priority=prio))
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt, next to any other request in the batch: each output
+        holds the beam_width best beams, best first, with their cumulative logprobs."""
+        return self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
 
     def chat(
         self,

@@ -60,6 +60,7 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None  # a beam search output's score before length penalty
 
 
 @dataclass

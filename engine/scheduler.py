@@ -276,6 +276,27 @@ class Scheduler:
             self._track_waiting(child)
         return child
 
+    def branch(self, parent: Sequence, choice_index: int) -> Sequence:
+        """A running copy of a running parent with its whole history (a beam's fork): it
+        shares every block of the parent (copy on write) and resumes where the parent is."""
+        child = Sequence(
+            request_id=parent.request_id,
+            token_ids=list(parent.token_ids),
+            num_prompt_tokens=parent.num_prompt_tokens,
+            params=parent.params,
+            priority=parent.priority,
+            choice_index=choice_index,
+            arrival_time=parent.arrival_time,
+            cache_salt=parent.cache_salt,
+        )
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self._by_request.setdefault(child.request_id, []).append(child)
+        self._running.insert(_after_siblings(self._running, self._running.index(parent)), child)
+        return child
+
     # ---- stepping ------------------------------------------------------------------------------
 
     def _preempt(self, seq: Sequence) -> None:

@@ -33,6 +33,11 @@ class SamplingParams(BaseModel):
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     skip_special_tokens: bool = True
+    # Beam search (vLLM's extras): n is the beam width, and the n best beams are returned.
+    use_beam_search: bool = False
+    length_penalty: float = Field(
+        1.0, ge=-10.0, le=10.0, description="beam score = cumulative logprob / length**this"
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -68,6 +73,8 @@ class SamplingParams(BaseModel):
             raise field_error("min_tokens", "min_tokens must not exceed max_tokens")
         if self.top_logprobs and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs requires logprobs=true")
+        if self.use_beam_search and self.logprobs:
+            raise field_error("logprobs", "logprobs are not available with use_beam_search")
         return self
 
     @property
