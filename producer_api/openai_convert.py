@@ -63,6 +63,8 @@ def _sampling(
         "ignore_eos": req.ignore_eos,
         "stop_token_ids": req.stop_token_ids,
         "skip_special_tokens": req.skip_special_tokens,
+        "use_beam_search": req.use_beam_search or None,
+        "length_penalty": req.length_penalty,
         "max_tokens": max_tokens,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,

@@ -45,6 +45,8 @@ class _GenerationFields(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[int] | None = Field(None, max_length=64)
     skip_special_tokens: StrictBool = True
+    use_beam_search: StrictBool = Field(False, description="beam search, n beams kept")
+    length_penalty: float | None = Field(None, description="beam score: logprob / len**p")
     priority: int = Field(0, ge=0, le=MAX_PRIORITY, description="lower runs first")
 
     @property

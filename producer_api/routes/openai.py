@@ -110,7 +110,7 @@ async def completions(
         return await _open_stream(
             state, request, jobs, CompletionChunks(body, jobs[0]), body.include_usage
         )
-    finished = await _wait_all(state, request, jobs)
+    finished = await wait_all(state, request, jobs)
     return JSONResponse(completion_body(body, finished))
 
 
@@ -129,7 +129,7 @@ async def chat_completions(
         return await _open_stream(
             state, request, jobs, ChatChunks(body, jobs[0]), body.include_usage
         )
-    finished = await _wait_all(state, request, jobs)
+    finished = await wait_all(state, request, jobs)
     return JSONResponse(chat_body(body, finished[0]))
 
 
@@ -143,7 +143,8 @@ def _job_failure(job: Job, path: str) -> ApiError:
     return ApiError(error.code, error.message, error.param, status=error_status(error.code, path))
 
 
-async def _wait_all(state: ApiState, request: Request, jobs: list[Job]) -> list[Job]:
+async def wait_all(state: ApiState, request: Request, jobs: list[Job]) -> list[Job]:
+    """The jobs once ended; cancels them if the client goes away, and raises the first failure."""
     timeout = state.settings.request_timeout_s + WAIT_GRACE_S
     waits = asyncio.gather(*(state.wait_job(job.id, timeout) for job in jobs))
     try:
