@@ -32,6 +32,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stop import Stop, StopRules, append_until_stop
+from engine.structured import StructuredDecoding
 from engine.token_text import TokenTexts
 from engine.tokenizer import load_tokenizer, read_eos_token_ids
 from schemas.sampling import SamplingParams
@@ -95,6 +96,10 @@ class Engine:
         self.stop_rules = StopRules.of(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, self.stop_rules)
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.runner.device)
+        self.structured = StructuredDecoding(
+            self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids)
+        )
+        self._awaiting_grammar: list[Sequence] = []  # held out of the scheduler until compiled
         self._requests: dict[str, _Request] = {}
         self._finished_on_arrival: list[_Request] = []
         self._num_prompt_tokens_computed = 0
@@ -139,6 +144,7 @@ class Engine:
         request = _Request(new.request_id, prompt_text, prompt_ids, params, metrics)
         if priors and len(priors) != params.n:
             raise RequestRejectedError("prior_output_token_ids needs one list per choice")
+        self.structured.add(new.request_id, params)
         request.forked = params.n == 1 or priors is not None
         for index, prior in enumerate(priors or [[]]):
             seq = Sequence(
@@ -155,10 +161,11 @@ class Engine:
                 self._replay(choice, list(prior))
             request.choices.append(choice)
             if not choice.finished:
-                self.scheduler.add(seq)
+                self._awaiting_grammar.append(seq)
         self._requests[new.request_id] = request
         if request.finished:  # resumed with every choice already complete
             self._finished_on_arrival.append(request)
+        self._admit_compiled(may_wait=False)
 
     def _validate(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -214,10 +221,38 @@ class Engine:
         finally:
             self.block_manager.free(seq)
 
+    def _admit_compiled(self, may_wait: bool) -> None:
+        """Hand the scheduler the sequences whose grammar is ready; a grammar that failed to
+        compile finishes its request with "error"."""
+        if not self._awaiting_grammar:
+            return
+        if may_wait and self.scheduler.num_running + self.scheduler.num_waiting == 0:
+            # Nothing else to run: waiting here stalls no one.
+            waiting_ids = [seq.request_id for seq in self._awaiting_grammar]
+            self.structured.wait_for_any(waiting_ids, timeout_s=0.05)
+        still_waiting = []
+        for seq in self._awaiting_grammar:
+            if not self.structured.is_ready(seq.request_id):
+                still_waiting.append(seq)
+                continue
+            failure = self.structured.failure(seq.request_id)
+            if failure is None:
+                self.scheduler.add(seq)
+                continue
+            logger.error("request %s: %s", seq.request_id, failure)
+            request = self._requests[seq.request_id]
+            seq.mark_finished("error", failure)
+            request.choices[seq.choice_index].finished = True
+            if request.finished:
+                self._finished_on_arrival.append(request)
+        self._awaiting_grammar = still_waiting
+
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks now. Returns False if it was unknown or done."""
         if self._requests.pop(request_id, None) is None:
             return False
+        self._awaiting_grammar = [s for s in self._awaiting_grammar if s.request_id != request_id]
+        self.structured.release(request_id)
         self.scheduler.abort(request_id)
         return True
 
@@ -229,6 +264,7 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Run one scheduled model step; return what each touched choice produced."""
         deltas = []
+        self._admit_compiled(may_wait=True)
         for request in self._finished_on_arrival:  # resumed with every choice complete
             *earlier, last = request.choices
             deltas += [self._delta(choice, [], "", None) for choice in earlier]
@@ -253,6 +289,7 @@ class Engine:
                 request.metrics.num_cached_prompt_tokens = item.seq.num_cached_tokens
         if not sampling_seqs:
             return deltas
+        self.structured.mask_logits(logits, sampling_seqs)
         sampled = self.sampler(logits, sampling_seqs)
         self._num_generation_tokens += len(sampling_seqs)
         for seq in sampling_seqs:  # before the sampled token may finish (and free) the parent
@@ -260,6 +297,7 @@ class Engine:
             if not request.forked:
                 self._fork_choices(request)
         stops = self.scheduler.append_sampled(sampling_seqs, sampled.token_ids)
+        self.structured.accept(sampling_seqs, sampled.token_ids)
         for row, seq in enumerate(sampling_seqs):
             token_id = sampled.token_ids[row]
             request = self._requests[seq.request_id]
@@ -331,6 +369,7 @@ class Engine:
             return None
         request.metrics.finished_time = time.monotonic()
         del self._requests[request.request_id]
+        self.structured.release(request.request_id)
         return self._output(request)
 
     def _output(self, request: _Request) -> RequestOutput:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.errors import field_error
+from schemas.structured import StructuredOutput
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
 
 
 class SamplingParams(BaseModel):
@@ -33,6 +35,12 @@ class SamplingParams(BaseModel):
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = Field(
+        None, description="constrain the output to a JSON schema, regex, choice or grammar"
+    )
+    logit_bias: dict[int, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id -> bias added to its logit"
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -60,6 +68,16 @@ class SamplingParams(BaseModel):
     def _token_ids_non_negative(cls, value: list[int]) -> list[int]:
         if any(t < 0 for t in value):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value is not None:
+            if any(token_id < 0 for token_id in value):
+                raise ValueError("logit_bias keys must be non-negative token ids")
+            if any(not -100.0 <= bias <= 100.0 for bias in value.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
         return value
 
     @model_validator(mode="after")
