@@ -29,6 +29,7 @@ from engine.outputs import (
     TokenLogprob,
 )
 from engine.sampler import Sampler
+from engine.sampling.logit_bias import apply_logit_bias
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stop import Stop, StopRules, append_until_stop
@@ -289,6 +290,7 @@ class Engine:
                 request.metrics.num_cached_prompt_tokens = item.seq.num_cached_tokens
         if not sampling_seqs:
             return deltas
+        apply_logit_bias(logits, sampling_seqs, self.vocab_size)
         self.structured.mask_logits(logits, sampling_seqs)
         sampled = self.sampler(logits, sampling_seqs)
         self._num_generation_tokens += len(sampling_seqs)

@@ -36,6 +36,8 @@ OPENAI_PATHS = (
     "/v1/models",
     "/v1/files",
     "/v1/batches",
+    "/tokenize",
+    "/detokenize",
 )
 
 ErrorType = Literal[

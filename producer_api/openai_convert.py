@@ -118,8 +118,10 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 def check_completion(req: CompletionRequest) -> None:
     _check_common(req)
-    if req.echo:
-        raise _unsupported("echo", "echo")
+    if req.echo and not all(isinstance(p, str) for p in completion_prompts(req)):
+        raise _unsupported("echo", "echo of token-id prompts")
+    if req.echo and req.logprobs is not None:
+        raise _unsupported("echo", "echo with logprobs (prompt logprobs)")
     if req.suffix is not None:
         raise _unsupported("suffix", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -284,15 +286,22 @@ def response_header(
     }
 
 
+def _echoed(req: CompletionRequest) -> list[str]:
+    """Per prompt, the text `echo` puts before its completions ("" without echo)."""
+    prompts = completion_prompts(req)
+    return [p if req.echo and isinstance(p, str) else "" for p in prompts]
+
+
 def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
     choices = []
+    echoed = _echoed(req)
     for prompt_index, job in enumerate(jobs):
         assert job.result is not None
         for choice in job.result.choices:
             choices.append(
                 {
                     "index": prompt_index * req.n + choice.index,
-                    "text": choice.text,
+                    "text": echoed[prompt_index] + choice.text,
                     "logprobs": completion_logprobs(choice.logprobs),
                     "finish_reason": finish_reason(choice.finish_reason),
                     "stop_reason": choice.stop_reason,
@@ -369,9 +378,18 @@ class CompletionChunks(_StreamChunks):
         super().__init__(req, "cmpl", "text_completion", first_job)
         self.n = req.n
         self.offsets: dict[int, int] = {}
+        self.echoed = _echoed(req)
 
     def start(self) -> list[dict[str, Any]]:
-        return []
+        """With echo, each choice's prompt first."""
+        frames = []
+        for prompt_index, prompt in enumerate(self.echoed):
+            for choice in range(self.n if prompt else 0):
+                index = prompt_index * self.n + choice
+                self.offsets[index] = len(prompt)
+                text = {"index": index, "text": prompt, "logprobs": None, "finish_reason": None}
+                frames.append(self._frame([text]))
+        return frames
 
     def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
         index = prompt_index * self.n + chunk.choice

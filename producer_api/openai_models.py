@@ -63,7 +63,7 @@ class CompletionRequest(_GenerationFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: StrictBool = Field(False, description="not supported: must be false")
+    echo: StrictBool = Field(False, description="the prompt before the completion (text prompts)")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n")
     suffix: str | None = Field(None, description="not supported")
 

@@ -129,3 +129,21 @@ def test_unconstrained_requests_run_while_a_grammar_compiles(llm: LLM) -> None:
             if delta.output is not None:
                 finished[delta.request_id] = delta.output.outputs[0].finish_reason
     assert finished == {"free": "length", "json": "length"}
+
+
+def test_logit_bias_moves_the_choice(llm: LLM) -> None:
+    favourite = llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    banned = llm.generate(["The colour of the sky is"], greedy, use_tqdm=False)
+    first = banned[0].outputs[0].token_ids[0]
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=3,
+        ignore_eos=True,
+        logit_bias={favourite: 100.0},
+    )
+    (biased,) = llm.generate(["The colour of the sky is"], params, use_tqdm=False)
+    assert biased.outputs[0].token_ids == [favourite] * 3
+    away = SamplingParams(temperature=0, max_tokens=1, logit_bias={first: -100.0})
+    (moved,) = llm.generate(["The colour of the sky is"], away, use_tqdm=False)
+    assert moved.outputs[0].token_ids[0] != first
