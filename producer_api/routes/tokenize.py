@@ -18,7 +18,8 @@ from producer_api.prompt_tokens import PromptTokenizer
 from schemas import ErrorCode
 from schemas.jobs import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS
 
-router = APIRouter(tags=["openai"], responses=error_responses(401, 404, 503))
+router = APIRouter(tags=["openai"])
+TOKENIZER_ERRORS = error_responses(400, 401, 404, 503)
 
 
 class TokenizeRequest(BaseModel):
@@ -61,7 +62,7 @@ async def _tokenizer(state: ApiState, model: str) -> tuple[PromptTokenizer, int 
     return tokenizer, served.max_model_len
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=TOKENIZER_ERRORS)
 async def tokenize(body: TokenizeRequest, state: State, caller: Caller) -> TokenizeResponse:
     tokenizer, max_model_len = await _tokenizer(state, body.model)
     ids, strs = await anyio.to_thread.run_sync(
@@ -75,7 +76,7 @@ async def tokenize(body: TokenizeRequest, state: State, caller: Caller) -> Token
     )
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=TOKENIZER_ERRORS)
 async def detokenize(body: DetokenizeRequest, state: State, caller: Caller) -> DetokenizeResponse:
     tokenizer, _ = await _tokenizer(state, body.model)
     if any(token < 0 for token in body.tokens):

@@ -38,6 +38,9 @@ STATUSES = {
     ("get", "/metrics"): {200},
     ("get", "/dashboard"): {200},
     ("get", "/dashboard/data"): {200, 503},
+    ("post", "/tokenize"): {200, 400, 401, 404, 503},
+    ("post", "/detokenize"): {200, 400, 401, 404, 503},
+    ("get", "/version"): {200},
 }
 # Errors whose body is not the error body: /ready answers its readiness report either way.
 OWN_BODIES = {("get", "/ready", 503): "#/components/schemas/Readiness"}
