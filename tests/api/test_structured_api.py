@@ -114,3 +114,29 @@ def test_the_jobs_api_takes_the_constraint_and_refuses_a_bad_one(queued):
     assert refused.json()["error"]["param"].startswith("sampling.structured_output")
     assert "invalid regex" in refused.json()["error"]["message"]
     assert count() == before
+
+
+def test_grpc_requests_carry_the_same_constraint():
+    from producer_api.errors import ApiError
+    from producer_api.grpc.requests import job_request, message_field
+    from producer_api.grpc.stubs import inference_pb2 as pb
+
+    def built(**constraint: Any):
+        request = pb.ChatCompletionsRequest(
+            model_id=MODEL,
+            messages=[pb.ChatMessage(role="user", content="hi")],
+            structured_output=pb.StructuredOutput(**constraint),
+        )
+        return job_request(request, 8, stream=False, timeout_s=5).sampling.structured_output
+
+    assert built(json_schema='{"type": "object"}') == StructuredOutput(
+        json_schema={"type": "object"}
+    )
+    assert built(choice=pb.Choices(choices=["a", "b"])) == StructuredOutput(choice=["a", "b"])
+    assert built(regex="[0-9]+") == StructuredOutput(regex="[0-9]+")
+    assert built(json_object=True) == StructuredOutput(json_object=True)
+    for bad in ({"regex": "(("}, {"json_schema": "{nope"}):
+        with pytest.raises(ApiError) as caught:
+            built(**bad)
+        param = caught.value.error.param or ""
+        assert message_field(param).startswith("structured_output")
