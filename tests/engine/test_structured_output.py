@@ -147,3 +147,36 @@ def test_logit_bias_moves_the_choice(llm: LLM) -> None:
     away = SamplingParams(temperature=0, max_tokens=1, logit_bias={first: -100.0})
     (moved,) = llm.generate(["The colour of the sky is"], away, use_tqdm=False)
     assert moved.outputs[0].token_ids[0] != first
+
+
+def test_every_choice_of_n_and_a_resumed_request_keep_to_the_grammar(llm: LLM) -> None:
+    schema = SCHEMAS[8]
+    params = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=7,
+        max_tokens=60,
+        structured_output=StructuredOutput(json_schema=schema),
+    )
+    (output,) = llm.generate(["Make a JSON record:"], params, use_tqdm=False)
+    assert len(output.outputs) == 3
+    for choice in output.outputs:
+        jsonschema.validate(json.loads(choice.text), schema)
+    # A worker taking over replays the tokens an earlier attempt produced, then goes on.
+    done = output.outputs[0].token_ids
+    single = SamplingParams(
+        temperature=1.0,
+        seed=3,
+        max_tokens=60,
+        structured_output=StructuredOutput(json_schema=schema),
+    )
+    engine = llm.engine
+    engine.add_request(
+        EngineRequest("resumed", "Make a JSON record:", single, prior_output_token_ids=[done[:4]])
+    )
+    resumed = None
+    while engine.has_unfinished():
+        for delta in engine.step():
+            resumed = delta.output or resumed
+    assert resumed is not None
+    jsonschema.validate(json.loads(resumed.outputs[0].text), schema)
