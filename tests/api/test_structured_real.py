@@ -4,6 +4,7 @@ the default model), driven by the official `openai` client."""
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import jsonschema
 import pytest
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.model]
 class Person(BaseModel):
     name: str = Field(max_length=20)
     age: int = Field(ge=0, le=120)
-    languages: list[str] = Field(max_length=3)
+    languages: list[Annotated[str, Field(max_length=12)]] = Field(max_length=3)
 
 
 WEATHER_PARAMETERS = {
@@ -35,7 +36,7 @@ ASK = [{"role": "user", "content": "Describe a programmer as JSON."}]
 
 def test_parse_returns_a_parsed_pydantic_object(sdk):  # noqa: F811
     completion = sdk.chat.completions.parse(
-        model=MODEL, messages=ASK, response_format=Person, max_tokens=120, temperature=1.0
+        model=MODEL, messages=ASK, response_format=Person, max_tokens=200, temperature=1.0, seed=1
     )
     message = completion.choices[0].message
     assert isinstance(message.parsed, Person)
@@ -104,3 +105,24 @@ def test_choice_and_regex_through_the_vllm_extras(sdk):  # noqa: F811
         extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"},
     )
     assert len(completion.choices[0].text) == 8 and completion.choices[0].text[3] == "-"
+
+
+def test_a_grammar_the_worker_cannot_parse_fails_with_its_message(sdk):  # noqa: F811
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=8,
+            extra_body={"guided_grammar": 'root ::= "a" |'},
+        )
+    assert "structured_output.grammar" in caught.value.message
+
+
+def test_an_impossible_constraint_ends_with_length_not_a_hang(sdk):  # noqa: F811
+    response = sdk.completions.create(
+        model=MODEL, prompt="Say a:", max_tokens=4, extra_body={"guided_regex": "a{40}"}
+    )
+    assert response.choices[0].finish_reason == "length"
+    assert response.choices[0].text == "a" * len(response.choices[0].text)
