@@ -241,12 +241,27 @@ class Engine:
                 self.scheduler.add(seq)
                 continue
             logger.error("request %s: %s", seq.request_id, failure)
-            request = self._requests[seq.request_id]
-            seq.mark_finished("error", failure)
-            request.choices[seq.choice_index].finished = True
-            if request.finished:
-                self._finished_on_arrival.append(request)
+            self._fail_request(self._requests[seq.request_id], failure)
         self._awaiting_grammar = still_waiting
+
+    def _fail_request(self, request: _Request, reason: str) -> None:
+        """Finish every choice of a request that has not started with "error"."""
+        for index in range(len(request.choices), request.params.n):  # choices not forked yet
+            seq = Sequence(
+                request_id=request.request_id,
+                token_ids=list(request.prompt_token_ids),
+                num_prompt_tokens=len(request.prompt_token_ids),
+                params=request.params,
+                choice_index=index,
+            )
+            request.choices.append(self._new_choice(seq))
+        request.forked = True
+        for choice in request.choices:
+            if not choice.finished:
+                choice.seq.mark_finished("error", reason)
+                choice.finished = True
+        if request not in self._finished_on_arrival:
+            self._finished_on_arrival.append(request)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks now. Returns False if it was unknown or done."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from engine.errors import RequestRejectedError
 from engine.sequence import Sequence
 from engine.structured.grammars import GrammarCache
 from schemas.sampling import SamplingParams
@@ -42,6 +43,8 @@ class StructuredDecoding:
         constraint = params.structured_output
         if constraint is None:
             return
+        if self._tokenizer is None:
+            raise RequestRejectedError("structured_output needs a model with a tokenizer")
         if self._cache is None:
             self._cache = GrammarCache(self._tokenizer, self._vocab_size, self._stop_token_ids)
         self._grammars[request_id] = self._cache.get(constraint)

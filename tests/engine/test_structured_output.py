@@ -180,3 +180,26 @@ def test_every_choice_of_n_and_a_resumed_request_keep_to_the_grammar(llm: LLM) -
             resumed = delta.output or resumed
     assert resumed is not None
     jsonschema.validate(json.loads(resumed.outputs[0].text), schema)
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_request_with_error(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.structured.grammars import GrammarCache
+
+    def broken(self: GrammarCache, grammar: object) -> None:
+        raise RuntimeError("out of memory while compiling")
+
+    monkeypatch.setattr(GrammarCache, "_compile", broken)
+    params = constrained(regex="never-compiled-[0-9]{7}", max_tokens=8).model_copy(update={"n": 2})
+    engine = llm.engine
+    engine.add_request(EngineRequest("broken", "hi", params))
+    engine.add_request(EngineRequest("fine", "hi", SamplingParams(max_tokens=2)))
+    outputs = {}
+    for _ in range(50):
+        for delta in engine.step():
+            if delta.output is not None:
+                outputs[delta.request_id] = [c.finish_reason for c in delta.output.outputs]
+        if not engine.has_unfinished():
+            break
+    assert outputs == {"broken": ["error", "error"], "fine": ["length"]}
