@@ -1,7 +1,7 @@
 """vLLM's utility endpoints: `/tokenize`, `/detokenize` and `/version`.
 
 Tokenizing happens in the API with the tokenizer.json the model's workers advertise (the same
-one prompt lengths are counted with); where the API cannot read it, the answer is 503. Chat
+one prompt lengths are counted with); where the API cannot read it, the answer is 404. Chat
 messages are refused: their template lives with the worker."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ async def _tokenizer(state: ApiState, model: str) -> tuple[PromptTokenizer, int 
     tokenizer = await state.tokenizers.get(served.tokenizer_file)
     if tokenizer is None:
         raise ApiError(
-            ErrorCode.UNAVAILABLE,
+            ErrorCode.NOT_FOUND,
             f"the tokenizer of {model} is not readable from this API host",
             "model",
         )

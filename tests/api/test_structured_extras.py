@@ -41,13 +41,14 @@ def test_tokenize_and_detokenize_round_trip(stack, tokenizer_file):
         assert http.get("/version").json()["version"]
 
 
-def test_tokenize_without_a_readable_tokenizer_is_503(stack):
+def test_tokenize_without_a_readable_tokenizer_is_404_naming_the_model(stack):
     api = stack.api()
     stack.worker()
     with httpx.Client(base_url=api.url, headers=auth()) as http:
         response = http.post("/tokenize", json={"model": MODEL, "prompt": "hi"})
-    assert response.status_code == 503
+    assert response.status_code == 404
     assert response.json()["error"]["param"] == "model"
+    assert "tokenizer" in response.json()["error"]["message"]
 
 
 def test_echo_puts_the_prompt_before_the_completion(stack):
