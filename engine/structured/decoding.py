@@ -80,11 +80,24 @@ class StructuredDecoding:
             return
         bitmask = xgr.allocate_token_bitmask(len(rows), self._vocab_size)
         for index, row in enumerate(rows):
-            self._matcher(seqs[row]).fill_next_token_bitmask(bitmask, index)
+            matcher = self._matcher(seqs[row])
+            if matcher.is_terminated():
+                # Complete, and still going (ignore_eos): only stop tokens keep it valid.
+                bitmask[index] = self._stop_only_row()
+            else:
+                matcher.fill_next_token_bitmask(bitmask, index)
         allowed = _unpack(bitmask, self._vocab_size).to(logits.device, non_blocking=True)
         row_index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         masked = logits[row_index, : self._vocab_size].masked_fill(~allowed, -torch.inf)
         logits[row_index, : self._vocab_size] = masked
+
+    def _stop_only_row(self) -> torch.Tensor:
+        words = [0] * xgr.get_bitmask_shape(1, self._vocab_size)[1]
+        for token_id in self._stop_token_ids:
+            words[token_id // 32] |= 1 << (token_id % 32)
+        # int32 words: bit 31 is the sign bit.
+        signed = [word - (1 << 32) if word >= 1 << 31 else word for word in words]
+        return torch.tensor(signed, dtype=torch.int32)
 
     def accept(self, seqs: list[Sequence], token_ids: list[int]) -> None:
         """Advance each constrained sequence's matcher by the token it was given."""

@@ -203,3 +203,9 @@ def test_a_grammar_that_fails_to_compile_ends_its_request_with_error(
         if not engine.has_unfinished():
             break
     assert outputs == {"broken": ["error", "error"], "fine": ["length"]}
+
+
+def test_a_complete_output_with_ignore_eos_stays_complete_until_length(llm: LLM) -> None:
+    params = constrained(choice=["yes", "no"], max_tokens=6).model_copy(update={"ignore_eos": True})
+    (text, reason), = _texts(llm, [params])  # fmt: skip
+    assert reason == "length" and text in ("yes", "no")
