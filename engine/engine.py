@@ -30,12 +30,14 @@ from engine.outputs import (
     TokenLogprob,
 )
 from engine.sampler import Sampler
+from engine.sampling.logit_bias import apply_logit_bias
 from engine.scheduler import Scheduler
 from engine.sequence import ScheduledSeq, Sequence
 from engine.speculative.factory import make_speculator
 from engine.speculative.speculator import SpeculationCounts
 from engine.speculative.verify import Verified, verify
 from engine.stop import StopRules, append_until_stop
+from engine.structured import StructuredDecoding
 from engine.token_text import TokenTexts
 from engine.tokenizer import load_tokenizer, read_eos_token_ids
 from schemas.sampling import SamplingParams
@@ -101,6 +103,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager, self.stop_rules)
         self.sampler = Sampler(self.runner.vocab_size, self.eos_token_ids, self.runner.device)
         self.speculator = make_speculator(config, self.max_model_len, self.vocab_size)
+        self.structured = StructuredDecoding(
+            self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids)
+        )
+        self._awaiting_grammar: list[Sequence] = []  # held out of the scheduler until compiled
         self._requests: dict[str, _Request] = {}
         self._finished_on_arrival: list[_Request] = []
         self._num_prompt_tokens_computed = 0
@@ -145,6 +151,7 @@ class Engine:
         request = _Request(new.request_id, prompt_text, prompt_ids, params, metrics)
         if priors and len(priors) != params.n:
             raise RequestRejectedError("prior_output_token_ids needs one list per choice")
+        self.structured.add(new.request_id, params)
         request.forked = params.n == 1 or priors is not None
         if params.use_beam_search:
             self._add_beam_request(request, new.priority)
@@ -164,10 +171,11 @@ class Engine:
                 self._replay(choice, list(prior))
             request.choices.append(choice)
             if not choice.finished:
-                self.scheduler.add(seq)
+                self._awaiting_grammar.append(seq)
         self._requests[new.request_id] = request
         if request.finished:  # resumed with every choice already complete
             self._finished_on_arrival.append(request)
+        self._admit_compiled(may_wait=False)
 
     def _add_beam_request(self, request: _Request, priority: int) -> None:
         """Beams restart from the prompt, even on a resumed job: only final beams go out."""
@@ -239,10 +247,53 @@ class Engine:
         finally:
             self.block_manager.free(seq)
 
+    def _admit_compiled(self, may_wait: bool) -> None:
+        """Hand the scheduler the sequences whose grammar is ready; a grammar that failed to
+        compile finishes its request with "error"."""
+        if not self._awaiting_grammar:
+            return
+        if may_wait and self.scheduler.num_running + self.scheduler.num_waiting == 0:
+            # Nothing else to run: waiting here stalls no one.
+            waiting_ids = [seq.request_id for seq in self._awaiting_grammar]
+            self.structured.wait_for_any(waiting_ids, timeout_s=0.05)
+        still_waiting = []
+        for seq in self._awaiting_grammar:
+            if not self.structured.is_ready(seq.request_id):
+                still_waiting.append(seq)
+                continue
+            failure = self.structured.failure(seq.request_id)
+            if failure is None:
+                self.scheduler.add(seq)
+                continue
+            logger.error("request %s: %s", seq.request_id, failure)
+            self._fail_request(self._requests[seq.request_id], failure)
+        self._awaiting_grammar = still_waiting
+
+    def _fail_request(self, request: _Request, reason: str) -> None:
+        """Finish every choice of a request that has not started with "error"."""
+        for index in range(len(request.choices), request.params.n):  # choices not forked yet
+            seq = Sequence(
+                request_id=request.request_id,
+                token_ids=list(request.prompt_token_ids),
+                num_prompt_tokens=len(request.prompt_token_ids),
+                params=request.params,
+                choice_index=index,
+            )
+            request.choices.append(self._new_choice(seq))
+        request.forked = True
+        for choice in request.choices:
+            if not choice.finished:
+                choice.seq.mark_finished("error", reason)
+                choice.finished = True
+        if request not in self._finished_on_arrival:
+            self._finished_on_arrival.append(request)
+
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks now. Returns False if it was unknown or done."""
         if self._requests.pop(request_id, None) is None:
             return False
+        self._awaiting_grammar = [s for s in self._awaiting_grammar if s.request_id != request_id]
+        self.structured.release(request_id)
         self.scheduler.abort(request_id)
         return True
 
@@ -254,6 +305,7 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Run one scheduled model step; return what each touched choice produced."""
         deltas = []
+        self._admit_compiled(may_wait=True)
         for request in self._finished_on_arrival:  # resumed with every choice complete
             *earlier, last = request.choices
             deltas += [self._delta(choice, [], "", None) for choice in earlier]
@@ -261,7 +313,7 @@ class Engine:
         self._finished_on_arrival.clear()
         if self.speculator is not None:
             running = self.scheduler.running
-            self.speculator.propose([s for s in running if not s.params.use_beam_search])
+            self.speculator.propose([s for s in running if _may_speculate(s.params)])
         output = self.scheduler.schedule()
         self._num_preemptions += len(output.preempted)
         if not output.scheduled:
@@ -288,11 +340,17 @@ class Engine:
         entries = sampled.entries
         if not entries:
             return deltas
+        # One logits row per sampled token position: 1 + k for a sequence verifying k drafts.
+        row_seqs = [e.seq for e in entries for _ in range(1 + len(e.draft_token_ids))]
+        apply_logit_bias(sampled.logits, row_seqs, self.vocab_size)
+        self.structured.mask_logits(sampled.logits, row_seqs)
         picks = self._pick(sampled.logits, entries)
         for entry in entries:  # before the sampled token may finish (and free) the parent
             request = self._requests[entry.seq.request_id]
             if not request.forked:
                 self._fork_choices(request)
+        # Constrained sequences never speculate (_may_speculate): one token advances a grammar.
+        self.structured.accept([e.seq for e in entries], [pick.token_ids[0] for pick in picks])
         for entry, pick in zip(entries, picks, strict=True):
             seq = entry.seq
             request = self._requests[seq.request_id]
@@ -446,6 +504,7 @@ class Engine:
             return None
         request.metrics.finished_time = time.monotonic()
         del self._requests[request.request_id]
+        self.structured.release(request.request_id)
         return self._output(request)
 
     def _output(self, request: _Request) -> RequestOutput:
@@ -505,3 +564,9 @@ class Engine:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
         )
+
+
+def _may_speculate(params: SamplingParams) -> bool:
+    """Beams are ranked, not verified; a grammar's mask at each draft position would depend
+    on drafts its matcher has not accepted yet."""
+    return not (params.use_beam_search or params.structured_output)

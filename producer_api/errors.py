@@ -37,6 +37,9 @@ OPENAI_PATHS = (
     "/v1/models",
     "/v1/files",
     "/v1/batches",
+    "/tokenize",
+    "/detokenize",
+    "/generate",  # vLLM answers its bad input with 400 too
 )
 
 ErrorType = Literal[

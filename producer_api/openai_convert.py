@@ -8,11 +8,24 @@ from pydantic import ValidationError
 
 from producer_api.errors import ApiError
 from producer_api.openai_models import ChatCompletionRequest, CompletionRequest, _GenerationFields
+from producer_api.openai_structured import structured_output
+from producer_api.openai_tools import (
+    ToolPlan,
+    forced_call_schema,
+    parse_tool_calls,
+    plan_tools,
+    render_tool_calls,
+    render_tool_result,
+    tool_calls_body,
+    tools_system_prompt,
+)
 from schemas import ErrorCode, Job, JobRequest, TokenChunk, Usage
 from schemas.chunks import TokenLogprob
 from schemas.errors import error_location, field_path
+from schemas.structured import StructuredOutput
 
-# OpenAI knows stop and length (and content_filter / tool_calls, which never happen here).
+# OpenAI knows stop and length, and tool_calls (set where calls were parsed); never
+# content_filter.
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
@@ -46,9 +59,15 @@ def _job_request(fields: dict[str, Any]) -> JobRequest:
 
 
 def _sampling(
-    req: _GenerationFields, max_tokens: int, logprobs: bool, top_logprobs: int
+    req: _GenerationFields,
+    max_tokens: int,
+    logprobs: bool,
+    top_logprobs: int,
+    constraint: StructuredOutput | None,
 ) -> dict[str, Any]:
     given = {
+        "structured_output": constraint,
+        "logit_bias": _logit_bias(req),
         "n": req.n,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": req.top_p,
@@ -72,9 +91,19 @@ def _sampling(
     return {name: value for name, value in given.items() if value is not None}
 
 
+def _logit_bias(req: _GenerationFields) -> dict[int, float] | None:
+    if not req.logit_bias:
+        return None
+    try:
+        return {int(token_id): bias for token_id, bias in req.logit_bias.items()}
+    except ValueError:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, "logit_bias: keys must be token ids", "logit_bias"
+        ) from None
+
+
 def _check_common(req: _GenerationFields) -> None:
-    if req.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias")
+    _logit_bias(req)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -91,8 +120,10 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 def check_completion(req: CompletionRequest) -> None:
     _check_common(req)
-    if req.echo:
-        raise _unsupported("echo", "echo")
+    if req.echo and not all(isinstance(p, str) for p in completion_prompts(req)):
+        raise _unsupported("echo", "echo of token-id prompts")
+    if req.echo and req.logprobs is not None:
+        raise _unsupported("echo", "echo with logprobs (prompt logprobs)")
     if req.suffix is not None:
         raise _unsupported("suffix", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -105,7 +136,9 @@ def completion_job(
     logprobs = req.logprobs is not None
     fields: dict[str, Any] = {
         "model": req.model,
-        "sampling": _sampling(req, max_tokens, logprobs, req.logprobs or 0),
+        "sampling": _sampling(
+            req, max_tokens, logprobs, req.logprobs or 0, structured_output(req, None)
+        ),
         "stream": req.stream,
         "priority": req.priority,
         "timeout_s": timeout_s,
@@ -122,33 +155,61 @@ def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
 
 def check_chat(req: ChatCompletionRequest) -> None:
     _check_common(req)
-    if req.tools:
-        raise _unsupported("tools", "tool calling")
-    if req.tool_choice not in (None, "none"):
-        raise _unsupported("tool_choice", "tool_choice other than 'none'")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise _unsupported("response_format", "a response_format other than text")
+    chat_constraint(req)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(
             ErrorCode.INVALID_REQUEST, "top_logprobs: requires logprobs=true", "top_logprobs"
         )
 
 
-def chat_job(req: ChatCompletionRequest, max_tokens: int, timeout_s: float) -> JobRequest:
-    messages = []
+def chat_tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
+    return plan_tools(req.tools, req.tool_choice)
+
+
+def chat_constraint(req: ChatCompletionRequest) -> StructuredOutput | None:
+    """The request's constraint; a forced tool call is one, and excludes any other."""
+    constraint = structured_output(req, req.response_format)
+    plan = chat_tool_plan(req)
+    if plan is None or plan.mode == "auto":
+        return constraint
+    if constraint is not None:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST,
+            "tool_choice: a forced tool call cannot be combined with another output constraint",
+            "tool_choice",
+        )
+    return StructuredOutput(json_schema=forced_call_schema(plan))
+
+
+def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    plan = chat_tool_plan(req)
+    if plan is not None:
+        messages.append({"role": "system", "content": tools_system_prompt(plan)})
     for message in req.messages:
-        entry: dict[str, Any] = {
-            "role": "system" if message.role == "developer" else message.role,
-            "content": message.text(),
-        }
+        content = message.text()
+        if message.tool_calls:
+            content = render_tool_calls(content, message.tool_calls)
+        if message.role == "tool":
+            content = render_tool_result(content)
+        role = "system" if message.role == "developer" else message.role
+        if role == "system" and messages and messages[-1]["role"] == "system":
+            messages[-1]["content"] += "\n\n" + content  # one system turn, tools first
+            continue
+        entry: dict[str, Any] = {"role": role, "content": content}
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)
+    return messages
+
+
+def chat_job(req: ChatCompletionRequest, max_tokens: int, timeout_s: float) -> JobRequest:
+    constraint = chat_constraint(req)
     return _job_request(
         {
             "model": req.model,
-            "messages": messages,
-            "sampling": _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0),
+            "messages": _chat_messages(req),
+            "sampling": _sampling(req, max_tokens, req.logprobs, req.top_logprobs or 0, constraint),
             "stream": req.stream,
             "priority": req.priority,
             "timeout_s": timeout_s,
@@ -227,15 +288,22 @@ def response_header(
     }
 
 
+def _echoed(req: CompletionRequest) -> list[str]:
+    """Per prompt, the text `echo` puts before its completions ("" without echo)."""
+    prompts = completion_prompts(req)
+    return [p if req.echo and isinstance(p, str) else "" for p in prompts]
+
+
 def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
     choices = []
+    echoed = _echoed(req)
     for prompt_index, job in enumerate(jobs):
         assert job.result is not None
         for choice in job.result.choices:
             choices.append(
                 {
                     "index": prompt_index * req.n + choice.index,
-                    "text": choice.text,
+                    "text": echoed[prompt_index] + choice.text,
                     "logprobs": completion_logprobs(choice.logprobs),
                     "finish_reason": finish_reason(choice.finish_reason),
                     "stop_reason": choice.stop_reason,
@@ -248,20 +316,40 @@ def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
     }
 
 
+def _assistant_message(
+    text: str, plan: ToolPlan | None, call_id_prefix: str
+) -> tuple[dict[str, Any], bool]:
+    """The response message, and whether it calls tools."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if plan is None:
+        return message, False
+    content, calls = parse_tool_calls(text, plan)
+    if not calls:
+        return message, False
+    message["content"] = content
+    message["tool_calls"] = tool_calls_body(calls, call_id_prefix)
+    return message, True
+
+
 def chat_body(req: ChatCompletionRequest, job: Job) -> dict[str, Any]:
     assert job.result is not None
-    return {
-        **response_header(req, "chatcmpl", "chat.completion", job),
-        "choices": [
+    plan = chat_tool_plan(req)
+    choices = []
+    for choice in job.result.choices:
+        message, calls = _assistant_message(choice.text, plan, f"call-{job.id}-{choice.index}")
+        reason = finish_reason(choice.finish_reason)
+        choices.append(
             {
                 "index": choice.index,
-                "message": {"role": "assistant", "content": choice.text, "refusal": None},
+                "message": message,
                 "logprobs": chat_logprobs(choice.logprobs),
-                "finish_reason": finish_reason(choice.finish_reason),
+                "finish_reason": "tool_calls" if calls and reason == "stop" else reason,
                 "stop_reason": choice.stop_reason,
             }
-            for choice in job.result.choices
-        ],
+        )
+    return {
+        **response_header(req, "chatcmpl", "chat.completion", job),
+        "choices": choices,
         "usage": usage_body([job.result.usage]),
     }
 
@@ -292,9 +380,18 @@ class CompletionChunks(_StreamChunks):
         super().__init__(req, "cmpl", "text_completion", first_job)
         self.n = req.n
         self.offsets: dict[int, int] = {}
+        self.echoed = _echoed(req)
 
     def start(self) -> list[dict[str, Any]]:
-        return []
+        """With echo, each choice's prompt first."""
+        frames = []
+        for prompt_index, prompt in enumerate(self.echoed):
+            for choice in range(self.n if prompt else 0):
+                index = prompt_index * self.n + choice
+                self.offsets[index] = len(prompt)
+                text = {"index": index, "text": prompt, "logprobs": None, "finish_reason": None}
+                frames.append(self._frame([text]))
+        return frames
 
     def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
         index = prompt_index * self.n + chunk.choice
@@ -317,6 +414,11 @@ class ChatChunks(_StreamChunks):
     def __init__(self, req: ChatCompletionRequest, job: Job) -> None:
         super().__init__(req, "chatcmpl", "chat.completion.chunk", job)
         self.n = req.n
+        self.job_id = job.id
+        # With tools the text of each choice is held back until it ends: only then is it
+        # known to be a call or content.
+        self.plan = chat_tool_plan(req)
+        self.held: dict[int, str] = {}
 
     def start(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
@@ -326,11 +428,32 @@ class ChatChunks(_StreamChunks):
         ]
 
     def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
+        delta: dict[str, Any] = (
+            {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+        )
+        reason = finish_reason(chunk.finish_reason)
+        if self.plan is not None:
+            text = self.held.get(chunk.choice, "") + chunk.text
+            self.held[chunk.choice] = text
+            delta = {}
+            if chunk.finish_reason is not None:
+                message, calls = _assistant_message(
+                    text, self.plan, f"call-{self.job_id}-{chunk.choice}"
+                )
+                if calls:
+                    delta = {
+                        "tool_calls": [
+                            {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+                        ]
+                    }
+                    reason = "tool_calls" if reason == "stop" else reason
+                elif text:
+                    delta = {"content": text}
         choice = {
             "index": chunk.choice,
-            "delta": {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {},
+            "delta": delta,
             "logprobs": chat_logprobs(chunk.logprobs),
-            "finish_reason": finish_reason(chunk.finish_reason),
+            "finish_reason": reason,
         }
         if chunk.finish_reason is not None:
             choice["stop_reason"] = chunk.stop_reason

@@ -8,10 +8,12 @@ rather than silently ignored, except inside messages, where SDKs echo back extra
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from producer_api.openai_structured import GuidedFields, ResponseFormat
+from producer_api.openai_tools import Tool, ToolCallIn, ToolChoice
 from schemas.jobs import MAX_MESSAGES, MAX_PRIORITY, MAX_PROMPT_CHARS
 from schemas.sampling import MAX_N, MAX_TOP_LOGPROBS
 
@@ -22,7 +24,9 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _GenerationFields(BaseModel):
+class _GenerationFields(GuidedFields):
+    """Fields of both endpoints; the structured-output extras (vLLM's) come from GuidedFields."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=256)
@@ -36,7 +40,7 @@ class _GenerationFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="accepted and ignored")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: leave empty")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
     # extensions (vLLM-style)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -61,7 +65,7 @@ class CompletionRequest(_GenerationFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: StrictBool = Field(False, description="not supported: must be false")
+    echo: StrictBool = Field(False, description="the prompt before the completion (text prompts)")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n")
     suffix: str | None = Field(None, description="not supported")
 
@@ -79,6 +83,8 @@ class ChatMessageIn(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(None)
     name: str | None = Field(None, min_length=1, max_length=64)
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: which call this answers
 
     def text(self) -> str:
         if self.content is None:
@@ -96,7 +102,11 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: leave empty")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="only 'none'")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object, or json_schema (enforced by the grammar)"
+    )
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: ToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or a named function"
+    )
     parallel_tool_calls: StrictBool | None = None

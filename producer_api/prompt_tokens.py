@@ -27,6 +27,14 @@ class PromptTokenizer:
         """Tokens of `text` without the special tokens a template or the engine may add."""
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
+    def encode(self, text: str, add_special_tokens: bool) -> tuple[list[int], list[str]]:
+        """Token ids of `text` and each token's string (the tokenize endpoint's answer)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encoding.ids, encoding.tokens
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
 
 class TokenizerCache:
     """Tokenizers by path, each loaded once (off the event loop); a path that cannot be loaded

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.errors import field_error
+from schemas.structured import StructuredOutput
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
 
 
 class SamplingParams(BaseModel):
@@ -37,6 +39,12 @@ class SamplingParams(BaseModel):
     use_beam_search: bool = False
     length_penalty: float = Field(
         1.0, ge=-10.0, le=10.0, description="beam score = cumulative logprob / length**this"
+    )
+    structured_output: StructuredOutput | None = Field(
+        None, description="constrain the output to a JSON schema, regex, choice or grammar"
+    )
+    logit_bias: dict[int, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id -> bias added to its logit"
     )
 
     @field_validator("top_k")
@@ -67,6 +75,16 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids must be non-negative token ids")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value is not None:
+            if any(token_id < 0 for token_id in value):
+                raise ValueError("logit_bias keys must be non-negative token ids")
+            if any(not -100.0 <= bias <= 100.0 for bias in value.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
         if self.min_tokens > self.max_tokens:
@@ -75,6 +93,10 @@ class SamplingParams(BaseModel):
             raise field_error("top_logprobs", "top_logprobs requires logprobs=true")
         if self.use_beam_search and self.logprobs:
             raise field_error("logprobs", "logprobs are not available with use_beam_search")
+        if self.use_beam_search and self.structured_output is not None:
+            raise field_error(
+                "structured_output", "structured output is not available with use_beam_search"
+            )
         return self
 
     @property

@@ -4,6 +4,7 @@ is, with each refusal naming the field of the gRPC message (`num_tokens`, not
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import ValidationError
@@ -121,7 +122,31 @@ def _sampling(request: GenerationRequest, max_tokens: int) -> dict[str, object]:
         fields["min_tokens"] = request.min_tokens
     if request.HasField("skip_special_tokens"):
         fields["skip_special_tokens"] = request.skip_special_tokens
+    if request.HasField("structured_output"):
+        fields["structured_output"] = _structured_output(request.structured_output)
     return fields
+
+
+def _structured_output(message: pb.StructuredOutput) -> dict[str, object]:
+    kind = message.WhichOneof("constraint")
+    if kind == "json_schema":
+        try:
+            return {"json_schema": json.loads(message.json_schema)}
+        except ValueError as exc:
+            raise ApiError(
+                ErrorCode.INVALID_REQUEST,
+                f"structured_output.json_schema: not valid JSON: {exc}",
+                "structured_output.json_schema",
+            ) from None
+    if kind == "choice":
+        return {"choice": list(message.choice.choices)}
+    if kind == "json_object":
+        return {"json_object": message.json_object}
+    if kind == "regex":
+        return {"regex": message.regex}
+    if kind == "grammar":
+        return {"grammar": message.grammar}
+    return {}  # none set: refused by the schema as "give exactly one"
 
 
 def _invalid(exc: ValidationError) -> ApiError:

@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from producer_api.admission import PromptedRequest, admit_jobs, cancel_jobs, job_failure
 from producer_api.deps import ApiState, Caller, State
 from producer_api.errors import ApiError, error_responses
-from producer_api.routes.openai import wait_all
+from producer_api.routes.openai import GENERATION_ERRORS, wait_all
 from schemas import ErrorCode, Job, JobRequest, JobStatus
 from schemas.errors import error_location
 
-router = APIRouter(tags=["generate"])
+router = APIRouter(tags=["generate"], responses=error_responses(401, 503))
 NDJSON = "application/x-ndjson"
 
 
@@ -95,7 +95,7 @@ def _texts(prompt: str, job: Job) -> list[str]:
     return [prompt + choice.text for choice in job.result.choices]
 
 
-@router.post("/generate", responses=error_responses(400, 401, 404, 429, 503))
+@router.post("/generate", responses=GENERATION_ERRORS)
 async def generate(
     body: GenerateRequest, request: Request, state: State, caller: Caller
 ) -> Response:

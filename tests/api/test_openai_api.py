@@ -168,13 +168,14 @@ def test_context_too_long_is_400_with_openai_code(client):
     [
         ({"n": 5}, "n"),
         ({"temperature": 3}, "temperature"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools"),
         ({"messages": []}, "messages"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages.0.content",
         ),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
     ],
 )
 def test_invalid_chat_requests_are_400_naming_the_field(client, fields, param):

@@ -24,6 +24,7 @@ STATUSES = {
     ("get", "/v1/models/{model}"): {200, 401, 404, 503},
     ("post", "/v1/completions"): GENERATION,
     ("post", "/v1/chat/completions"): GENERATION,
+    ("post", "/generate"): GENERATION,
     ("post", "/v1/files"): {200, 400, 401, 413, 503},
     ("get", "/v1/files"): {200, 400, 401, 503},
     ("delete", "/v1/files/{file_id}"): {200, 401, 404, 409, 503},
@@ -38,6 +39,9 @@ STATUSES = {
     ("get", "/metrics"): {200},
     ("get", "/dashboard"): {200},
     ("get", "/dashboard/data"): {200, 503},
+    ("post", "/tokenize"): {200, 400, 401, 404, 503},
+    ("post", "/detokenize"): {200, 400, 401, 404, 503},
+    ("get", "/version"): {200},
 }
 # Errors whose body is not the error body: /ready answers its readiness report either way.
 OWN_BODIES = {("get", "/ready", 503): "#/components/schemas/Readiness"}
