@@ -209,3 +209,24 @@ def test_a_complete_output_with_ignore_eos_stays_complete_until_length(llm: LLM)
     params = constrained(choice=["yes", "no"], max_tokens=6).model_copy(update={"ignore_eos": True})
     (text, reason), = _texts(llm, [params])  # fmt: skip
     assert reason == "length" and text in ("yes", "no")
+
+
+def test_constrained_requests_keep_to_their_grammar_beside_speculating_ones() -> None:
+    """A speculating engine: the constrained request is never drafted for and still matches its
+    pattern; the repetitive greedy request beside it speculates and keeps its greedy output."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}
+    plain, speculating = (
+        LLM(DEFAULT_MODEL, max_model_len=512, speculative_config=config) for config in (None, spec)
+    )
+    pattern = r"[A-Z][a-z]{2,8} [0-9]{1,3}"
+    repeat = "Repeat exactly: one two three four five six seven eight. " * 3
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    params = [constrained(regex=pattern, max_tokens=30, seed=s) for s in range(3)]
+    prompts = [CHAT[0]["content"]] * 3 + [repeat]
+    outputs = speculating.generate(prompts, [*params, greedy])
+    reference = plain.generate(prompts, [*params, greedy])
+    for output, expected in zip(outputs[:3], reference[:3], strict=True):
+        assert re.fullmatch(pattern, output.outputs[0].text), output.outputs[0].text
+        assert output.outputs[0].text == expected.outputs[0].text  # seeded: the same draw
+    assert outputs[3].outputs[0].token_ids == reference[3].outputs[0].token_ids
+    assert speculating.engine.stats().spec_num_draft_tokens > 0
