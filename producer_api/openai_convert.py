@@ -362,10 +362,27 @@ class _StreamChunks:
     ) -> None:
         self.header = response_header(req, id_prefix, kind, job)
         self.include_usage = req.include_usage
+        self.continuous_usage = req.continuous_usage
+        # per job (prompt of a request): its prompt's tokens, once its first chunk says
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def count(self, prompt_index: int, chunk: TokenChunk) -> None:
+        """Running usage, for continuous_usage_stats."""
+        if chunk.prompt_tokens is not None:
+            self.prompt_tokens[prompt_index] = chunk.prompt_tokens
+        self.completion_tokens += len(chunk.token_ids)
 
     def _frame(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        frame = {**self.header, "choices": choices}
-        if self.include_usage:
+        frame: dict[str, Any] = {**self.header, "choices": choices}
+        if self.continuous_usage:
+            prompt = sum(self.prompt_tokens.values())
+            frame["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+            }
+        elif self.include_usage:
             frame["usage"] = None
         return frame
 
@@ -394,6 +411,7 @@ class CompletionChunks(_StreamChunks):
         return frames
 
     def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
+        self.count(prompt_index, chunk)
         index = prompt_index * self.n + chunk.choice
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + len(chunk.text)
@@ -428,6 +446,7 @@ class ChatChunks(_StreamChunks):
         ]
 
     def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
+        self.count(prompt_index, chunk)
         delta: dict[str, Any] = (
             {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
         )

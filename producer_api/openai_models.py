@@ -22,6 +22,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: usage so far on every chunk
 
 
 class _GenerationFields(GuidedFields):
@@ -56,6 +57,10 @@ class _GenerationFields(GuidedFields):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_GenerationFields):

@@ -113,6 +113,9 @@ class TokenChunk(BaseModel):
     finish_reason: FinishReason | None = None
     stop_reason: StopReason = None
     final: bool = False
+    # The prompt's length in tokens, on the first chunk a worker publishes for the job (so a
+    # stream can report running usage without a tokenizer of its own).
+    prompt_tokens: int | None = Field(None, ge=0, strict=True)
 
     @model_validator(mode="after")
     def _consistent(self) -> TokenChunk:

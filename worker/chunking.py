@@ -107,6 +107,7 @@ def take_chunks(
                 finish_reason=choice.finish_reason if finishing else None,
                 stop_reason=choice.stop_reason if finishing else None,
                 final=job_done and position == len(ready) - 1,
+                prompt_tokens=held.prompt_len if held.next_index == 0 else None,
             )
         )
         held.next_index += 1

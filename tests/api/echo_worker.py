@@ -213,6 +213,7 @@ class EchoWorker(FakeWorker):
                         else None,
                         finish_reason=output.finish_reason if last else None,
                         final=last and choice == sampling.n - 1,
+                        prompt_tokens=output.prompt_tokens if index == 0 else None,
                     )
                 )
                 index += 1

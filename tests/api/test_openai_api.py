@@ -59,6 +59,26 @@ def test_completion_non_stream_and_stream_agree(client):
     assert chunks[-1].choices == [] and chunks[-1].usage == response.usage
 
 
+def test_continuous_usage_stats_report_usage_so_far_on_every_chunk(client):
+    want = expected(4, prompt=PROMPT)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    texts = [c for c in chunks if c.choices and c.choices[0].text]
+    assert len(texts) == len(want.pieces)
+    for seen, chunk in enumerate(texts, start=1):
+        assert chunk.usage.prompt_tokens == want.prompt_tokens
+        assert chunk.usage.completion_tokens == seen
+        assert chunk.usage.total_tokens == want.prompt_tokens + seen
+    final = chunks[-1].usage
+    assert (final.prompt_tokens, final.completion_tokens) == (want.prompt_tokens, 4)
+
+
 def test_chat_non_stream_and_stream_agree(client):
     want = expected(50, messages=MESSAGES)
     response = client.chat.completions.create(model=MODEL, messages=MESSAGES)

@@ -63,3 +63,13 @@ def test_resuming_continues_after_published_chunks():
     assert again.next_index == 2 and again.resumed
     assert again.prior_output_token_ids == [[1, 3], [2]]
     assert again.choices[0].finish_published and not again.choices[1].finish_published
+
+
+def test_the_first_chunk_carries_the_prompt_length_for_running_usage():
+    held, policy = _held(), ChunkPolicy()
+    held.prompt_len = 11
+    absorb(held, _delta(held, 0, 1), now=0)
+    [first] = take_chunks(held, policy, now=0)
+    absorb(held, _delta(held, 0, 2, finish="stop"), now=1)
+    [last] = take_chunks(held, policy, now=1)
+    assert (first.prompt_tokens, last.prompt_tokens) == (11, None)
