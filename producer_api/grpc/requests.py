@@ -99,6 +99,7 @@ def _sampling(request: GenerationRequest, max_tokens: int) -> dict[str, object]:
         "stop": list(request.stop_sequences),
         "stop_token_ids": list(request.stop_token_ids),
         "ignore_eos": request.ignore_eos,
+        "use_beam_search": request.use_beam_search,
         "logprobs": request.logprobs,
         "top_logprobs": request.top_logprobs,
     }
@@ -122,6 +123,8 @@ def _sampling(request: GenerationRequest, max_tokens: int) -> dict[str, object]:
         fields["min_tokens"] = request.min_tokens
     if request.HasField("skip_special_tokens"):
         fields["skip_special_tokens"] = request.skip_special_tokens
+    if request.HasField("length_penalty"):
+        fields["length_penalty"] = request.length_penalty
     if request.HasField("structured_output"):
         fields["structured_output"] = _structured_output(request.structured_output)
     return fields

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
+
+from producer_api.errors import ApiError
 from producer_api.grpc.requests import job_request, message_field
 from producer_api.grpc.responses import chunk_message, job_message
 from producer_api.grpc.stubs import inference_pb2 as pb
@@ -87,3 +90,21 @@ def test_fields_are_named_as_the_grpc_message_names_them():
         pb.CompletionsRequest(model_id="m", prompt="hi"), 5, stream=False, timeout_s=1
     )
     assert unset.sampling == JobRequest(model="m", prompt="hi", sampling={"max_tokens": 5}).sampling
+
+
+def test_beam_search_fields_reach_the_job_and_their_conflicts_name_the_field():
+    beams = pb.CompletionsRequest(
+        model_id="m", prompt="p", n=4, temperature=0, use_beam_search=True, length_penalty=0.5
+    )
+    sampling = job_request(beams, 8, stream=False, timeout_s=30).sampling
+    assert (sampling.use_beam_search, sampling.n, sampling.length_penalty) == (True, 4, 0.5)
+    plain = job_request(
+        pb.CompletionsRequest(model_id="m", prompt="p"), 8, stream=False, timeout_s=30
+    )
+    assert (plain.sampling.use_beam_search, plain.sampling.length_penalty) == (False, 1.0)
+    with_logprobs = pb.CompletionsRequest(
+        model_id="m", prompt="p", use_beam_search=True, logprobs=True
+    )
+    with pytest.raises(ApiError) as refused:
+        job_request(with_logprobs, 8, stream=False, timeout_s=30)
+    assert refused.value.error.param == "logprobs"
