@@ -116,12 +116,20 @@ async def test_a_worker_refills_the_streams_a_failover_cut_short(pair):
             for i in range(8)
         ]
         streams = [asyncio.create_task(_collect(client, job.id)) for job in jobs]
+        # The replica must hold the jobs before it stops following: a promoted copy that never
+        # saw an acknowledged job is what the replica wait guards against, not this test.
+        replica = Redis(port=cluster.replica_port, decode_responses=True)
+        await wait_for(lambda: _has_jobs(replica, jobs), 30)
+        await replica.aclose()
         async with running_worker(url, engine, model=MODEL) as worker:
             await wait_for(lambda: _all_have(redis, jobs, 3), 30)
             # the replica stops following here: what the master takes from now on is lost
             ask(cluster.replica_port, "REPLICAOF", "NO", "ONE")
             await wait_for(lambda: _all_have(redis, jobs, 8), 30)
             cluster.kill_master()
+            # A failover is noticed by a failed call (or a new master address): let the worker
+            # fail one before the promoted copy answers on the old address.
+            await wait_for(lambda: _redis_failed(worker), 30)
             assert "+OK" in ask(cluster.replica_port, "SAVE", timeout=10)
             # the promoted copy answers where the master did (as a Sentinel client would find it)
             promoted.append(
@@ -170,6 +178,14 @@ async def _wait_through_the_switch(client: AsyncClient, job_id: str) -> Job:
 
 async def _collect(client: AsyncClient, job_id: str) -> list[TokenChunk]:
     return [chunk async for chunk in client.stream(job_id)]
+
+
+async def _redis_failed(worker) -> bool:
+    return worker.metrics.redis_errors.labels(MODEL)._value.get() > 0
+
+
+async def _has_jobs(redis: Redis, jobs: list[Job]) -> bool:
+    return await redis.exists(*(KEYS.job(job.id) for job in jobs)) == len(jobs)
 
 
 async def _all_have(redis: Redis, jobs: list[Job], count: int) -> bool:
