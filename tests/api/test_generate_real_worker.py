@@ -9,10 +9,9 @@ import pytest
 
 from engine import LLM, BeamSearchParams
 from tests.api.conftest import auth
-from tests.api.test_grpc_real_worker import MAX_MODEL_LEN, MODEL, system
+from tests.api.test_grpc_real_worker import MAX_MODEL_LEN, MODEL, real_system
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
-__all__ = ["system"]  # the module's real stack, shared with the gRPC tests' fixture
 
 PROMPT = "The capital of France is"
 BEAMS = 3
@@ -20,8 +19,15 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    # float32 on both sides: dtype auto is measured per process and bf16 near-ties move beams
+    with real_system(tmp_path_factory, "--dtype", "float32") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
 def offline_beams() -> list[str]:
-    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
+    llm = LLM(MODEL, dtype="float32", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
     params = BeamSearchParams(beam_width=BEAMS, max_tokens=MAX_TOKENS)
     return [output.text for output in llm.beam_search([PROMPT], params)[0].outputs]
 

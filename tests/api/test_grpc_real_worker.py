@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import httpx
@@ -32,14 +33,18 @@ FREED_TIMEOUT_S = 20
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 
-@pytest.fixture(scope="module")
-def system(tmp_path_factory) -> Iterator[tuple[Stack, GrpcClient]]:
+@contextmanager
+def real_system(
+    tmp_path_factory: pytest.TempPathFactory, *worker_args: str
+) -> Iterator[tuple[Stack, GrpcClient]]:
+    """Redis, a real worker on the default model (plus `worker_args`), the HTTP API and the
+    gRPC server, up and ready."""
     server = _started_server(tmp_path_factory.mktemp("redis-grpc"))
     worker = subprocess.Popen(
         [
             sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", MODEL,
             "--redis-url", server.url, "--max-model-len", str(MAX_MODEL_LEN),
-            "--heartbeat-interval-s", "0.5",
+            "--heartbeat-interval-s", "0.5", *worker_args,
         ],
         env={**os.environ, "INFERQ_NUM_THREADS": os.environ.get("INFERQ_NUM_THREADS", "2")},
     )  # fmt: skip
@@ -65,6 +70,12 @@ def system(tmp_path_factory) -> Iterator[tuple[Stack, GrpcClient]]:
         except subprocess.TimeoutExpired:
             worker.kill()
         server.kill()
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory) -> Iterator[tuple[Stack, GrpcClient]]:
+    with real_system(tmp_path_factory) as running:
+        yield running
 
 
 def http_completion(stack: Stack, prompt: str) -> dict:
