@@ -7,9 +7,15 @@ import asyncio
 import signal
 
 import pytest
+from real_model_jobs import (
+    MODEL,
+    all_have_chunks,
+    enqueue,
+    note_prompts,
+    reference,
+)
 from redis.asyncio import Redis
 from worker_harness import (
-    KEYS,
     LiveTap,
     check_delivery,
     replay_chunks,
@@ -20,36 +26,10 @@ from worker_harness import (
     wait_for,
 )
 
-from engine import SamplingParams
 from producer_api.client.redis_client import AsyncRedisClient
-from schemas import Job, JobStatus
+from schemas import JobStatus
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model, pytest.mark.slow]
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def _prompts(count: int) -> list[str]:
-    return [f"Write a short note number {i} about {'rivers ' * (1 + i % 5)}" for i in range(count)]
-
-
-def _params(max_tokens: int) -> dict:
-    return {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
-
-
-def _reference(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], str]]:
-    outputs = llm.generate(prompts, SamplingParams(**_params(max_tokens)), use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]
-
-
-async def _enqueue(client: AsyncRedisClient, prompts: list[str], max_tokens: int) -> list[Job]:
-    return [
-        await client.enqueue(model=MODEL, prompt=p, stream=True, sampling=_params(max_tokens))
-        for p in prompts
-    ]
-
-
-async def _all_have_chunks(redis: Redis, jobs: list[Job], count: int) -> bool:
-    return min([await redis.xlen(KEYS.out_stream(job.id)) for job in jobs]) >= count
 
 
 async def _finish_elsewhere_and_check(
@@ -74,30 +54,30 @@ async def _finish_elsewhere_and_check(
 
 
 async def test_sigkill_20_jobs_mid_generation_with_the_real_engine(redis_url, smollm):
-    prompts, max_tokens = _prompts(20), 40
-    expected = _reference(smollm, prompts, max_tokens)
+    prompts, max_tokens = note_prompts(20), 40
+    expected = reference(smollm, prompts, max_tokens)
     redis = Redis.from_url(redis_url, decode_responses=True)
     async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
-        jobs = await _enqueue(client, prompts, max_tokens)
+        jobs = await enqueue(client, prompts, max_tokens)
         streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
         doomed = start_worker_process(redis_url, fake=False, model=MODEL, name="doomed")
         try:
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 4), 300)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 4), 300)
         finally:
             doomed.kill()
             doomed.wait()
-        assert not await _all_have_chunks(redis, jobs, max_tokens)
+        assert not await all_have_chunks(redis, jobs, max_tokens)
         await _finish_elsewhere_and_check(
             redis_url, smollm, jobs, streams, tap, expected, attempts=2
         )
 
 
 async def test_sigterm_with_the_real_engine_exits_0_and_loses_nothing(redis_url, smollm):
-    prompts, max_tokens = _prompts(10), 40
-    expected = _reference(smollm, prompts, max_tokens)
+    prompts, max_tokens = note_prompts(10), 40
+    expected = reference(smollm, prompts, max_tokens)
     redis = Redis.from_url(redis_url, decode_responses=True)
     async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
-        jobs = await _enqueue(client, prompts, max_tokens)
+        jobs = await enqueue(client, prompts, max_tokens)
         streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
         leaving = start_worker_process(
             redis_url,
@@ -107,7 +87,7 @@ async def test_sigterm_with_the_real_engine_exits_0_and_loses_nothing(redis_url,
             drain_timeout_s=0.5,
         )
         try:
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 4), 300)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 4), 300)
         finally:
             code = await asyncio.to_thread(stop_process, leaving, signal.SIGTERM, 60)
         assert code == 0, leaving.stdout.read().decode()[-3000:]
@@ -117,14 +97,14 @@ async def test_sigterm_with_the_real_engine_exits_0_and_loses_nothing(redis_url,
 
 
 async def test_redis_restart_with_the_real_engine(redis_server, smollm):
-    prompts, max_tokens = _prompts(12), 32
-    expected = _reference(smollm, prompts, max_tokens)
+    prompts, max_tokens = note_prompts(12), 32
+    expected = reference(smollm, prompts, max_tokens)
     url = redis_server.url
     redis = Redis.from_url(url, decode_responses=True)
     async with AsyncRedisClient(url) as client:
-        jobs = await _enqueue(client, prompts, max_tokens)
+        jobs = await enqueue(client, prompts, max_tokens)
         async with running_worker(url, smollm.engine, model=MODEL):
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 3), 120)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 3), 120)
             redis_server.stop()
             await asyncio.sleep(1.5)
             redis_server.start()

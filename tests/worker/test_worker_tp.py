@@ -11,6 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+from real_model_jobs import (
+    MODEL,
+    all_have_chunks,
+    enqueue,
+    greedy_params,
+    note_prompts,
+    reference,
+)
 from redis.asyncio import Redis
 from worker_harness import (
     KEYS,
@@ -23,37 +31,11 @@ from worker_harness import (
     wait_for,
 )
 
-from engine import SamplingParams
 from producer_api.client.redis_client import AsyncRedisClient
-from schemas import Job, JobStatus
+from schemas import JobStatus
 
 pytestmark = [pytest.mark.anyio, pytest.mark.model, pytest.mark.slow]
-MODEL = "SmolLM2-135M-Instruct"
 TP = {"tensor_parallel_size": 2, "num_threads": 1}
-
-
-def _prompts(count: int) -> list[str]:
-    return [f"Write a short note number {i} about {'rivers ' * (1 + i % 5)}" for i in range(count)]
-
-
-def _params(max_tokens: int) -> dict:
-    return {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
-
-
-def _reference(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], str]]:
-    outputs = llm.generate(prompts, SamplingParams(**_params(max_tokens)), use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]
-
-
-async def _enqueue(client: AsyncRedisClient, prompts: list[str], max_tokens: int) -> list[Job]:
-    return [
-        await client.enqueue(model=MODEL, prompt=p, stream=True, sampling=_params(max_tokens))
-        for p in prompts
-    ]
-
-
-async def _all_have_chunks(redis: Redis, jobs: list[Job], count: int) -> bool:
-    return min([await redis.xlen(KEYS.out_stream(job.id)) for job in jobs]) >= count
 
 
 def _executor_ranks(worker_pid: int) -> list[int]:
@@ -81,18 +63,18 @@ def _alive(pid: int) -> bool:
 
 
 async def test_tp2_worker_serves_like_the_offline_engine_and_stops_every_rank(redis_url, smollm):
-    prompts, max_tokens = _prompts(6), 24
-    expected = _reference(smollm, prompts, max_tokens)
+    prompts, max_tokens = note_prompts(6), 24
+    expected = reference(smollm, prompts, max_tokens)
     redis = Redis.from_url(redis_url, decode_responses=True)
     worker = start_worker_process(redis_url, fake=False, model=MODEL, name="tp2", **TP)
     try:
         async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
-            jobs = await _enqueue(client, prompts, max_tokens)
+            jobs = await enqueue(client, prompts, max_tokens)
             cancelled = await client.enqueue(
                 model=MODEL,
                 prompt="Count slowly to one thousand:",
                 stream=True,
-                sampling=_params(2000),
+                sampling=greedy_params(2000),
             )
             streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
             streamed = await asyncio.wait_for(asyncio.gather(*streams), 600)
@@ -113,15 +95,15 @@ async def test_tp2_worker_serves_like_the_offline_engine_and_stops_every_rank(re
 
 
 async def test_sigkill_of_the_executor_rank_takes_the_replica_down(redis_url, smollm):
-    prompts, max_tokens = _prompts(8), 40
-    expected = _reference(smollm, prompts, max_tokens)
+    prompts, max_tokens = note_prompts(8), 40
+    expected = reference(smollm, prompts, max_tokens)
     redis = Redis.from_url(redis_url, decode_responses=True)
     async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
-        jobs = await _enqueue(client, prompts, max_tokens)
+        jobs = await enqueue(client, prompts, max_tokens)
         streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
         doomed = start_worker_process(redis_url, fake=False, model=MODEL, name="doomed", **TP)
         try:
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 4), 600)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 4), 600)
             (rank,) = _executor_ranks(doomed.pid)
             os.kill(rank, signal.SIGKILL)
             killed_at = time.monotonic()
@@ -132,7 +114,7 @@ async def test_sigkill_of_the_executor_rank_takes_the_replica_down(redis_url, sm
                 doomed.kill()
                 doomed.wait()
         assert code != 0 and took < 10, (code, took)
-        assert not await _all_have_chunks(redis, jobs, max_tokens)
+        assert not await all_have_chunks(redis, jobs, max_tokens)
         async with running_worker(redis_url, smollm.engine, model=MODEL, name="rescuer"):
             streamed = await asyncio.wait_for(asyncio.gather(*streams), 300)
             done = [await client.wait(job.id, timeout=120) for job in jobs]
