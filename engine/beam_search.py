@@ -1,12 +1,14 @@
 """Beam search inside the continuous batch: one request owns up to beam_width sequences.
 
 Each time every live beam of a request has its next-token logits, the request takes the top
-2 x beam_width continuations over all its beams by cumulative log-probability (log-softmax of
-the logits, divided by the temperature when one is set). Continuations that finish (EOS unless
-ignore_eos, a stop token id, a stop string, max_tokens or the context length) become finished
-hypotheses when they rank within the first beam_width, scored cumulative logprob divided by
-output length ** length_penalty; the best beam_width unfinished ones become the next beams.
-A beam chosen once keeps its sequence; a beam chosen again is branched through the block
+(1 + the number of ending token ids, at least 2) x beam_width continuations over all its beams
+by cumulative log-probability (log-softmax of the logits, divided by the temperature when one
+is set), as transformers does, so that beam_width continuations that do not end are among them
+even when each beam's best ones end. Continuations that finish (EOS unless ignore_eos, a stop
+token id, a stop string, max_tokens or the context length) become finished hypotheses when they
+rank within the first beam_width, scored cumulative logprob divided by output length (the
+ending token included) ** length_penalty; the best beam_width unfinished ones become the next
+beams. A beam chosen once keeps its sequence; a beam chosen again is branched through the block
 manager (its blocks shared, copied on write); a beam not chosen is freed. The search ends, as
 transformers' early_stopping=True does, once beam_width hypotheses finished.
 
@@ -137,11 +139,19 @@ class BeamSearch:
         self.width = first.params.n
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        ending_ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ending_ids |= eos_token_ids
+        self._num_candidates = max(2, 1 + len(ending_ids)) * self.width
         self._decode = decode
         self.live: list[_Beam] = [_Beam(first)]
         self.finished: list[Hypothesis] = []
         self.done = False
         self._rows: dict[Sequence, torch.Tensor] = {}  # this step's logprob rows so far
+
+    def has_row(self, seq: Sequence) -> bool:
+        """Whether seq's logprob row for this step is in, waiting for its siblings' rows."""
+        return seq in self._rows
 
     def advance(self, rows: dict[Sequence, torch.Tensor], scheduler: Scheduler) -> int:
         """Take beams' logprob rows; once every live beam has one, run one search step.
@@ -157,7 +167,7 @@ class BeamSearch:
             [beam.cumulative_logprob for beam in present], device=logprobs.device
         )
         totals = (logprobs + cumulative[:, None]).flatten()
-        values, indices = totals.topk(min(2 * self.width, totals.numel()))
+        values, indices = totals.topk(min(self._num_candidates, totals.numel()))
         vocab = logprobs.shape[1]
         chosen: list[tuple[_Beam, int, float]] = []
         new_finished: list[Hypothesis] = []
