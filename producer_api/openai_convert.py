@@ -16,9 +16,12 @@ from producer_api.openai_tools import (
     plan_tools,
     render_tool_calls,
     render_tool_result,
+    tool_call_delta,
+    tool_call_parser,
     tool_calls_body,
     tools_system_prompt,
 )
+from producer_api.tool_call_parser import ToolCallParser
 from schemas import ErrorCode, Job, JobRequest, TokenChunk, Usage
 from schemas.chunks import TokenLogprob
 from schemas.errors import error_location, field_path
@@ -427,16 +430,17 @@ class CompletionChunks(_StreamChunks):
 
 
 class ChatChunks(_StreamChunks):
-    """Stream chunks of `/v1/chat/completions`: a role delta per choice first, then content."""
+    """Stream chunks of `/v1/chat/completions`: a role delta per choice first, then content.
+    With tools, each choice's text goes through a tool-call parser: content streams as it is
+    known to be content, calls as `tool_calls` deltas; a chunk whose text is all held back
+    (a tag not yet complete) makes no frame."""
 
     def __init__(self, req: ChatCompletionRequest, job: Job) -> None:
         super().__init__(req, "chatcmpl", "chat.completion.chunk", job)
         self.n = req.n
         self.job_id = job.id
-        # With tools the text of each choice is held back until it ends: only then is it
-        # known to be a call or content.
         self.plan = chat_tool_plan(req)
-        self.held: dict[int, str] = {}
+        self.parsers: dict[int, ToolCallParser] = {}
 
     def start(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
@@ -445,29 +449,25 @@ class ChatChunks(_StreamChunks):
             for i in range(self.n)
         ]
 
-    def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any]:
+    def chunk(self, prompt_index: int, chunk: TokenChunk) -> dict[str, Any] | None:
         self.count(prompt_index, chunk)
-        delta: dict[str, Any] = (
-            {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
-        )
         reason = finish_reason(chunk.finish_reason)
-        if self.plan is not None:
-            text = self.held.get(chunk.choice, "") + chunk.text
-            self.held[chunk.choice] = text
-            delta = {}
+        if self.plan is None:
+            delta: dict[str, Any] = (
+                {"content": chunk.text} if chunk.text or chunk.finish_reason is None else {}
+            )
+        else:
+            parser = self.parsers.get(chunk.choice)
+            if parser is None:
+                parser = self.parsers[chunk.choice] = tool_call_parser(self.plan)
+            events = parser.feed(chunk.text)
             if chunk.finish_reason is not None:
-                message, calls = _assistant_message(
-                    text, self.plan, f"call-{self.job_id}-{chunk.choice}"
-                )
-                if calls:
-                    delta = {
-                        "tool_calls": [
-                            {"index": i, **call} for i, call in enumerate(message["tool_calls"])
-                        ]
-                    }
-                    reason = "tool_calls" if reason == "stop" else reason
-                elif text:
-                    delta = {"content": text}
+                events += parser.finish()
+            delta = tool_call_delta(events, f"call-{self.job_id}-{chunk.choice}")
+            if parser.calls and reason == "stop":
+                reason = "tool_calls"
+            if not (delta or reason or chunk.logprobs or self.continuous_usage):
+                return None
         choice = {
             "index": chunk.choice,
             "delta": delta,

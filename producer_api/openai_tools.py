@@ -4,23 +4,31 @@ The tools are described to the model in a system message; a call is a JSON objec
 `{"name": ..., "arguments": {...}}` inside `<tool_call>` tags. With tool_choice "required" or a
 named function the output is constrained by a JSON schema of exactly that object, so the
 arguments validate against the function's parameters; with "auto" the model decides and its
-calls are parsed out of the text. Earlier assistant calls and tool results in the history are
-rendered in the same format, so they reach the chat template instead of being dropped.
+calls are parsed out of the text (`tool_call_parser`, incrementally when streamed). Earlier
+assistant calls and tool results in the history are rendered in the same format, so they
+reach the chat template instead of being dropped.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from producer_api.errors import ApiError
+from producer_api.tool_call_parser import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    ParsedCall,
+    ToolCallEvent,
+    ToolCallParser,
+    parse_whole,
+)
 from schemas import ErrorCode
 
 MAX_TOOLS = 128
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class FunctionDef(BaseModel):
@@ -154,38 +162,24 @@ def render_tool_result(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
-class ParsedCall(BaseModel):
-    name: str
-    arguments: str
+def tool_call_parser(plan: ToolPlan) -> ToolCallParser:
+    """A parser of the calls the plan allows, for one streamed choice."""
+    return ToolCallParser(_callable_names(plan), forced=plan.mode == "forced")
+
+
+def _callable_names(plan: ToolPlan) -> set[str]:
+    if plan.mode == "forced":
+        return set(plan.forced_names)
+    return {t.function.name for t in plan.tools}
 
 
 def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]]:
-    """(content left, calls) from a generated text; calls that do not parse stay content."""
-    if plan.mode == "forced":
-        call = _parse_call(text, plan)
-        return (None, [call]) if call is not None else (text, [])
-    calls: list[ParsedCall] = []
-    for match in _TOOL_CALL.finditer(text):
-        call = _parse_call(match.group(1), plan)
-        if call is not None:
-            calls.append(call)
+    """(content, calls) of a whole generated text, as its stream would give them; without
+    calls the content is the text (trimmed), with calls None when there is none besides."""
+    content, calls = parse_whole(text, _callable_names(plan), forced=plan.mode == "forced")
     if not calls:
-        return text, []
-    content = _TOOL_CALL.sub("", text).strip()
+        return content, []
     return content or None, calls
-
-
-def _parse_call(text: str, plan: ToolPlan) -> ParsedCall | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    if value["name"] not in {t.function.name for t in plan.tools}:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return ParsedCall(name=value["name"], arguments=json.dumps(arguments))
 
 
 def tool_calls_body(calls: list[ParsedCall], call_id_prefix: str) -> list[dict[str, Any]]:
@@ -197,3 +191,31 @@ def tool_calls_body(calls: list[ParsedCall], call_id_prefix: str) -> list[dict[s
         }
         for index, call in enumerate(calls)
     ]
+
+
+def tool_call_delta(events: list[ToolCallEvent], call_id_prefix: str) -> dict[str, Any]:
+    """A stream delta of parser events: content, and `tool_calls` entries whose first one per
+    call carries id, type and name, the later ones fragments of the arguments."""
+    delta: dict[str, Any] = {}
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    if content:
+        delta["content"] = content
+    entries: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, CallStart):
+            entries.append(
+                {
+                    "index": event.index,
+                    "id": f"{call_id_prefix}-{event.index}",
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": ""},
+                }
+            )
+        elif isinstance(event, ArgumentsDelta):
+            if entries and entries[-1]["index"] == event.index:
+                entries[-1]["function"]["arguments"] += event.text
+            else:
+                entries.append({"index": event.index, "function": {"arguments": event.text}})
+    if entries:
+        delta["tool_calls"] = entries
+    return delta

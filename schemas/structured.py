@@ -2,9 +2,9 @@
 a regex, a choice among strings, or an EBNF grammar).
 
 What can be checked without the grammar library is checked here, so a malformed constraint is
-refused at the door: a JSON schema against its metaschema, a regex by Python's `re`. An EBNF
-grammar is only checked for being non-empty; the worker compiles it and fails the job with the
-parser's message if it does not parse.
+refused at the door: a JSON schema against its metaschema, a regex by Python's `re`, an EBNF
+grammar by a syntax check of the library's dialect (line and column of the problem). What only
+the library can tell (a grammar it cannot compile) fails the job with the library's message.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
+from schemas.ebnf import GrammarSyntaxError, check_ebnf
 from schemas.errors import field_error
 
 MAX_CONSTRAINT_CHARS = 100_000
@@ -63,6 +64,16 @@ class StructuredOutput(BaseModel):
                 re.compile(value)
             except re.error as exc:
                 raise ValueError(f"invalid regex: {exc}") from None
+        return value
+
+    @field_validator("grammar")
+    @classmethod
+    def _grammar_valid(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                check_ebnf(value)
+            except GrammarSyntaxError as exc:
+                raise ValueError(f"invalid EBNF grammar at {exc}") from None
         return value
 
     @field_validator("choice")

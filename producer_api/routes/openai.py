@@ -223,7 +223,9 @@ async def _openai_events(
                 if not chunk.text:
                     continue
                 chunk = chunk.model_copy(update={"finish_reason": None, "stop_reason": None})
-            yield _data(framer.chunk(position, chunk))
+            chunk_frame = framer.chunk(position, chunk)
+            if chunk_frame is not None:  # None: text held back (a tool-call tag not yet whole)
+                yield _data(chunk_frame)
         finished = [await state.wait_job(job.id, FINAL_STATUS_WAIT_S) for job in jobs]
         failed = [job for job in finished if job.status is not JobStatus.SUCCEEDED]
         if failed:

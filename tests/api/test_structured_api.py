@@ -4,6 +4,7 @@ and a malformed one is a 400 (422 on the jobs API) naming it, with nothing queue
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -82,6 +83,9 @@ def queued(stack):
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"whatever": 1}}, "structured_outputs", ""),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured-output"),
+        ({"guided_grammar": 'root ::= "a" |'}, "guided_grammar", "invalid EBNF grammar at line 1, column 15: expected an element"),
+        ({"structured_outputs": {"grammar": 'root ::= "a"\nitem ::= [z-a]'}}, "structured_outputs", "line 2, column 11: character range z-a runs backwards"),
+        ({"structured_outputs": {"grammar": "start ::= word\nword ::= [a-z]+"}}, "structured_outputs", "no root rule"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "no tool named"),
     ],
 )  # fmt: skip
@@ -108,11 +112,16 @@ def test_the_jobs_api_takes_the_constraint_and_refuses_a_bad_one(queued):
         created = http.post("/v1/jobs", json=good)
         assert created.status_code in (200, 201, 202), created.text
         before = count()
-        bad = {**body, "sampling": {"max_tokens": 4, "structured_output": {"regex": "(("}}}
-        refused = http.post("/v1/jobs", json=bad)
-    assert refused.status_code == 422
-    assert refused.json()["error"]["param"].startswith("sampling.structured_output")
-    assert "invalid regex" in refused.json()["error"]["message"]
+        refusals = []
+        for constraint in ({"regex": "(("}, {"grammar": 'root ::= "a" undefined'}):
+            bad = {**body, "sampling": {"max_tokens": 4, "structured_output": constraint}}
+            refusals.append(http.post("/v1/jobs", json=bad))
+    assert [r.status_code for r in refusals] == [422, 422]
+    (regex, grammar) = (r.json()["error"] for r in refusals)
+    assert regex["param"] == "sampling.structured_output.regex"
+    assert "invalid regex" in regex["message"]
+    assert grammar["param"] == "sampling.structured_output.grammar"
+    assert "line 1, column 14: rule 'undefined' is not defined" in grammar["message"]
     assert count() == before
 
 
@@ -135,8 +144,25 @@ def test_grpc_requests_carry_the_same_constraint():
     assert built(choice=pb.Choices(choices=["a", "b"])) == StructuredOutput(choice=["a", "b"])
     assert built(regex="[0-9]+") == StructuredOutput(regex="[0-9]+")
     assert built(json_object=True) == StructuredOutput(json_object=True)
-    for bad in ({"regex": "(("}, {"json_schema": "{nope"}):
+    for bad in ({"regex": "(("}, {"json_schema": "{nope"}, {"grammar": 'root ::= "a" |'}):
         with pytest.raises(ApiError) as caught:
             built(**bad)
         param = caught.value.error.param or ""
-        assert message_field(param).startswith("structured_output")
+        assert message_field(param) == f"structured_output.{next(iter(bad))}"
+
+
+def test_a_batch_line_with_a_bad_grammar_is_an_invalid_line_naming_it():
+    from producer_api.batches.lines import parse_line
+
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "structured_outputs": {"grammar": 'root ::= "a" | "b'},
+    }
+    raw = json.dumps(
+        {"custom_id": "g", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    )
+    line = parse_line(7, raw, None, 16)
+    assert not line.ok and line.request is None
+    assert line.error is not None and line.error.param == "body.structured_outputs"
+    assert "line 1, column 18: unterminated string literal" in line.error.message

@@ -15,7 +15,7 @@ from producer_api.openai_models import ChatCompletionRequest
 from schemas import Job, JobStatus, TokenChunk
 from schemas.jobs import new_job_id
 from schemas.results import ChoiceResult, JobResult, Timings, Usage
-from tests.api.conftest import MODEL
+from tests.api.conftest import ALICE_KEY, MODEL
 
 WEATHER = {
     "type": "function",
@@ -134,24 +134,122 @@ def test_auto_parses_hermes_tool_calls_out_of_the_text():
     assert plain["finish_reason"] == "stop"
 
 
-def test_streamed_tool_calls_arrive_as_tool_call_deltas():
-    req = request(tools=[WEATHER], stream=True)
-    job = finished_job(req, "")
+def stream_frames(req: ChatCompletionRequest, job: Job, pieces: list[str]) -> list[dict[str, Any]]:
+    """The frames a stream of `pieces` makes (frames with nothing to say are not sent)."""
     framer = ChatChunks(req, job)
-    pieces = ['<tool_call>{"name": "get_weather", ', '"arguments": {"city": "Nice", "unit": "C"}}']
-    frames = [
-        framer.chunk(0, TokenChunk(job_id=job.id, index=i, choice=0, text=piece))
-        for i, piece in enumerate(pieces)
-    ]
-    frames.append(
-        framer.chunk(
-            0,
-            TokenChunk(job_id=job.id, index=2, choice=0, text="</tool_call>", finish_reason="stop"),
+    frames = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        chunk = TokenChunk(
+            job_id=job.id, index=i, choice=0, text=piece, finish_reason="stop" if last else None
         )
+        frame = framer.chunk(0, chunk)
+        if frame is not None:
+            frames.append(frame)
+    return frames
+
+
+def assembled(frames: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]], str | None]:
+    """(content, tool calls, finish reason) as a client adds them up from the deltas."""
+    content, calls = "", {}
+    for frame in frames:
+        delta = frame["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for entry in delta.get("tool_calls", []):
+            call = calls.setdefault(entry["index"], {"function": {"arguments": ""}})
+            for key in ("id", "type"):
+                if key in entry:
+                    call[key] = entry[key]
+            if "name" in entry["function"]:
+                call["function"]["name"] = entry["function"]["name"]
+            call["function"]["arguments"] += entry["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)], frames[-1]["choices"][0]["finish_reason"]
+
+
+def test_streamed_tool_calls_arrive_name_first_then_argument_fragments():
+    req = request(tools=[WEATHER, TIME], stream=True)
+    text = (
+        "Let me look. <tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Nice", "unit": "C"}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
     )
-    assert all(not f["choices"][0]["delta"] for f in frames[:-1])
-    last = frames[-1]["choices"][0]
-    assert last["finish_reason"] == "tool_calls"
-    (call,) = last["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Nice", "unit": "C"}
+    pieces = [text[i : i + 5] for i in range(0, len(text), 5)]  # cuts the tags too
+    job = finished_job(req, text)
+    frames = stream_frames(req, job, pieces)
+    content, calls, reason = assembled(frames)
+    whole = chat_body(req, job)["choices"][0]
+    assert reason == whole["finish_reason"] == "tool_calls"
+    assert content == whole["message"]["content"] == "Let me look."
+    assert calls == whole["message"]["tool_calls"]
+    entries = [e for f in frames for e in f["choices"][0]["delta"].get("tool_calls", [])]
+    first = entries[0]
+    assert first["index"] == 0 and first["type"] == "function" and first["id"] == calls[0]["id"]
+    assert first["function"]["name"] == "get_weather"
+    fragments = [e["function"]["arguments"] for e in entries if e["index"] == 0]
+    assert len(fragments) > 3  # the arguments stream, they do not come at the end in one piece
+    assert "".join(fragments) == whole["message"]["tool_calls"][0]["function"]["arguments"]
+    assert [e["index"] for e in entries if "id" in e] == [0, 1]
+    assert "tool_call" not in content and "{" not in content
+
+
+def test_a_streamed_forced_call_streams_its_arguments_and_matches_the_whole_response():
+    req = request(tools=[WEATHER], tool_choice="required", stream=True)
+    text = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}'
+    job = finished_job(req, text)
+    frames = stream_frames(req, job, [text[i : i + 3] for i in range(0, len(text), 3)])
+    content, calls, reason = assembled(frames)
+    whole = chat_body(req, job)["choices"][0]
+    assert (content, calls, reason) == ("", whole["message"]["tool_calls"], "tool_calls")
+    argument_frames = [
+        f
+        for f in frames
+        if any(e["function"]["arguments"] for e in f["choices"][0]["delta"].get("tool_calls", []))
+    ]
+    assert len(argument_frames) > 5
+
+
+def test_streamed_plain_content_with_tools_is_not_held_to_the_end():
+    req = request(tools=[WEATHER], stream=True)
+    job = finished_job(req, "It is sunny today.")
+    frames = stream_frames(req, job, ["It", " is", " sunny", " today."])
+    assert [f["choices"][0]["delta"].get("content") for f in frames] == [
+        "It",
+        " is",
+        " sunny",
+        " today.",
+    ]
+    assert frames[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_openai_client_gets_the_same_calls_streamed_and_whole(stack):
+    """Over HTTP with the official client, against the echo worker (which says the input back
+    word by word, so the call in the user's message comes back as the model's, in pieces)."""
+    import openai
+
+    api = stack.api()
+    stack.worker()
+    call = '<tool_call> {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}} </tool_call>'
+    fields: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Weather? {call}"}],
+        tools=[WEATHER],
+        max_tokens=500,
+    )
+    with openai.OpenAI(base_url=api.url + "/v1", api_key=ALICE_KEY, max_retries=0) as sdk:
+        whole = sdk.chat.completions.create(**fields).choices[0]
+        chunks = [c for c in sdk.chat.completions.create(**fields, stream=True) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    entries = [e for d in deltas for e in d.tool_calls or []]
+    (started,) = [e for e in entries if e.id is not None]
+    assert started.index == 0 and started.type == "function"
+    assert started.function.name == "get_weather"
+    fragments = [e.function.arguments for e in entries if e.function and e.function.arguments]
+    assert len(fragments) > 1
+    assert whole.finish_reason == chunks[-1].choices[0].finish_reason == "tool_calls"
+    (whole_call,) = whole.message.tool_calls
+    assert whole_call.function.name == "get_weather"
+    assert "".join(fragments) == whole_call.function.arguments
+    assert json.loads(whole_call.function.arguments) == {"city": "Oslo", "unit": "C"}
+    streamed_content = "".join(d.content or "" for d in deltas)
+    assert streamed_content == whole.message.content
+    assert "Oslo" not in streamed_content  # the call's markup never shows as content
