@@ -35,7 +35,7 @@ from workload import ranged_workload, token_counts, tune_cpu_runtime, workload_l
 from schemas.defaults import DEFAULT_MODEL
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "coriolanus_act1.txt"
-VARIANTS = ("none", "int8", "int4", "gguf")
+VARIANTS = ("none", "int8", "w8a8", "int4", "gguf")
 COLUMNS = (
     ("decode_ms_per_token", "decode ms/tok"),
     ("output_tok_s", "output tok/s"),

@@ -36,11 +36,13 @@ class EngineConfig:
     ] = "auto"
     seed: Annotated[int, Field(description="seed of the random weights of load_format dummy")] = 0
     quantization: Annotated[
-        Literal["int8", "int4", "gguf", "gptq", "awq", "fp8"] | None,
+        Literal["int8", "w8a8", "int4", "gguf", "gptq", "awq", "fp8"] | None,
         Field(
             description="weight quantization. int8: per output channel, and int4: group-wise "
             "with a minimum, both quantized at load from a full-precision checkpoint (lm_head "
-            "int8, embedding as loaded); gguf: the model folder's GGUF file, its Q4_0/Q4_1/Q8_0 "
+            "int8, embedding as loaded); w8a8: int8 weights as int8, and calls of more than 16 "
+            "rows (prefill) also quantize activations to int8 per token and multiply integers; "
+            "gguf: the model folder's GGUF file, its Q4_0/Q4_1/Q8_0 "
             "blocks used as they are; gptq, awq: checkpoints in those formats; fp8: CUDA only. "
             "Default: what the checkpoint's config names (gptq, awq), else full precision"
         ),

@@ -23,6 +23,7 @@ _SOURCES = (
     Path(__file__).parent / "cpu" / "paged_decode.cpp",
     Path(__file__).parent / "cpu" / "small_matmul.cpp",
     Path(__file__).parent / "cpu" / "decode_glue.cpp",
+    Path(__file__).parent / "cpu" / "decode_stack.cpp",
 )
 # -ffast-math lets the compiler vectorize the softmax's exp; the kernels never see inf or NaN
 # inputs (attention reads only the valid part of each context). -fopenmp makes at::parallel_for
@@ -137,4 +138,50 @@ def rotary_store_kv(
     """
     return torch.ops.inferq_cpu.rotary_store_kv(
         qkv, positions, cos_sin_cache, slot_mapping, key_cache, value_cache, num_heads
+    )
+
+
+# How decode_layers reads its flat linear spec: per linear, this many optional tensors (a, b, c,
+# input_order, bias) and ints (kind, p0, p1, p2); see kernels/cpu/decode_stack.cpp for each kind.
+LINEAR_SLOTS = 5
+LINEAR_INTS = 4
+LINEAR_ATEN, LINEAR_ONEDNN, LINEAR_MKL, LINEAR_QUANT = 0, 1, 2, 3
+
+
+def decode_layers(
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    norm_weights: list[torch.Tensor],
+    linear_tensors: list[torch.Tensor | None],
+    linear_ints: list[int],
+    num_heads: int,
+    eps: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decoder layer of a decode-only step (one query row per sequence) in one call:
+    (hidden, residual) after the last layer, before the final norm.
+
+    norm_weights: input and post-attention norm per layer; linear_tensors / linear_ints: the
+    qkv, o, gate_up and down projections of each layer (LINEAR_SLOTS / LINEAR_INTS apiece)."""
+    return torch.ops.inferq_cpu.decode_layers(
+        hidden,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        cos_sin_cache,
+        key_caches,
+        value_caches,
+        norm_weights,
+        linear_tensors,
+        linear_ints,
+        num_heads,
+        eps,
+        scale,
     )

@@ -47,14 +47,16 @@ def quant_matmul(
     group_size: int,
     bias: torch.Tensor | None = None,
     gemm_min_rows: int = QUANT_GEMM_MIN_ROWS,
+    onednn_gemm: bool = False,
 ) -> torch.Tensor:
     """x [..., in] (fp32 or bf16) @ the quantized weight's transpose (+ bias) -> [..., out].
 
     mins is required for bits=4 and ignored (pass None) for bits=8. gemm_min_rows overrides the
-    row count from which the dequantize-then-GEMM path runs (for measuring the crossover).
+    row count from which the dequantize-then-GEMM path runs (for measuring the crossover);
+    onednn_gemm runs that path's GEMMs through oneDNN instead of torch's default (MKL for fp32).
     """
     return torch.ops.inferq_cpu.quant_matmul(
-        x.contiguous(), data, scales, mins, bits, group_size, bias, gemm_min_rows
+        x.contiguous(), data, scales, mins, bits, group_size, bias, gemm_min_rows, onednn_gemm
     )
 
 

@@ -239,13 +239,8 @@ class TorchAttentionBackend:
 
         Per layer a decode step is otherwise a dozen small ops (split, views, rotation,
         index_copy_, allocations) that each cost more dispatch than arithmetic."""
-        if not meta.is_decode_only or qkv.dtype != k_cache.dtype:
-            return None
-        plan = meta.backend_plan
+        plan = self.fused_decode_plan(meta, k_cache, qkv)
         if plan is None:
-            fused = self._use_fused_decode(qkv)
-            plan = meta.backend_plan = build_plan(meta, k_cache.shape[1], qkv.dtype, fused)
-        if not plan.decodes_only_fused:
             return None
         q = rotary_store_kv(
             qkv, positions, cos_sin_cache, plan.write_slots, k_cache, v_cache, num_heads
@@ -255,6 +250,19 @@ class TorchAttentionBackend:
             out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale
         )
         return out
+
+    def fused_decode_plan(
+        self, meta: AttentionMetadata, k_cache: torch.Tensor, x: torch.Tensor
+    ) -> TorchAttentionPlan | None:
+        """The step's plan where every sequence decodes one token through the fused CPU kernel
+        with activations x of the cache's dtype (the plan is built once per step); else None."""
+        if not meta.is_decode_only or x.dtype != k_cache.dtype:
+            return None
+        plan = meta.backend_plan
+        if plan is None:
+            fused = self._use_fused_decode(x)
+            plan = meta.backend_plan = build_plan(meta, k_cache.shape[1], x.dtype, fused)
+        return plan if plan.decodes_only_fused else None
 
     def _use_fused_decode(self, q: torch.Tensor) -> bool:
         if self._fused_decode is None:

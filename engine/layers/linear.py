@@ -13,9 +13,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.matmul import ATEN, MatmulPlan, PackedWeights, pack, run
+from engine.layers.matmul import (
+    ATEN,
+    MKL_PACK_HINT,
+    ONEDNN_BACKENDS,
+    SMALL_ROWS,
+    MatmulPlan,
+    PackedWeights,
+    pack,
+    run,
+)
 from engine.quantization.matmul import quantized_linear
 from engine.quantization.weights import QuantizedWeight
+from kernels import cpu_ops
+
+# Bumped whenever a layer changes how it stores its weight, so callers that keep references to
+# the weights of many layers (engine.models.cpu_decode_stack) know to read them again.
+_storage_generation = 0
+
+
+def storage_generation() -> int:
+    return _storage_generation
+
+
+def _storage_changed() -> None:
+    global _storage_generation
+    _storage_generation += 1
+
+
+# What kernels.cpu_ops.decode_layers needs to run one linear layer in C++: its kind, its
+# tensors (LINEAR_SLOTS of them, None where unused) and its three int parameters.
+NativeLinear = tuple[int, list[torch.Tensor | None], list[int]]
 
 
 def linear(
@@ -41,8 +69,33 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return quantized_linear(x, self.quantized, self.bias)
+            return quantized_linear(x, self.quantized, self.bias, self._onednn_tiles())
         return linear(x, self.weight, self.bias, self.plan, self.packed)
+
+    def _onednn_tiles(self) -> bool:
+        return self.plan.large in ONEDNN_BACKENDS
+
+    def native_spec(self, rows: int) -> NativeLinear | None:
+        """How the C++ decode stack computes this layer for calls of `rows` rows, exactly as
+        forward would on the CPU; None where it cannot (fp8 weights, int8 activations)."""
+        bias = self.bias
+        quantized = self.quantized
+        if quantized is not None:
+            if quantized.is_fp8 or (quantized.int8_activations and rows > SMALL_ROWS):
+                return None
+            tensors = [quantized.data, quantized.scales, quantized.mins, quantized.input_order]
+            ints = [quantized.bits, quantized.group_size, int(self._onednn_tiles())]
+            return cpu_ops.LINEAR_QUANT, [*tensors, bias], ints
+        backend = "aten" if self.plan is ATEN else self.plan.backend_for(rows)
+        packed = self.packed or PackedWeights()
+        if backend == "onednn_packed":
+            return cpu_ops.LINEAR_ONEDNN, [packed.onednn, None, None, None, bias], [0, 0, 0]
+        if backend == "onednn":
+            return cpu_ops.LINEAR_ONEDNN, [self.weight, None, None, None, bias], [0, 0, 0]
+        if backend == "mkl_packed":
+            tensors = [packed.mkl, self.weight, None, None, bias]
+            return cpu_ops.LINEAR_MKL, tensors, [MKL_PACK_HINT, 0, 0]
+        return cpu_ops.LINEAR_ATEN, [self.weight, None, None, None, bias], [0, 0, 0]
 
     def use_quantized(self, weight: QuantizedWeight, keep_plain_weight: bool = False) -> None:
         """Compute through `weight` from now on and free the plain weight (unless it is shared,
@@ -51,6 +104,7 @@ class Linear(nn.Linear):
             raise ValueError(f"quantized weight {weight.shape} for a {self.weight.shape} layer")
         self.quantized = weight.to(self.weight.device)
         self.packed = None
+        _storage_changed()
         if not keep_plain_weight:
             self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
@@ -59,10 +113,15 @@ class Linear(nn.Linear):
         weight when no backend of the plan reads it (unless keep_plain_weight: e.g. it is shared
         with a tied embedding)."""
         if self.quantized is not None:
-            return  # the quantized matmul has its own kernels
+            # The quantized matmul has its own kernels; only its GEMM over dequantized tiles
+            # (calls of many rows) follows the plan's choice for large calls.
+            self.plan = plan
+            _storage_changed()
+            return
         with torch.no_grad():
             self.packed = pack(self.weight.detach(), plan)
         self.plan = plan
+        _storage_changed()
         if "plain" not in plan.storage() and not keep_plain_weight:
             # A meta tensor keeps the shape (and the module's repr) without the memory.
             self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)

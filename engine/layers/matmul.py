@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 Backend = Literal["aten", "onednn", "onednn_packed", "mkl_packed"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
+ONEDNN_BACKENDS: tuple[Backend, ...] = ("onednn", "onednn_packed")
 
 SMALL_ROWS = 16  # rows of a call up to which the plan's decode-sized backend runs
 # Batch-size hints of the packed layouts: oneDNN's blocked layout for a prefill-sized hint also

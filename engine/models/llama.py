@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed.group import TensorParallel
 from engine.layers.activation import silu_and_mul
 from engine.layers.embedding import VocabEmbedding
@@ -29,6 +30,7 @@ from engine.layers.parallel import (
     split_heads,
 )
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.models.cpu_decode_stack import CpuDecodeStack, DecoderLayerParts
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
 
@@ -190,6 +192,37 @@ class LlamaModel(nn.Module):
             for _ in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        # Decode steps on the CPU run their layers in one C++ call (tensor-parallel ranks keep
+        # the Python forward: their layers all-reduce between the ops).
+        self.cpu_decode_stack = (
+            self._cpu_decode_stack(backend, hf_config.rms_norm_eps)
+            if tp is None and isinstance(backend, TorchAttentionBackend)
+            else None
+        )
+
+    def _cpu_decode_stack(self, backend: TorchAttentionBackend, eps: float) -> CpuDecodeStack:
+        parts = [
+            DecoderLayerParts(
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                (
+                    layer.self_attn.qkv_proj,
+                    layer.self_attn.o_proj,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                ),
+            )
+            for layer in self.layers
+        ]
+        attention = self.layers[0].self_attn
+        return CpuDecodeStack(
+            parts,
+            backend,
+            self.rotary_emb,
+            attention.num_heads,
+            eps,
+            attention.scale,
+        )
 
     def forward(
         self,
@@ -199,6 +232,11 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.cpu_decode_stack is not None:
+            done = self.cpu_decode_stack.run(hidden, positions, kv_caches, meta)
+            if done is not None:
+                hidden, _ = self.norm(*done)
+                return hidden
         # On the CPU the cos/sin rows of this step's positions are gathered once for all layers.
         cos_sin = None if hidden.is_cuda else self.rotary_emb.lookup(positions, hidden.dtype)
         residual = None

@@ -4,6 +4,13 @@ Both compute in full precision from the integer codes (no activation quantizatio
 quantized model gives the numbers of its dequantized full-precision twin up to summation order.
 Where neither kernel runs (a CPU without a compiler, which kernels.cpu_ops says once in the log),
 the weight is dequantized per call: the same numbers, slowly.
+
+The one exception is W8A8 (`int8_activations`): a call of many rows (prefill, large decode
+batches) is bound by arithmetic, not by weight bytes, and there full-precision arithmetic on
+dequantized weights cannot beat full precision. So such calls quantize each row of x to int8
+(symmetric, its own scale) and multiply integers with torch._int_mm (oneDNN's VNNI / AMX
+kernels on the CPU), scaling the int32 sums by the row's and the channel's scales. Calls of up
+to SMALL_ROWS rows stream the weight through the weight-only kernel: activations stay exact.
 """
 
 from __future__ import annotations
@@ -11,23 +18,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.layers.matmul import SMALL_ROWS
 from engine.quantization.weights import FP8, FP8_MAX, QuantizedWeight, dequantize
 from kernels import quant_ops
 from kernels.cpu_ops import cpu_kernels_available
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    onednn_tiles: bool = False,
 ) -> torch.Tensor:
-    """x [..., in] @ dequantize(weight).T + bias, in x's dtype."""
+    """x [..., in] @ dequantize(weight).T + bias, in x's dtype. onednn_tiles: on the CPU, calls
+    of many rows multiply dequantized tiles through oneDNN (else torch's default GEMM)."""
     if weight.is_fp8:
         return fp8_linear(x, weight, bias)
+    if weight.int8_activations and x.numel() > SMALL_ROWS * weight.in_features:
+        return int8_activation_linear(x, weight, bias)
     if x.device.type == "cpu" and x.numel() and cpu_kernels_available():
         if weight.input_order is not None:
             x = x.index_select(-1, weight.input_order)
         rows = x.reshape(-1, weight.in_features).contiguous()
         out = quant_ops.quant_matmul(
-            rows, weight.data, weight.scales, weight.mins, weight.bits, weight.group_size, bias
+            rows,
+            weight.data,
+            weight.scales,
+            weight.mins,
+            weight.bits,
+            weight.group_size,
+            bias,
+            onednn_gemm=onednn_tiles,
         )
         return out.reshape(*x.shape[:-1], weight.out_features)
     if x.device.type == "cuda":
@@ -39,6 +60,20 @@ def quantized_linear(
             x, weight.data, weight.scales, weight.mins, weight.bits, weight.group_size, bias
         )
     return F.linear(x, dequantize(weight, x.dtype), bias)
+
+
+def int8_activation_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W.T with x quantized to int8 per row on the fly (W int8, one scale per row)."""
+    rows = x.reshape(-1, weight.in_features).float()
+    row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    quantized_rows = torch.round(rows / row_scales).to(torch.int8)
+    sums = torch._int_mm(quantized_rows, weight.data.t())
+    out = sums.float().mul_(row_scales).mul_(weight.scales.reshape(1, -1).float())
+    if bias is not None:
+        out.add_(bias.float())
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
 
 
 def fp8_linear(

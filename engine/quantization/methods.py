@@ -23,12 +23,12 @@ from engine.quantization.weights import Q4_BLOCK, quantize_fp8, quantize_int4, q
 
 logger = logging.getLogger(__name__)
 
-QuantizationMethod = Literal["int8", "int4", "gguf", "gptq", "awq", "fp8"]
+QuantizationMethod = Literal["int8", "w8a8", "int4", "gguf", "gptq", "awq", "fp8"]
 METHODS: tuple[QuantizationMethod, ...] = get_args(QuantizationMethod)
 # Quantized from a full-precision checkpoint as it loads.
-AT_LOAD: tuple[QuantizationMethod, ...] = ("int8", "int4", "fp8")
+AT_LOAD: tuple[QuantizationMethod, ...] = ("int8", "w8a8", "int4", "fp8")
 CHECKPOINT_FORMATS: tuple[QuantizationMethod, ...] = ("gptq", "awq")  # named in config.json
-CPU_METHODS: tuple[QuantizationMethod, ...] = ("int8", "int4", "gguf", "gptq", "awq")
+CPU_METHODS: tuple[QuantizationMethod, ...] = ("int8", "w8a8", "int4", "gguf", "gptq", "awq")
 # The quantized matmuls compute in the activations' dtype, float32 or bfloat16.
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -95,8 +95,8 @@ def resolve_method(
 def quantize_at_load(model: nn.Module, method: QuantizationMethod, group_size: int) -> None:
     """Quantize every Linear of a loaded full-precision model in place: the decoder's
     projections with `method`, the lm_head with int8 for int4 (4 bits there costs more quality
-    than the rest of the model together). The embedding keeps its precision: a lookup reads one
-    row."""
+    than the rest of the model together) and weight-only for w8a8. The embedding keeps its
+    precision: a lookup reads one row."""
     shared = shared_parameter_ids(model)
     if method == "int4":
         sizes = sorted({m.in_features for m in model.modules() if isinstance(m, Linear)})
@@ -116,6 +116,9 @@ def quantize_at_load(model: nn.Module, method: QuantizationMethod, group_size: i
                 quantized = quantize_int4(weight, group_size)
             else:
                 quantized = quantize_int8(weight)
+                # The lm_head keeps exact activations: integer logits cost the most quality of
+                # any layer, and serving computes them for a few rows per step, not a prompt's.
+                quantized.int8_activations = method == "w8a8" and name != "lm_head"
             module.use_quantized(quantized, keep_plain_weight=id(module.weight) in shared)
 
 

@@ -16,6 +16,8 @@ consecutive inputs sharing one scale (and, for 4 bits, one minimum):
   fifth of a 4-bit weight's bytes, and exactly what GGUF, GPTQ and AWQ store.
 - fp8 (CUDA): `data` float8_e4m3fn [out, in] and `scales` float32 [out, 1], one per output
   channel; the weight is `q * scale`, `bits` 8. The activations are scaled per row at run time.
+- `int8_activations` (8 bits, one group per row): calls with many rows quantize the activations
+  to int8 per row too and multiply integers (W8A8); see engine.quantization.matmul.
 - `input_order`: GPTQ's act-order checkpoints group inputs out of order; the loader sorts the
   inputs by group so groups are contiguous, and the activations are gathered in that order
   before the matmul (None: natural order).
@@ -23,7 +25,7 @@ consecutive inputs sharing one scale (and, for 4 bits, one minimum):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -43,11 +45,16 @@ class QuantizedWeight:
     scales: torch.Tensor
     mins: torch.Tensor | None = None
     input_order: torch.Tensor | None = None
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         groups = self.in_features // self.group_size
         if self.in_features % self.group_size:
             raise ValueError(f"group_size {self.group_size} does not divide {self.in_features}")
+        if self.int8_activations and (
+            self.bits != 8 or self.group_size != self.in_features or self.data.dtype != torch.int8
+        ):
+            raise ValueError("int8 activations need int8 weights with one scale per row")
         if self.bits == 4:
             if self.group_size % Q4_BLOCK or self.mins is None:
                 raise ValueError("4-bit weights need groups of a multiple of 32 and mins")
@@ -78,9 +85,9 @@ class QuantizedWeight:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return QuantizedWeight(
-            self.bits, self.out_features, self.in_features, self.group_size,
-            self.data.to(device), self.scales.to(device), move(self.mins), move(self.input_order),
+        return replace(
+            self, data=self.data.to(device), scales=self.scales.to(device),
+            mins=move(self.mins), input_order=move(self.input_order),
         )  # fmt: skip
 
     def select_rows(self, start: int, stop: int) -> QuantizedWeight:
@@ -89,10 +96,9 @@ class QuantizedWeight:
         def rows(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[start:stop].contiguous()
 
-        return QuantizedWeight(
-            self.bits, stop - start, self.in_features, self.group_size,
-            self.data[start:stop].contiguous(), self.scales[start:stop].contiguous(),
-            rows(self.mins), self.input_order,
+        return replace(
+            self, out_features=stop - start, data=self.data[start:stop].contiguous(),
+            scales=self.scales[start:stop].contiguous(), mins=rows(self.mins),
         )  # fmt: skip
 
 

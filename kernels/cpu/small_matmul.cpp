@@ -11,6 +11,7 @@
 // dequantized to fp32 and handed to at::addmm (MKL / oneDNN), so a quantized prefill costs about
 // what an fp32 one does.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -534,25 +535,53 @@ void small_rows(const Source& source, int64_t N, const Problem& p, bool buffered
   });
 }
 
-// The large-row path: tiles of output rows dequantized to fp32, then at::addmm into out's
-// columns (out [rows, N] fp32, written in place through a strided view).
+// oneDNN's linear on a plain fp32 weight (it reorders the weight into its own layout per call).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x,
+                                 weight,
+                                 bias.defined() ? c10::IValue(bias) : c10::IValue(),
+                                 c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<std::optional<c10::Scalar>>()),
+                                 c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// The large-row path: tiles of output rows dequantized to fp32, then a GEMM into out's columns
+// (out [rows, N] fp32): at::addmm in place through a strided view, or oneDNN's (onednn_gemm),
+// which on some CPUs (AMD's, where torch's fp32 GEMM is MKL's) runs several times faster; the
+// engine measures which at start-up (engine.layers.matmul_tuning).
 template <class Source>
 void large_rows(const Source& source, int64_t N, const at::Tensor& x, const at::Tensor& bias,
-                at::Tensor& out, int64_t group_size) {
+                at::Tensor& out, int64_t group_size, bool onednn_gemm) {
   const int64_t K = x.size(1);
   // About 4 MiB of fp32 weights per tile: few enough tiles that the parallel regions (one to
   // dequantize, one GEMM per tile) cost little, small enough to stay in the last-level cache
   // between dequantization and use.
   const int64_t tile_rows = std::max<int64_t>(64, ((1 << 20) / K + 3) / 4 * 4);
-  at::Tensor tile_buffer = at::empty({std::min(tile_rows, N), K}, x.options());
+  // Kept between calls: a fresh multi-MiB buffer per call is fresh pages from the OS, and their
+  // first-touch faults cost as much as a small GEMM.
+  static thread_local at::Tensor kept_tiles;
+  const int64_t tile_numel = std::min(tile_rows, N) * K;
+  if (!kept_tiles.defined() || kept_tiles.numel() < tile_numel) {
+    kept_tiles = at::empty({tile_numel}, x.options());
+  }
+  at::Tensor tile_buffer = kept_tiles.narrow(0, 0, tile_numel).view({std::min(tile_rows, N), K});
   float* tile_data = tile_buffer.data_ptr<float>();
   for (int64_t n0 = 0; n0 < N; n0 += tile_rows) {
     const int64_t count = std::min(tile_rows, N - n0);
     at::parallel_for(0, count, 16, [&](int64_t r0, int64_t r1) {
       dequantize_rows(source, n0 + r0, r1 - r0, K, group_size, tile_data + r0 * K);
     });
-    at::Tensor weight = tile_buffer.narrow(0, 0, count).t();
     at::Tensor columns = out.narrow(1, n0, count);
+    if (onednn_gemm) {
+      columns.copy_(onednn_linear(x, tile_buffer.narrow(0, 0, count),
+                                  bias.defined() ? bias.narrow(0, n0, count) : at::Tensor()));
+      continue;
+    }
+    at::Tensor weight = tile_buffer.narrow(0, 0, count).t();
     if (bias.defined()) {
       at::addmm_out(columns, bias.narrow(0, n0, count), x, weight);
     } else {
@@ -590,7 +619,8 @@ at::Tensor with_float_io(const at::Tensor& x, int64_t N, const std::optional<at:
 // dequantize tiles and use at::addmm.
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, int64_t bits, int64_t group_size,
-                        const std::optional<at::Tensor>& bias, int64_t gemm_min_rows) {
+                        const std::optional<at::Tensor>& bias, int64_t gemm_min_rows,
+                        bool onednn_gemm) {
   const int64_t K = x.size(-1);
   const int64_t N = data.size(0);
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
@@ -607,7 +637,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& data, const at::T
       const int64_t rows = x2.size(0);
       if (rows == 0) return;
       if (rows >= gemm_min_rows) {
-        large_rows(source, N, x2, b, out, group_size);
+        large_rows(source, N, x2, b, out, group_size, onednn_gemm);
         return;
       }
       // The 4-bit minimum's share of each output needs x's sum over every group (a plain loop:
@@ -704,7 +734,7 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& weight,
 TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
   m.def(
       "quant_matmul(Tensor x, Tensor data, Tensor scales, Tensor? mins, int bits, int group_size, "
-      "Tensor? bias, int gemm_min_rows=16) -> Tensor");
+      "Tensor? bias, int gemm_min_rows=16, bool onednn_gemm=False) -> Tensor");
   m.impl("quant_matmul", c10::DispatchKey::CPU, &quant_matmul);
   m.def(
       "quant_dequantize(Tensor data, Tensor scales, Tensor? mins, int bits, int group_size) -> "

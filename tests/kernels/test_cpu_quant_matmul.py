@@ -62,11 +62,12 @@ def test_quant_matmul_matches_dequantized_weight(
         expected = x.float() @ reference_weight.T
         if bias is not None:
             expected = expected + bias.float()
-        # Both paths at every size: streaming through registers, and dequantize-then-GEMM.
-        for gemm_min_rows in (1, 10**9):
+        # Every path at every size: streaming through registers, and dequantize-then-GEMM
+        # through torch's GEMM or oneDNN's.
+        for gemm_min_rows, onednn_gemm in ((1, False), (1, True), (10**9, False)):
             actual = quant_ops.quant_matmul(
                 x, weight.data, weight.scales, weight.mins, bits, weight.group_size, bias,
-                gemm_min_rows=gemm_min_rows,
+                gemm_min_rows=gemm_min_rows, onednn_gemm=onednn_gemm,
             )  # fmt: skip
             _close(actual, expected, dtype)
 

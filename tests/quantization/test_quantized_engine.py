@@ -77,6 +77,16 @@ def test_int4_perplexity_within_half_a_percent(
     assert int4 == pytest.approx(fp32_perplexity, rel=0.005)
 
 
+def test_w8a8_perplexity_within_five_percent(
+    default_model_path: Path, fp32_perplexity: float
+) -> None:
+    # Integer activations (per token, no smoothing) cost quality that weight-only int8 does not:
+    # ~3% on this 135M model, the price of its prefill throughput (bench/quantization.py).
+    w8a8 = _perplexity(str(default_model_path), "w8a8")
+    assert w8a8 == pytest.approx(fp32_perplexity, rel=0.05)
+    assert w8a8 != _perplexity(str(default_model_path), "int8")  # the activations did change
+
+
 NEAR_TIE_NATS = 0.1  # fp32's top two tokens this close: any rounding (bf16 too) may flip it
 
 
@@ -161,7 +171,7 @@ def test_gptq_and_awq_checkpoints_run_as_their_weights_say(
 
 def test_quantized_bfloat16_runs(tiny_llama_dir: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for quantization in ("int8", "int4"):
+    for quantization in ("int8", "w8a8", "int4"):
         llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization=quantization)
         assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
 

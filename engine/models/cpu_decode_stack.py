@@ -1,0 +1,130 @@
+"""A CPU decode step's decoder layers in one C++ call (kernels.cpu_ops.decode_layers).
+
+The Python forward of one decode step walks 30 layers through a dozen module calls and op
+dispatches each; at one sequence that is a fifth of a quantized model's step and a tenth of a
+full-precision one. Where a step can take the C++ path (decode-only, on the CPU, every sequence
+through the fused paged-attention kernel, the native glue, no tensor parallelism or fp8) the
+layers run there; the ops are the same ones the Python forward calls, in the same order, so the
+outputs are too. Everything else keeps the Python forward.
+
+The flat argument lists (weights, packed copies, norms) are built once per row class (the
+matmul plan picks backends by rows) and again only when a layer changes how it stores a weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.layers import cpu_glue
+from engine.layers.linear import Linear, storage_generation
+from engine.layers.matmul import SMALL_ROWS
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from kernels import cpu_ops
+
+
+@dataclass(frozen=True)
+class _LayerArgs:
+    """decode_layers' weight arguments for one row class."""
+
+    norm_weights: list[torch.Tensor]
+    linear_tensors: list[torch.Tensor | None]
+    linear_ints: list[int]
+
+
+@dataclass(frozen=True)
+class DecoderLayerParts:
+    """What the stack reads of one decoder layer (engine.models.llama builds these)."""
+
+    input_norm: RMSNorm
+    post_attention_norm: RMSNorm
+    projections: tuple[Linear, Linear, Linear, Linear]  # qkv, o, gate_up, down
+
+
+class CpuDecodeStack:
+    def __init__(
+        self,
+        layers: Sequence[DecoderLayerParts],
+        backend: TorchAttentionBackend,
+        rotary: RotaryEmbedding,
+        num_heads: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        self._layers = list(layers)
+        self._backend = backend
+        self._rotary = rotary
+        self._num_heads = num_heads
+        self._eps = eps
+        self._scale = scale
+        # Per row class (small or not): the storage generation read, and the arguments (None:
+        # some layer has no C++ path).
+        self._args: dict[bool, tuple[int, _LayerArgs | None]] = {}
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after the last layer, or None where this step needs the Python
+        forward."""
+        if (
+            hidden.device.type != "cpu"
+            or cpu_glue.current() is not cpu_glue.NATIVE
+            or not kv_caches
+        ):
+            return None
+        plan = self._backend.fused_decode_plan(meta, kv_caches[0][0], hidden)
+        if plan is None or plan.decode_tables is None or plan.decode_lens is None:
+            return None
+        args = self._layer_args(hidden.shape[0])
+        if args is None:
+            return None
+        return cpu_ops.decode_layers(
+            hidden.contiguous(),
+            positions.to(torch.int64).contiguous(),
+            plan.write_slots.contiguous(),
+            plan.decode_tables,
+            plan.decode_lens,
+            self._rotary.cos_sin_cache,
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            args.norm_weights,
+            args.linear_tensors,
+            args.linear_ints,
+            self._num_heads,
+            self._eps,
+            self._scale,
+        )
+
+    def _layer_args(self, rows: int) -> _LayerArgs | None:
+        small = rows <= SMALL_ROWS
+        generation = storage_generation()
+        cached = self._args.get(small)
+        if cached is not None and cached[0] == generation:
+            return cached[1]
+        args = self._build_args(rows)
+        self._args[small] = (generation, args)
+        return args
+
+    def _build_args(self, rows: int) -> _LayerArgs | None:
+        norms: list[torch.Tensor] = []
+        tensors: list[torch.Tensor | None] = []
+        ints: list[int] = []
+        for layer in self._layers:
+            norms += [layer.input_norm.weight, layer.post_attention_norm.weight]
+            for projection in layer.projections:
+                spec = projection.native_spec(rows)
+                if spec is None:
+                    return None
+                kind, spec_tensors, spec_ints = spec
+                tensors += spec_tensors
+                ints += [kind, *spec_ints]
+        return _LayerArgs(norms, tensors, ints)

@@ -1,0 +1,166 @@
+// Every decoder layer of a decode step in one call from Python.
+//
+// A decode step's arithmetic per layer is a few matmuls and small kernels, but from Python each
+// layer also costs a dozen module calls, argument checks and op dispatches: at one sequence that
+// overhead is a fifth of a quantized model's step. Here the layers run back to back in C++,
+// each op reached through the dispatcher (our kernels, oneDNN's and MKL's linears alike), in the
+// order the Python forward runs them, so the numbers are the same ones.
+//
+// Linear layers arrive as a flat spec, LINEAR_SLOTS optional tensors and LINEAR_INTS ints each,
+// four per layer in the order qkv, o, gate_up, down (see engine/models/cpu_decode_stack.py):
+//   kind ATEN:   weight                                 -> at::linear
+//   kind ONEDNN: weight (plain or packed by oneDNN)      -> mkldnn::_linear_pointwise
+//   kind MKL:    packed weight, plain weight; int hint   -> mkl::_mkl_linear
+//   kind QUANT:  codes, scales, mins; ints bits, group,
+//                oneDNN for the dequantized tiles          -> inferq_cpu::quant_matmul
+// each with an optional input order (GPTQ act-order) and bias.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLinearSlots = 5;  // a, b, c, input_order, bias
+constexpr int64_t kLinearInts = 4;   // kind, p0, p1, p2
+constexpr int64_t kLinearsPerLayer = 4;
+enum LinearKind : int64_t { kAten = 0, kOneDnn = 1, kMkl = 2, kQuant = 3 };
+
+c10::OperatorHandle find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor call_op(const c10::OperatorHandle& op, std::vector<c10::IValue> stack) {
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+c10::IValue optional_tensor(const std::optional<at::Tensor>& t) {
+  if (t.has_value() && t->defined()) return *t;
+  return c10::IValue();
+}
+
+struct Linear {
+  int64_t kind, p0, p1, p2;
+  std::optional<at::Tensor> a, b, c, input_order, bias;
+};
+
+at::Tensor run_linear(const Linear& spec, at::Tensor x) {
+  static const c10::OperatorHandle onednn = find_op("mkldnn::_linear_pointwise");
+  static const c10::OperatorHandle mkl = find_op("mkl::_mkl_linear");
+  static const c10::OperatorHandle quant = find_op("inferq_cpu::quant_matmul");
+  if (spec.input_order.has_value() && spec.input_order->defined()) {
+    x = x.index_select(-1, *spec.input_order);
+  }
+  switch (spec.kind) {
+    case kAten:
+      return at::linear(x, *spec.a, spec.bias);
+    case kOneDnn:
+      return call_op(onednn, {x.contiguous(), *spec.a, optional_tensor(spec.bias),
+                              c10::IValue(std::string("none")),
+                              c10::IValue(c10::List<std::optional<c10::Scalar>>()),
+                              c10::IValue(std::string(""))});
+    case kMkl:
+      return call_op(mkl, {x.contiguous(), *spec.a, *spec.b, optional_tensor(spec.bias),
+                           c10::IValue(spec.p0)});
+    case kQuant:
+      return call_op(quant, {x.contiguous(), *spec.a, *spec.b, optional_tensor(spec.c),
+                             c10::IValue(spec.p0), c10::IValue(spec.p1),
+                             optional_tensor(spec.bias), c10::IValue(int64_t{16}),
+                             c10::IValue(spec.p2 != 0)});
+    default:
+      TORCH_CHECK(false, "unknown linear kind ", spec.kind);
+  }
+}
+
+std::vector<Linear> read_linears(const c10::List<std::optional<at::Tensor>>& tensors,
+                                 c10::ArrayRef<int64_t> ints, int64_t count) {
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == count * kLinearSlots &&
+                  static_cast<int64_t>(ints.size()) == count * kLinearInts,
+              "linear spec must hold ", kLinearSlots, " tensors and ", kLinearInts,
+              " ints per linear");
+  std::vector<Linear> linears;
+  linears.reserve(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t t = i * kLinearSlots, n = i * kLinearInts;
+    linears.push_back(Linear{ints[n], ints[n + 1], ints[n + 2], ints[n + 3], tensors.get(t),
+                             tensors.get(t + 1), tensors.get(t + 2), tensors.get(t + 3),
+                             tensors.get(t + 4)});
+    TORCH_CHECK(linears.back().a.has_value(), "linear ", i, " has no weight");
+  }
+  return linears;
+}
+
+// hidden [T, hidden] (the embedded tokens) through every layer; returns (hidden, residual) for
+// the final norm, as the Python forward's last layer leaves them.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden_in, const at::Tensor& positions, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache,
+    at::TensorList key_caches, at::TensorList value_caches, at::TensorList norm_weights,
+    const c10::List<std::optional<at::Tensor>>& linear_tensors, c10::IntArrayRef linear_ints,
+    int64_t num_heads, double eps, double scale) {
+  static const c10::OperatorHandle rms_norm = find_op("inferq_cpu::rms_norm");
+  static const c10::OperatorHandle rotary_store_kv = find_op("inferq_cpu::rotary_store_kv");
+  static const c10::OperatorHandle attention = find_op("inferq_cpu::paged_decode_attention");
+  static const c10::OperatorHandle silu_and_mul = find_op("inferq_cpu::silu_and_mul");
+  static const c10::OperatorHandle add_rms_norm = find_op("inferq_cpu::add_rms_norm");
+
+  const int64_t num_layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == num_layers &&
+                  static_cast<int64_t>(norm_weights.size()) == 2 * num_layers,
+              "one key cache, value cache and two norm weights per layer");
+  const std::vector<Linear> linears =
+      read_linears(linear_tensors, linear_ints, num_layers * kLinearsPerLayer);
+  const int64_t num_tokens = hidden_in.size(0);
+
+  auto normed_sum = [&](const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& weight) {
+    std::vector<c10::IValue> stack{x, residual, weight, c10::IValue(eps)};
+    add_rms_norm.callBoxed(&stack);
+    return std::make_tuple(stack[0].toTensor(), stack[1].toTensor());
+  };
+
+  at::Tensor hidden = hidden_in;
+  at::Tensor residual;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const Linear* proj = linears.data() + layer * kLinearsPerLayer;
+    at::Tensor normed;
+    if (layer == 0) {
+      residual = hidden;
+      normed = call_op(rms_norm, {hidden, norm_weights[0], c10::IValue(eps)});
+    } else {
+      std::tie(normed, residual) = normed_sum(hidden, residual, norm_weights[2 * layer]);
+    }
+    const at::Tensor qkv = run_linear(proj[0], normed);
+    const at::Tensor q = call_op(rotary_store_kv, {qkv, positions, cos_sin_cache, slot_mapping,
+                                                   key_caches[layer], value_caches[layer],
+                                                   c10::IValue(num_heads)});
+    at::Tensor attended = at::empty_like(q);
+    std::vector<c10::IValue> stack{attended,          q,          key_caches[layer],
+                                   value_caches[layer], block_tables, seq_lens,
+                                   c10::IValue(scale)};
+    attention.callBoxed(&stack);
+    const at::Tensor projected = run_linear(proj[1], attended.view({num_tokens, -1}));
+    std::tie(normed, residual) = normed_sum(projected, residual, norm_weights[2 * layer + 1]);
+    const at::Tensor gate_up = run_linear(proj[2], normed);
+    hidden = run_linear(proj[3], call_op(silu_and_mul, {gate_up}));
+  }
+  return {hidden, residual};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
+  m.def(
+      "decode_layers(Tensor hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor seq_lens, Tensor cos_sin_cache, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+      "Tensor[] norm_weights, Tensor?[] linear_tensors, int[] linear_ints, int num_heads, "
+      "float eps, float scale) -> (Tensor, Tensor)");
+  m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
+  // oneDNN-packed weights are tensors of their own backend; dispatch sees them among the args.
+  m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &decode_layers);
+}

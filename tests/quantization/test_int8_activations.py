@@ -1,0 +1,50 @@
+"""W8A8: calls of many rows quantize activations per row and multiply integers; decode-sized
+calls keep exact activations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.matmul import SMALL_ROWS
+from engine.quantization.matmul import quantized_linear
+from engine.quantization.weights import QuantizedWeight, dequantize, quantize_int8
+from kernels.cpu_ops import cpu_kernels_available
+
+
+def _w8a8(out_features: int, in_features: int) -> QuantizedWeight:
+    torch.manual_seed(0)
+    weight = quantize_int8(torch.randn(out_features, in_features) / in_features**0.5)
+    weight.int8_activations = True
+    return weight
+
+
+def _fake_quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    scales = x.abs().amax(dim=1, keepdim=True) / 127
+    return torch.round(x / scales) * scales
+
+
+def test_many_rows_multiply_int8_activations() -> None:
+    weight = _w8a8(96, 64)
+    bias = torch.randn(96)
+    x = torch.randn(SMALL_ROWS + 5, 64)
+    got = quantized_linear(x, weight, bias)
+    w = dequantize(weight).double()
+    expected = _fake_quantized_rows(x.double()) @ w.T + bias.double()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    exact = x.double() @ w.T + bias.double()
+    assert not torch.allclose(got.double(), exact, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels need a C++ compiler")
+def test_decode_sized_calls_keep_exact_activations() -> None:
+    weight = _w8a8(96, 64)
+    weight_only = QuantizedWeight(8, 96, 64, 64, weight.data, weight.scales)
+    x = torch.randn(SMALL_ROWS, 64)
+    torch.testing.assert_close(quantized_linear(x, weight), quantized_linear(x, weight_only))
+
+
+def test_int8_activations_need_per_row_int8_weights() -> None:
+    weight = quantize_int8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="one scale per row"):
+        QuantizedWeight(8, 8, 64, 32, weight.data, torch.ones(8, 2).half(), int8_activations=True)
