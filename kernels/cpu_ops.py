@@ -24,6 +24,7 @@ _SOURCES = (
     Path(__file__).parent / "cpu" / "small_matmul.cpp",
     Path(__file__).parent / "cpu" / "decode_glue.cpp",
     Path(__file__).parent / "cpu" / "decode_stack.cpp",
+    Path(__file__).parent / "cpu" / "int8_matmul.cpp",
 )
 # -ffast-math lets the compiler vectorize the softmax's exp; the kernels never see inf or NaN
 # inputs (attention reads only the valid part of each context). -fopenmp makes at::parallel_for
@@ -145,7 +146,7 @@ def rotary_store_kv(
 # input_order, bias) and ints (kind, p0, p1, p2); see kernels/cpu/decode_stack.cpp for each kind.
 LINEAR_SLOTS = 5
 LINEAR_INTS = 4
-LINEAR_ATEN, LINEAR_ONEDNN, LINEAR_MKL, LINEAR_QUANT = 0, 1, 2, 3
+LINEAR_ATEN, LINEAR_ONEDNN, LINEAR_MKL, LINEAR_QUANT, LINEAR_W8A8 = 0, 1, 2, 3, 4
 
 
 def decode_layers(

@@ -28,6 +28,7 @@ __all__ = [
     "dense_matmul",
     "quant_dequantize",
     "quant_matmul",
+    "w8a8_matmul",
 ]
 
 # From this many rows of x on, quant_matmul dequantizes tiles of the weight to fp32 and runs
@@ -80,3 +81,15 @@ def dense_matmul(
     computes in fp32; prefill-sized calls belong to F.linear / oneDNN.
     """
     return torch.ops.inferq_cpu.dense_matmul(x.contiguous(), weight, bias)
+
+
+def w8a8_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., in] (fp32 or bf16) quantized to int8 per row (scale max|row| / 127, round half to
+    even) @ int8 weight [out, in].T, scaled back by the row's and the channel's scale
+    (weight_scales float16, one per output), + bias; in x's dtype."""
+    return torch.ops.inferq_cpu.w8a8_matmul(x, weight, weight_scales, bias)

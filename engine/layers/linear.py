@@ -68,25 +68,41 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return quantized_linear(x, self.quantized, self.bias, self._onednn_tiles())
-        return linear(x, self.weight, self.bias, self.plan, self.packed)
+        if self.quantized is None:
+            return linear(x, self.weight, self.bias, self.plan, self.packed)
+        if self._plain_for(x):
+            return linear(x, self.weight, self.bias, self.plan.plain())
+        return quantized_linear(x, self.quantized, self.bias, self._onednn_tiles())
+
+    def _plain_for(self, x: torch.Tensor) -> bool:
+        """Whether a quantized layer computes this call from its full-precision weight: one it
+        keeps anyway (an lm_head tied to the embedding), on the CPU, for a call of more than
+        SMALL_ROWS rows. Such calls are bound by arithmetic, where the weight's bytes do not
+        matter and dequantizing costs; decode-sized calls stream the smaller quantized weight."""
+        return x.device.type == "cpu" and self._plain_for_rows(x.numel() // self.in_features)
+
+    def _plain_for_rows(self, rows: int) -> bool:
+        return self.weight.device.type == "cpu" and rows > SMALL_ROWS
 
     def _onednn_tiles(self) -> bool:
         return self.plan.large in ONEDNN_BACKENDS
 
     def native_spec(self, rows: int) -> NativeLinear | None:
         """How the C++ decode stack computes this layer for calls of `rows` rows, exactly as
-        forward would on the CPU; None where it cannot (fp8 weights, int8 activations)."""
+        forward would on the CPU; None where it cannot (fp8 weights)."""
         bias = self.bias
         quantized = self.quantized
-        if quantized is not None:
-            if quantized.is_fp8 or (quantized.int8_activations and rows > SMALL_ROWS):
+        if quantized is not None and not self._plain_for_rows(rows):
+            if quantized.is_fp8:
                 return None
+            if quantized.int8_activations:
+                tensors = [quantized.data, quantized.scales, None, None, bias]
+                return cpu_ops.LINEAR_W8A8, tensors, [SMALL_ROWS, int(self._onednn_tiles()), 0]
             tensors = [quantized.data, quantized.scales, quantized.mins, quantized.input_order]
             ints = [quantized.bits, quantized.group_size, int(self._onednn_tiles())]
             return cpu_ops.LINEAR_QUANT, [*tensors, bias], ints
-        backend = "aten" if self.plan is ATEN else self.plan.backend_for(rows)
+        plan = self.plan if quantized is None else self.plan.plain()
+        backend = "aten" if plan is ATEN else plan.backend_for(rows)
         packed = self.packed or PackedWeights()
         if backend == "onednn_packed":
             return cpu_ops.LINEAR_ONEDNN, [packed.onednn, None, None, None, bias], [0, 0, 0]

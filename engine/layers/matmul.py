@@ -55,6 +55,12 @@ class MatmulPlan:
         """The forms of each weight this plan keeps ("plain", "onednn", "mkl")."""
         return _STORAGE[self.small] | _STORAGE[self.large]
 
+    def plain(self) -> MatmulPlan:
+        """This plan on weights kept only in plain layout (packed backends -> their plain kin)."""
+        kin: dict[Backend, Backend] = {"onednn_packed": "onednn", "mkl_packed": "aten"}
+        plain = MatmulPlan(kin.get(self.small, self.small), kin.get(self.large, self.large))
+        return self if plain == self else plain
+
     def describe(self) -> str:
         if self.small == self.large:
             return self.small

@@ -62,13 +62,19 @@ def quantized_linear(
     return F.linear(x, dequantize(weight, x.dtype), bias)
 
 
+_INV_127 = torch.tensor(1 / 127, dtype=torch.float32)
+
+
 def int8_activation_linear(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x @ W.T with x quantized to int8 per row on the fly (W int8, one scale per row)."""
+    if x.device.type == "cpu" and cpu_kernels_available():
+        return quant_ops.w8a8_matmul(x, weight.data, weight.scales, bias)
     rows = x.reshape(-1, weight.in_features).float()
-    row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
-    quantized_rows = torch.round(rows / row_scales).to(torch.int8)
+    # Products with reciprocals, as the C++ kernel computes them (the same codes, ties too).
+    row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * _INV_127
+    quantized_rows = torch.round(rows * (1 / row_scales)).to(torch.int8)
     sums = torch._int_mm(quantized_rows, weight.data.t())
     out = sums.float().mul_(row_scales).mul_(weight.scales.reshape(1, -1).float())
     if bias is not None:

@@ -13,6 +13,8 @@
 //   kind MKL:    packed weight, plain weight; int hint   -> mkl::_mkl_linear
 //   kind QUANT:  codes, scales, mins; ints bits, group,
 //                oneDNN for the dequantized tiles          -> inferq_cpu::quant_matmul
+//   kind W8A8:   int8 codes, scales; ints the most rows
+//                kept exact, oneDNN tiles                 -> inferq_cpu::w8a8_matmul above that
 // each with an optional input order (GPTQ act-order) and bias.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -28,7 +30,7 @@ namespace {
 constexpr int64_t kLinearSlots = 5;  // a, b, c, input_order, bias
 constexpr int64_t kLinearInts = 4;   // kind, p0, p1, p2
 constexpr int64_t kLinearsPerLayer = 4;
-enum LinearKind : int64_t { kAten = 0, kOneDnn = 1, kMkl = 2, kQuant = 3 };
+enum LinearKind : int64_t { kAten = 0, kOneDnn = 1, kMkl = 2, kQuant = 3, kW8A8 = 4 };
 
 c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -53,6 +55,7 @@ at::Tensor run_linear(const Linear& spec, at::Tensor x) {
   static const c10::OperatorHandle onednn = find_op("mkldnn::_linear_pointwise");
   static const c10::OperatorHandle mkl = find_op("mkl::_mkl_linear");
   static const c10::OperatorHandle quant = find_op("inferq_cpu::quant_matmul");
+  static const c10::OperatorHandle w8a8 = find_op("inferq_cpu::w8a8_matmul");
   if (spec.input_order.has_value() && spec.input_order->defined()) {
     x = x.index_select(-1, *spec.input_order);
   }
@@ -72,6 +75,13 @@ at::Tensor run_linear(const Linear& spec, at::Tensor x) {
                              c10::IValue(spec.p0), c10::IValue(spec.p1),
                              optional_tensor(spec.bias), c10::IValue(int64_t{16}),
                              c10::IValue(spec.p2 != 0)});
+    case kW8A8:
+      if (x.numel() > spec.p0 * x.size(-1)) {
+        return call_op(w8a8, {x, *spec.a, *spec.b, optional_tensor(spec.bias)});
+      }
+      return call_op(quant, {x.contiguous(), *spec.a, *spec.b, c10::IValue(), c10::IValue(int64_t{8}),
+                             c10::IValue(x.size(-1)), optional_tensor(spec.bias),
+                             c10::IValue(int64_t{16}), c10::IValue(spec.p1 != 0)});
     default:
       TORCH_CHECK(false, "unknown linear kind ", spec.kind);
   }

@@ -100,11 +100,17 @@ def test_projection_biases_and_tied_embeddings_go_through_the_stack(
     assert with_stack == without
 
 
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"cpu_matmul": "onednn_packed"}, {"quantization": "w8a8"}],
+    ids=["onednn_packed", "w8a8"],
+)
 def test_decode_batches_above_the_small_call_size_use_the_large_backend(
-    tiny_llama_dir: Path, stack_calls: list[int]
+    tiny_llama_dir: Path, engine_args: dict[str, str], stack_calls: list[int]
 ) -> None:
-    # More sequences than SMALL_ROWS: the matmul plan's other backend, built as its own spec.
-    llm = LLM(str(tiny_llama_dir), dtype="float32", cpu_matmul="onednn_packed")
+    # More sequences than SMALL_ROWS: the matmul plan's other backend, built as its own spec;
+    # for w8a8 the calls that quantize activations.
+    llm = LLM(str(tiny_llama_dir), dtype="float32", **engine_args)
     with_stack, without = _with_and_without_stack(llm, _prompts(24))
     assert max(stack_calls) > 16
     assert with_stack == without

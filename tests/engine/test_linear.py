@@ -21,6 +21,8 @@ from engine.layers.matmul import (
     uniform,
 )
 from engine.model_runner import ModelRunner, resolve_dtype
+from engine.quantization.matmul import quantized_linear
+from engine.quantization.weights import quantize_int8
 
 SHAPES = [(40, 48), (96, 48), (48, 32)]
 
@@ -181,3 +183,20 @@ def test_the_runner_logs_its_choice(tiny_llama_dir, caplog):
         EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=8, enforce_eager=True), tiny_llama_dir
     )
     assert any("cpu matmul" in record.getMessage() for record in caplog.records)
+
+
+def test_a_quantized_layer_keeping_its_plain_weight_uses_it_for_prefill_sized_calls() -> None:
+    # A tied lm_head keeps the embedding's full-precision weight anyway: calls bound by
+    # arithmetic use it (exact and faster), decode-sized ones stream the int8 codes.
+    torch.manual_seed(0)
+    tied, separate = Linear(64, 48, bias=False), Linear(64, 48, bias=False)
+    separate.weight = tied.weight
+    quantized = quantize_int8(tied.weight.detach())
+    tied.use_quantized(quantized, keep_plain_weight=True)
+    separate.use_quantized(quantized)
+    many, few = torch.randn(SMALL_ROWS + 1, 64), torch.randn(SMALL_ROWS, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(tied(many), F.linear(many, tied.weight))
+        torch.testing.assert_close(tied(few), quantized_linear(few, quantized))
+        torch.testing.assert_close(separate(many), quantized_linear(many, quantized))
+        assert not torch.allclose(tied(many), separate(many), rtol=1e-6, atol=1e-6)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.layers.matmul import SMALL_ROWS
+from engine.quantization import matmul as int8_matmul
 from engine.quantization.matmul import quantized_linear
 from engine.quantization.weights import QuantizedWeight, dequantize, quantize_int8
 from kernels.cpu_ops import cpu_kernels_available
@@ -21,10 +22,16 @@ def _w8a8(out_features: int, in_features: int) -> QuantizedWeight:
 
 def _fake_quantized_rows(x: torch.Tensor) -> torch.Tensor:
     scales = x.abs().amax(dim=1, keepdim=True) / 127
-    return torch.round(x / scales) * scales
+    return torch.round(x / scales) * scales  # in float64: no tie of the float32 codes differs
 
 
-def test_many_rows_multiply_int8_activations() -> None:
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpp", "torch"])
+def test_many_rows_multiply_int8_activations(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kernels and not cpu_kernels_available():
+        pytest.skip("the CPU kernels need a C++ compiler")
+    monkeypatch.setattr(int8_matmul, "cpu_kernels_available", lambda: kernels)
     weight = _w8a8(96, 64)
     bias = torch.randn(96)
     x = torch.randn(SMALL_ROWS + 5, 64)
@@ -48,3 +55,21 @@ def test_int8_activations_need_per_row_int8_weights() -> None:
     weight = quantize_int8(torch.randn(8, 64))
     with pytest.raises(ValueError, match="one scale per row"):
         QuantizedWeight(8, 8, 64, 32, weight.data, torch.ones(8, 2).half(), int8_activations=True)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels need a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_kernel_computes_the_torch_reference(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weight = _w8a8(200, 128)
+    x = (3 * torch.randn(2, 40, 128)).to(dtype)
+    bias = torch.randn(200)
+    got = quantized_linear(x, weight, bias)
+    monkeypatch.setattr(int8_matmul, "cpu_kernels_available", lambda: False)
+    expected = quantized_linear(x, weight, bias)
+    assert got.dtype == dtype and got.shape == (2, 40, 200)
+    # fp32: the same codes and products, up to the order of the last multiplications; bf16:
+    # that order may flip the final rounding to 8 mantissa bits.
+    tolerance = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance * 4)
