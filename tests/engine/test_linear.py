@@ -129,9 +129,8 @@ def test_a_forced_backend_is_used_without_measuring(monkeypatch):
 
 
 def _fake_timings(bf16_ms: float):
-    def timings(shapes, dtype):
-        ms = bf16_ms if dtype == torch.bfloat16 else 10.0
-        return {"aten": (ms, ms * 10)}
+    def timings(shapes):
+        return {"float32": {"aten": (10.0, 100.0)}, "bfloat16": {"aten": (bf16_ms, bf16_ms * 10)}}
 
     return timings
 
@@ -147,7 +146,7 @@ def _fake_timings(bf16_ms: float):
 def test_auto_dtype_on_the_cpu_picks_bf16_only_where_native_and_faster(
     monkeypatch, native, bf16_ms, expected
 ):
-    monkeypatch.setattr(matmul_tuning, "cached_timings", _fake_timings(bf16_ms))
+    monkeypatch.setattr(matmul_tuning, "dtype_timings", _fake_timings(bf16_ms))
     chosen = matmul_tuning.auto_dtype(SHAPES, bf16_native=lambda: native)
     assert chosen == expected
     cpu = torch.device("cpu")
@@ -157,8 +156,27 @@ def test_auto_dtype_on_the_cpu_picks_bf16_only_where_native_and_faster(
 
 
 def test_auto_dtype_keeps_float32_for_a_forced_fp32_only_backend(monkeypatch):
-    monkeypatch.setattr(matmul_tuning, "cached_timings", _fake_timings(1.0))
+    monkeypatch.setattr(matmul_tuning, "dtype_timings", _fake_timings(1.0))
     assert matmul_tuning.auto_dtype(SHAPES, "mkl_packed", lambda: True) == torch.float32
+
+
+def test_fp32_and_bf16_are_measured_alternately_once_per_machine(monkeypatch, tmp_path):
+    # Measured apart, a burst of load could slow one dtype only, and the cache would keep the
+    # wrong choice for good; alternating makes it hit both alike.
+    order = []
+
+    def fake_measure(shapes, dtype, backends):
+        order.append(dtype)
+        return {name: (1.0, 1.0) for name in backends}
+
+    monkeypatch.setattr(matmul_tuning, "measure", fake_measure)
+    first = matmul_tuning.dtype_timings(SHAPES)
+    assert order == [torch.float32, torch.bfloat16] * 2
+    assert set(first) == {"float32", "bfloat16"}
+    assert matmul_tuning.dtype_timings(SHAPES) == first  # the next start reads the cache
+    assert len(order) == 4
+    files = list((tmp_path / "home" / matmul_tuning.AUTO_DTYPE_KIND).glob("*.json"))
+    assert len(files) == 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
