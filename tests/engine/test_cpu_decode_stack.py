@@ -7,12 +7,13 @@ layer can be stored (plain, packed for oneDNN or MKL, int8 or int4 codes) and bo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine import LLM
+from engine.layers.linear import Linear, NativeLinear
 from engine.models import cpu_decode_stack
 from kernels import cpu_ops
 from schemas.sampling import SamplingParams
@@ -131,15 +132,15 @@ def test_a_layer_without_a_cpp_path_keeps_the_python_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     llm = LLM(str(tiny_llama_dir), dtype="float32")
-    expected = _outputs(llm, _prompts(2))
-    stack_calls.clear()
-    down = llm.engine.runner.model.model.layers[-1].mlp.down_proj
-    unsupported: Callable[[int], None] = lambda rows: None  # noqa: E731  (as fp8 weights answer)
-    monkeypatch.setattr(down, "native_spec", unsupported)
-    llm.engine.runner.model.model.cpu_decode_stack = (
-        llm.engine.runner.model.model._cpu_decode_stack(
-            llm.engine.runner.model.model.layers[0].self_attn.backend, 1e-5
-        )
-    )
-    assert _outputs(llm, _prompts(2)) == expected
+    model = llm.engine.runner.model.model
+    down = model.layers[-1].mlp.down_proj
+    native_spec = Linear.native_spec
+
+    def without_down(self: Linear, rows: int) -> NativeLinear | None:
+        return None if self is down else native_spec(self, rows)  # as fp8 weights answer
+
+    monkeypatch.setattr(Linear, "native_spec", without_down)
+    got = _outputs(llm, _prompts(2))
     assert stack_calls == []
+    model.cpu_decode_stack = None
+    assert got == _outputs(llm, _prompts(2))
