@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -115,10 +116,11 @@ def quantize_at_load(model: nn.Module, method: QuantizationMethod, group_size: i
             elif method == "int4" and name != "lm_head":
                 quantized = quantize_int4(weight, group_size)
             else:
-                quantized = quantize_int8(weight)
                 # The lm_head keeps exact activations: integer logits cost the most quality of
                 # any layer, and serving computes them for a few rows per step, not a prompt's.
-                quantized.int8_activations = method == "w8a8" and name != "lm_head"
+                quantized = replace(
+                    quantize_int8(weight), int8_activations=method == "w8a8" and name != "lm_head"
+                )
             module.use_quantized(quantized, keep_plain_weight=id(module.weight) in shared)
 
 

@@ -3,6 +3,8 @@ calls keep exact activations."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,8 +18,7 @@ from kernels.cpu_ops import cpu_kernels_available
 def _w8a8(out_features: int, in_features: int) -> QuantizedWeight:
     torch.manual_seed(0)
     weight = quantize_int8(torch.randn(out_features, in_features) / in_features**0.5)
-    weight.int8_activations = True
-    return weight
+    return replace(weight, int8_activations=True)
 
 
 def _fake_quantized_rows(x: torch.Tensor) -> torch.Tensor:
