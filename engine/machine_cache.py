@@ -14,6 +14,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -54,8 +55,7 @@ def cached(
 
     `read` turns the stored JSON back into the result and raises (KeyError, TypeError,
     ValueError) on anything it does not recognise, which counts as absent."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    path = inferq_home() / kind / f"{digest}.json"
+    path = _entry_path(kind, key)
     try:
         stored = json.loads(path.read_text())
         if stored["key"] == key:
@@ -63,6 +63,13 @@ def cached(
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         pass  # absent or unreadable: measure again
     value = measure()
+    store(kind, key, value)
+    return value
+
+
+def store(kind: str, key: dict[str, Any], value: Any) -> None:
+    """Keep value as the measurement of key (what `cached` reads back); a failure is logged."""
+    path = _entry_path(kind, key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{time.monotonic_ns()}.tmp")
@@ -70,4 +77,8 @@ def cached(
         partial.replace(path)  # atomic: engines starting together never read half a file
     except OSError as exc:
         logger.warning("could not keep the %s measurement in %s: %s", kind, path, exc)
-    return value
+
+
+def _entry_path(kind: str, key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return inferq_home() / kind / f"{digest}.json"

@@ -55,7 +55,7 @@ def cpu_flags() -> str:
 
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in (*_SOURCES, *sorted(_SOURCES[0].parent.glob("*.h"))):
         digest.update(source.read_bytes())
     digest.update(" ".join(_CFLAGS).encode())
     digest.update(cpu_flags().encode())
@@ -142,6 +142,13 @@ def rotary_store_kv(
     )
 
 
+# From this many rows of x on, quant_matmul dequantizes tiles of the weight to fp32 and runs
+# at::addmm (compute-bound prefill); below it the weights stream once through registers
+# (memory-bound decode). Measured with bench/quant_matmul.py on an AVX2 Zen 3: at 8 rows the
+# streaming path is ~10% faster, at 16 the GEMM path ~15%, at 32+ far faster. The C++ op's
+# default (kernels/cpu/small_matmul.cpp) is the same number; decode_layers is given this one.
+QUANT_GEMM_MIN_ROWS = 16
+
 # How decode_layers reads its flat linear spec: per linear, this many optional tensors (a, b, c,
 # input_order, bias) and ints (kind, p0, p1, p2); see kernels/cpu/decode_stack.cpp for each kind.
 LINEAR_SLOTS = 5
@@ -185,4 +192,5 @@ def decode_layers(
         num_heads,
         eps,
         scale,
+        QUANT_GEMM_MIN_ROWS,
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_ops import cpu_kernels_available
+from kernels.cpu_ops import QUANT_GEMM_MIN_ROWS, cpu_kernels_available
 
 __all__ = [
     "QUANT_GEMM_MIN_ROWS",
@@ -30,13 +30,6 @@ __all__ = [
     "quant_matmul",
     "w8a8_matmul",
 ]
-
-# From this many rows of x on, quant_matmul dequantizes tiles of the weight to fp32 and runs
-# at::addmm (compute-bound prefill); below it the weights stream once through registers
-# (memory-bound decode). Measured with bench/quant_matmul.py on an AVX2 Zen 3: at 8 rows the
-# streaming path is ~10% faster, at 16 the GEMM path ~15%, at 32+ far faster. The C++ op's
-# default (kernels/cpu/small_matmul.cpp) is the same number.
-QUANT_GEMM_MIN_ROWS = 16
 
 
 def quant_matmul(

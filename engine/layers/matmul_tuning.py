@@ -37,7 +37,7 @@ from engine.layers.matmul import (
     run,
     uniform,
 )
-from engine.machine_cache import cached, machine_key
+from engine.machine_cache import cached, machine_key, store
 from engine.models import model_factory
 
 logger = logging.getLogger(__name__)
@@ -163,12 +163,16 @@ def measure(
     }
 
 
+def _timings_key(shapes: list[Shape], dtype: torch.dtype) -> dict[str, Any]:
+    return machine_key(
+        dtype=str(dtype).removeprefix("torch."), shapes=[list(shape) for shape in shapes]
+    )
+
+
 def cached_timings(shapes: list[Shape], dtype: torch.dtype) -> Timings:
     """The timings of this machine for (shapes, dtype): from the cache, else measured and kept."""
     backends = available_backends(dtype)
-    key = machine_key(
-        dtype=str(dtype).removeprefix("torch."), shapes=[list(shape) for shape in shapes]
-    )
+    key = _timings_key(shapes, dtype)
 
     def read(stored: Any) -> Timings:
         if set(stored) != set(backends):
@@ -214,6 +218,9 @@ def dtype_timings(shapes: list[Shape]) -> dict[str, Timings]:
                     backend: (min(small, previous[backend][0]), min(large, previous[backend][1]))
                     for backend, (small, large) in timings.items()
                 }
+        # Each dtype's plan (`tune`) reads these too, instead of measuring its dtype again.
+        for name, dtype in names.items():
+            store(CACHE_KIND, _timings_key(shapes, dtype), best[name])
         return best
 
     def read(stored: Any) -> dict[str, Timings]:

@@ -25,6 +25,8 @@
 #include <tuple>
 #include <vector>
 
+#include "onednn_linear.h"
+
 namespace {
 
 constexpr int64_t kLinearSlots = 5;  // a, b, c, input_order, bias
@@ -51,8 +53,8 @@ struct Linear {
   std::optional<at::Tensor> a, b, c, input_order, bias;
 };
 
-at::Tensor run_linear(const Linear& spec, at::Tensor x) {
-  static const c10::OperatorHandle onednn = find_op("mkldnn::_linear_pointwise");
+// quant_gemm_min_rows: from this many rows on, quant_matmul runs its dequantized-tile GEMM.
+at::Tensor run_linear(const Linear& spec, at::Tensor x, int64_t quant_gemm_min_rows) {
   static const c10::OperatorHandle mkl = find_op("mkl::_mkl_linear");
   static const c10::OperatorHandle quant = find_op("inferq_cpu::quant_matmul");
   static const c10::OperatorHandle w8a8 = find_op("inferq_cpu::w8a8_matmul");
@@ -63,17 +65,14 @@ at::Tensor run_linear(const Linear& spec, at::Tensor x) {
     case kAten:
       return at::linear(x, *spec.a, spec.bias);
     case kOneDnn:
-      return call_op(onednn, {x.contiguous(), *spec.a, optional_tensor(spec.bias),
-                              c10::IValue(std::string("none")),
-                              c10::IValue(c10::List<std::optional<c10::Scalar>>()),
-                              c10::IValue(std::string(""))});
+      return inferq_cpu::onednn_linear(x.contiguous(), *spec.a, spec.bias.value_or(at::Tensor()));
     case kMkl:
       return call_op(mkl, {x.contiguous(), *spec.a, *spec.b, optional_tensor(spec.bias),
                            c10::IValue(spec.p0)});
     case kQuant:
       return call_op(quant, {x.contiguous(), *spec.a, *spec.b, optional_tensor(spec.c),
                              c10::IValue(spec.p0), c10::IValue(spec.p1),
-                             optional_tensor(spec.bias), c10::IValue(int64_t{16}),
+                             optional_tensor(spec.bias), c10::IValue(quant_gemm_min_rows),
                              c10::IValue(spec.p2 != 0)});
     case kW8A8:
       if (x.numel() > spec.p0 * x.size(-1)) {
@@ -81,7 +80,7 @@ at::Tensor run_linear(const Linear& spec, at::Tensor x) {
       }
       return call_op(quant, {x.contiguous(), *spec.a, *spec.b, c10::IValue(), c10::IValue(int64_t{8}),
                              c10::IValue(x.size(-1)), optional_tensor(spec.bias),
-                             c10::IValue(int64_t{16}), c10::IValue(spec.p1 != 0)});
+                             c10::IValue(quant_gemm_min_rows), c10::IValue(spec.p1 != 0)});
     default:
       TORCH_CHECK(false, "unknown linear kind ", spec.kind);
   }
@@ -112,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache,
     at::TensorList key_caches, at::TensorList value_caches, at::TensorList norm_weights,
     const c10::List<std::optional<at::Tensor>>& linear_tensors, c10::IntArrayRef linear_ints,
-    int64_t num_heads, double eps, double scale) {
+    int64_t num_heads, double eps, double scale, int64_t quant_gemm_min_rows) {
   static const c10::OperatorHandle rms_norm = find_op("inferq_cpu::rms_norm");
   static const c10::OperatorHandle rotary_store_kv = find_op("inferq_cpu::rotary_store_kv");
   static const c10::OperatorHandle attention = find_op("inferq_cpu::paged_decode_attention");
@@ -145,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     } else {
       std::tie(normed, residual) = normed_sum(hidden, residual, norm_weights[2 * layer]);
     }
-    const at::Tensor qkv = run_linear(proj[0], normed);
+    const at::Tensor qkv = run_linear(proj[0], normed, quant_gemm_min_rows);
     const at::Tensor q = call_op(rotary_store_kv, {qkv, positions, cos_sin_cache, slot_mapping,
                                                    key_caches[layer], value_caches[layer],
                                                    c10::IValue(num_heads)});
@@ -154,10 +153,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                                    value_caches[layer], block_tables, seq_lens,
                                    c10::IValue(scale)};
     attention.callBoxed(&stack);
-    const at::Tensor projected = run_linear(proj[1], attended.view({num_tokens, -1}));
+    const at::Tensor projected =
+        run_linear(proj[1], attended.view({num_tokens, -1}), quant_gemm_min_rows);
     std::tie(normed, residual) = normed_sum(projected, residual, norm_weights[2 * layer + 1]);
-    const at::Tensor gate_up = run_linear(proj[2], normed);
-    hidden = run_linear(proj[3], call_op(silu_and_mul, {gate_up}));
+    const at::Tensor gate_up = run_linear(proj[2], normed, quant_gemm_min_rows);
+    hidden = run_linear(proj[3], call_op(silu_and_mul, {gate_up}), quant_gemm_min_rows);
   }
   return {hidden, residual};
 }
@@ -169,7 +169,7 @@ TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
       "decode_layers(Tensor hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor cos_sin_cache, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor[] norm_weights, Tensor?[] linear_tensors, int[] linear_ints, int num_heads, "
-      "float eps, float scale) -> (Tensor, Tensor)");
+      "float eps, float scale, int quant_gemm_min_rows) -> (Tensor, Tensor)");
   m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
   // oneDNN-packed weights are tensors of their own backend; dispatch sees them among the args.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &decode_layers);

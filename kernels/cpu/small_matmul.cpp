@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "onednn_linear.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define INFERQ_AVX2 1
@@ -644,20 +646,6 @@ void small_rows(const Source& source, int64_t N, const Problem& p, bool buffered
   });
 }
 
-// oneDNN's linear on a plain fp32 weight (it reorders the weight into its own layout per call).
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x,
-                                 weight,
-                                 bias.defined() ? c10::IValue(bias) : c10::IValue(),
-                                 c10::IValue(std::string("none")),
-                                 c10::IValue(c10::List<std::optional<c10::Scalar>>()),
-                                 c10::IValue(std::string(""))};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
 // The large-row path: tiles of output rows dequantized to fp32, then a GEMM into out's columns
 // (out [rows, N] fp32): at::addmm in place through a strided view, or oneDNN's (onednn_gemm),
 // which on some CPUs (AMD's, where torch's fp32 GEMM is MKL's) runs several times faster; the
@@ -686,7 +674,7 @@ void large_rows(const Source& source, int64_t N, const at::Tensor& x, const at::
     });
     at::Tensor columns = out.narrow(1, n0, count);
     if (onednn_gemm) {
-      columns.copy_(onednn_linear(x, tile_buffer.narrow(0, 0, count),
+      columns.copy_(inferq_cpu::onednn_linear(x, tile_buffer.narrow(0, 0, count),
                                   bias.defined() ? bias.narrow(0, n0, count) : at::Tensor()));
       continue;
     }

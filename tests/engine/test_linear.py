@@ -218,3 +218,21 @@ def test_a_quantized_layer_keeping_its_plain_weight_uses_it_for_prefill_sized_ca
         torch.testing.assert_close(tied(few), quantized_linear(few, quantized))
         torch.testing.assert_close(separate(many), quantized_linear(many, quantized))
         assert not torch.allclose(tied(many), separate(many), rtol=1e-6, atol=1e-6)
+
+
+def test_the_chosen_dtype_plan_reuses_the_alternating_measurement(monkeypatch, tmp_path):
+    # dtype="auto" measures both dtypes at start-up; the plan for the chosen one must not
+    # measure again (start-up time), and must come from those same timings.
+    order = []
+
+    def fake_measure(shapes, dtype, backends):
+        order.append(dtype)
+        return {name: (len(order), 2.0 * len(order)) for name in backends}
+
+    monkeypatch.setattr(matmul_tuning, "measure", fake_measure)
+    both = matmul_tuning.dtype_timings(SHAPES)
+    measured = len(order)
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        tuning = matmul_tuning.tune(SHAPES, dtype, "auto")
+        assert tuning.timings == both[name]
+    assert len(order) == measured
