@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = (
     Path(__file__).parent / "cpu" / "paged_decode.cpp",
+    Path(__file__).parent / "cpu" / "paged_prefill.cpp",
     Path(__file__).parent / "cpu" / "small_matmul.cpp",
     Path(__file__).parent / "cpu" / "decode_glue.cpp",
     Path(__file__).parent / "cpu" / "decode_stack.cpp",
@@ -103,6 +104,27 @@ def paged_decode_attention(
     """
     torch.ops.inferq_cpu.paged_decode_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, scale
+    )
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """out rows of every prefill chunk <- causal attention over the chunk's paged context.
+
+    Chunk c is query rows starts[c]:starts[c] + query_lens[c] of query [T, H, D], the last
+    query_lens[c] of its sequence's seq_lens[c] tokens, whose K/V (these rows' included) are in
+    key/value_cache [num_blocks, block_size, Hkv, D] through block_tables[c]; all int32."""
+    torch.ops.inferq_cpu.paged_prefill_attention(
+        out, query, key_cache, value_cache, block_tables, starts, query_lens, seq_lens, scale
     )
 
 

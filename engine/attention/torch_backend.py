@@ -1,8 +1,8 @@
 """Paged attention in plain torch: the CPU production path and the reference on any device.
 
-On the CPU, decode rows go through a C++ kernel that reads K/V straight from the cache blocks
-(kernels.cpu_ops) when it could be built; everything below describes the portable path, which
-prefill chunks always take.
+On the CPU, decode rows and prefill chunks go through C++ kernels that read K/V straight from
+the cache blocks (kernels.cpu_ops) when they could be built: one call per layer for all decodes,
+one for all prefill chunks. Everything below describes the portable path.
 
 Every layer first stores the step's K/V into the paged cache (index_copy_ on the flat slot
 dimension), then reads each sequence's whole context back through its block table. Sequences
@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
-from kernels.cpu_ops import cpu_kernels_available, paged_decode_attention, rotary_store_kv
+from kernels.cpu_ops import (
+    cpu_kernels_available,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rotary_store_kv,
+)
 
 
 @dataclass
@@ -50,17 +55,24 @@ class TorchAttentionPlan:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, ctx] additive; None: nothing padded
     prefills: list[PrefillChunk]
     max_gather_blocks: int  # workspace size in blocks
+    # The prefill kernel's view of the prefill chunks (int32, one entry per chunk); None where
+    # the portable path runs them.
+    prefill_tables: torch.Tensor | None = None  # [chunks, W] block tables
+    prefill_starts: torch.Tensor | None = None  # first query row of each chunk
+    prefill_query_lens: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
     # Every sequence decodes one token through the fused kernel: the step may rotate and store
     # in one kernel call too (decode_from_qkv).
     decodes_only_fused: bool = False
 
 
 def build_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, fused_decode: bool
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, paged_kernels: bool
 ) -> TorchAttentionPlan:
     """Derive the per-step gather indices and masks from the batch description (once per step).
 
-    fused_decode: decodes read the cache through their block tables (no gather indices, no mask).
+    paged_kernels: decodes and prefill chunks read the cache through their block tables (no
+    gather indices, no masks).
     """
     device = meta.slot_mapping.device
     slot_mapping = meta.slot_mapping.to(torch.int64)
@@ -79,7 +91,7 @@ def build_plan(
     decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
     decode_rows = decode_blocks = decode_mask = decode_tables = decode_lens = None
     decode_blocks_per_seq = 0
-    if decode_seqs and fused_decode:
+    if decode_seqs and paged_kernels:
         if len(decode_seqs) == len(query_lens):
             decode_tables, decode_lens = meta.block_tables.contiguous(), meta.seq_lens
         else:
@@ -102,11 +114,11 @@ def build_plan(
             padded = torch.arange(ctx, device=device)[None, :] >= lens[:, None]
             decode_mask = _additive(padded, dtype).view(len(decode_seqs), 1, 1, ctx)
 
+    prefill_seqs = [i for i, n in enumerate(query_lens) if n > 1]
     prefills = []
     max_gather_blocks = len(decode_seqs) * decode_blocks_per_seq
-    for i, n in enumerate(query_lens):
-        if n == 1:
-            continue
+    for i in prefill_seqs if not paged_kernels else ():
+        n = query_lens[i]
         seq_len = seq_lens[i]
         num_blocks = -(-seq_len // block_size)
         mask = None
@@ -118,6 +130,21 @@ def build_plan(
         blocks = meta.block_tables[i, :num_blocks].to(torch.int64)
         prefills.append(PrefillChunk(starts[i], starts[i] + n, seq_len, blocks, mask))
 
+    fused_prefill: dict[str, torch.Tensor] = {}
+    if prefill_seqs and paged_kernels:
+        index = torch.tensor(prefill_seqs, device=device)
+        fused_prefill = {
+            "prefill_tables": meta.block_tables.index_select(0, index).to(torch.int32),
+            "prefill_starts": torch.tensor(
+                [starts[i] for i in prefill_seqs], dtype=torch.int32, device=device
+            ),
+            "prefill_query_lens": torch.tensor(
+                [query_lens[i] for i in prefill_seqs], dtype=torch.int32, device=device
+            ),
+            "prefill_seq_lens": torch.tensor(
+                [seq_lens[i] for i in prefill_seqs], dtype=torch.int32, device=device
+            ),
+        }
     return TorchAttentionPlan(
         write_slots=write_slots,
         write_rows=write_rows,
@@ -130,7 +157,8 @@ def build_plan(
         decode_mask=decode_mask,
         prefills=prefills,
         max_gather_blocks=max_gather_blocks,
-        decodes_only_fused=decode_tables is not None and decode_rows is None and not prefills,
+        decodes_only_fused=decode_tables is not None and decode_rows is None and not prefill_seqs,
+        **fused_prefill,
     )
 
 
@@ -143,9 +171,9 @@ def _additive(masked_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class TorchAttentionBackend:
     """AttentionBackend in plain torch (see the module docstring)."""
 
-    def __init__(self, fused_decode: bool | None = None) -> None:
-        """fused_decode: None uses the CPU decode kernel wherever it can be built."""
-        self._fused_decode = fused_decode
+    def __init__(self, paged_kernels: bool | None = None) -> None:
+        """paged_kernels: None uses the CPU attention kernels wherever they can be built."""
+        self._paged_kernels = paged_kernels
         # Gathered K/V of the current layer; reused by every layer and step (grown on demand)
         # because fresh multi-MB buffers per layer cost page faults on the CPU.
         self._workspace: torch.Tensor | None = None
@@ -163,7 +191,7 @@ class TorchAttentionBackend:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         plan = meta.backend_plan
         if plan is None:
-            fused = self._use_fused_decode(q)
+            fused = self._use_paged_kernels(q)
             plan = meta.backend_plan = build_plan(meta, block_size, q.dtype, fused)
 
         store_kv(k, v, k_cache, v_cache, plan)
@@ -208,6 +236,22 @@ class TorchAttentionBackend:
             if plan.decode_rows is None:
                 return decode_out
 
+        if plan.prefill_tables is not None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            paged_prefill_attention(
+                out,
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                plan.prefill_tables,
+                plan.prefill_starts,
+                plan.prefill_query_lens,
+                plan.prefill_seq_lens,
+                scale,
+            )
+            if decode_out is not None:
+                out.index_copy_(0, plan.decode_rows, decode_out)
+            return out
         if len(plan.prefills) == 1 and decode_out is None:
             return self._prefill(
                 q, k, v, k_cache, v_cache, k_buf, v_buf, plan.prefills[0], scale, gqa
@@ -260,18 +304,18 @@ class TorchAttentionBackend:
             return None
         plan = meta.backend_plan
         if plan is None:
-            fused = self._use_fused_decode(x)
+            fused = self._use_paged_kernels(x)
             plan = meta.backend_plan = build_plan(meta, k_cache.shape[1], x.dtype, fused)
         return plan if plan.decodes_only_fused else None
 
-    def _use_fused_decode(self, q: torch.Tensor) -> bool:
-        if self._fused_decode is None:
-            self._fused_decode = (
+    def _use_paged_kernels(self, q: torch.Tensor) -> bool:
+        if self._paged_kernels is None:
+            self._paged_kernels = (
                 q.device.type == "cpu"
                 and q.dtype in (torch.float32, torch.bfloat16)
                 and cpu_kernels_available()
             )
-        return self._fused_decode
+        return self._paged_kernels
 
     @staticmethod
     def _prefill(

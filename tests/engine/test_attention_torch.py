@@ -35,7 +35,7 @@ class Case:
 def _run_case(
     case: Case,
     seed: int = 0,
-    fused_decode: bool | None = None,
+    paged_kernels: bool | None = None,
     dtype: torch.dtype = torch.float32,
 ):
     """Returns (backend output, oracle output, cache before, cache after, metadata)."""
@@ -79,7 +79,7 @@ def _run_case(
     )
     before = (k_cache.clone(), v_cache.clone())
     scale = case.head_dim**-0.5
-    backend = TorchAttentionBackend(fused_decode)
+    backend = TorchAttentionBackend(paged_kernels)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     expected = _dense_oracle(q, k, v, before, tables, case, scale)
     return out, expected, before, (k_cache, v_cache), slots
@@ -119,25 +119,39 @@ CASES = {
     # head sizes the CPU decode kernel specialises at compile time
     "head_dim 64": Case(contexts=[0, 37, 70], query_lens=[1, 1, 1], group=3, head_dim=64),
     "head_dim 128": Case(contexts=[12, 3], query_lens=[1, 5], head_dim=128, block_size=16),
+    # the CPU prefill kernel works in tiles of 64 // group queries
+    "prefill chunks over several tiles": Case(
+        contexts=[0, 40, 3], query_lens=[150, 70, 1], group=3, head_dim=64, block_size=16
+    ),
+    "one head per kv head, long chunk": Case(contexts=[5], query_lens=[130], group=1),
+    "head_dim 6": Case(contexts=[2, 0], query_lens=[9, 4], head_dim=6),
 }
 
 
-@pytest.mark.parametrize("fused_decode", [False, None], ids=["gather", "cpu kernel"])
+@pytest.mark.parametrize("paged_kernels", [False, None], ids=["gather", "cpu kernel"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_matches_dense_attention(case: Case, fused_decode: bool | None) -> None:
-    out, expected, *_ = _run_case(case, fused_decode=fused_decode)
+def test_matches_dense_attention(case: Case, paged_kernels: bool | None) -> None:
+    out, expected, *_ = _run_case(case, paged_kernels=paged_kernels)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_decode_kernel_builds_here() -> None:
-    # Decodes take the gather path silently when the kernel is missing; CI must notice that.
+def test_cpu_attention_kernels_build_here() -> None:
+    # Attention takes the gather path silently when the kernels are missing; CI must notice.
     assert cpu_kernels_available()
 
 
-@pytest.mark.parametrize("fused_decode", [False, None], ids=["gather", "cpu kernel"])
-def test_bfloat16_decodes_match_the_oracle(fused_decode: bool | None) -> None:
+@pytest.mark.parametrize("paged_kernels", [False, None], ids=["gather", "cpu kernel"])
+def test_bfloat16_decodes_match_the_oracle(paged_kernels: bool | None) -> None:
     case = Case(contexts=[0, 5, 40, 31], query_lens=[1, 1, 1, 1], num_kv_heads=3, group=3)
-    out, expected, *_ = _run_case(case, fused_decode=fused_decode, dtype=torch.bfloat16)
+    out, expected, *_ = _run_case(case, paged_kernels=paged_kernels, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("paged_kernels", [False, None], ids=["gather", "cpu kernel"])
+def test_bfloat16_prefill_chunks_match_the_oracle(paged_kernels: bool | None) -> None:
+    case = Case(contexts=[0, 37, 4], query_lens=[90, 30, 1], num_kv_heads=3, group=3)
+    out, expected, *_ = _run_case(case, paged_kernels=paged_kernels, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 

@@ -70,9 +70,17 @@ def test_sampled_json_validates_for_a_few_schemas(llm: LLM) -> None:
 
 
 def test_any_json_object(llm: LLM) -> None:
-    for text, reason in _texts(llm, [constrained(json_object=True, seed=s) for s in range(3)]):
-        assert reason == "stop", text
+    # Nothing bounds an arbitrary object's length: at temperature 1.0 this model runs a fifth
+    # to a third of its samples (fp32 / bf16) past 200 tokens inside one string. Those end
+    # with "length", cut off inside an object; every sample that ends on its own is one.
+    params = [constrained(json_object=True, seed=s) for s in range(6)]
+    results = _texts(llm, params)
+    finished = [text for text, reason in results if reason == "stop"]
+    assert len(finished) >= 3, results
+    for text in finished:
         assert isinstance(json.loads(text), dict)
+    for text, reason in results:
+        assert reason in ("stop", "length") and text.lstrip().startswith("{"), text
 
 
 def test_regex_and_choice_hold_for_every_sample(llm: LLM) -> None:
@@ -220,8 +228,11 @@ def test_constrained_requests_keep_to_their_grammar_beside_speculating_ones() ->
     """A speculating engine: the constrained request is never drafted for and still matches its
     pattern; the repetitive greedy request beside it speculates and keeps its greedy output."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}
+    # fp32: in bf16 a verify step (several query rows per sequence) and a decode step round
+    # differently, so greedy outputs agree only up to bf16 noise.
     plain, speculating = (
-        LLM(DEFAULT_MODEL, max_model_len=512, speculative_config=config) for config in (None, spec)
+        LLM(DEFAULT_MODEL, max_model_len=512, dtype="float32", speculative_config=config)
+        for config in (None, spec)
     )
     pattern = r"[A-Z][a-z]{2,8} [0-9]{1,3}"
     repeat = "Repeat exactly: one two three four five six seven eight. " * 3

@@ -1,0 +1,232 @@
+// Paged attention for prefill chunks on the CPU: every chunk of a step (several query tokens of
+// one sequence, after any context it has cached) in one call, causal, reading K/V straight from
+// the cache blocks through each chunk's block table.
+//
+// A work item is one tile of a chunk's queries against one KV head: kRows rows, each a (query,
+// query head of that KV head's group) pair, padded with unused rows. Its context (every key up
+// to the tile's last query) is widened to fp32 once into contiguous rows, then two register-
+// blocked passes run over it: scores for 4 keys x kRows rows at a time (16 accumulators of 16
+// lanes), softmax down each row, and the weighted sum for 4 output dims x kRows rows at a time.
+// All arithmetic is fp32, whatever the cache's dtype. Items are handed out one at a time to the
+// threads, since their costs differ (later tiles see longer contexts).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "paged_context.h"
+
+namespace {
+
+using inferq_cpu::as_float;
+using inferq_cpu::ContextRows;
+
+constexpr int64_t kRows = 64;    // rows of one work item: 4 vectors of 16 lanes
+constexpr int64_t kBlocked = 4;  // keys (scores) or output dims (weighted sum) per register block
+
+struct Item {
+  int64_t chunk, kv_head, first_query, num_queries;
+};
+
+struct Workspace {
+  std::vector<float> q;       // [D][kRows] scaled queries, transposed
+  std::vector<float> keys;    // [context][D]
+  std::vector<float> values;  // [context][D]
+  std::vector<float> scores;  // [context][kRows], then the softmax numerators
+  std::vector<float> out;     // [D][kRows]
+};
+
+// dst[t][d] = src row t, widened to fp32, for the item's `len` keys.
+template <typename scalar_t>
+void widen_rows(const ContextRows<scalar_t>& rows, const scalar_t* cache, int64_t head_dim,
+                float* dst) {
+  rows.visit(cache, [&](const scalar_t* row, int64_t t) {
+    float* out = dst + t * head_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = as_float(row[d]);
+  });
+}
+
+template <typename scalar_t>
+void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Tensor& query,
+                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const int32_t* tables, int64_t table_width, const int32_t* starts,
+                 const int32_t* query_lens, const int32_t* seq_lens, float scale) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t rows_used = item.num_queries * group;
+  // Query i of the chunk sits at position cached + i and sees keys 0..cached + i.
+  const int64_t cached = seq_lens[item.chunk] - query_lens[item.chunk];
+  const int64_t first_pos = cached + item.first_query;
+  const int64_t len = first_pos + item.num_queries;
+  const int64_t first_row = starts[item.chunk] + item.first_query;
+
+  ws.q.assign(head_dim * kRows, 0.f);
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  for (int64_t r = 0; r < rows_used; ++r) {
+    const scalar_t* src = q + ((first_row + r / group) * num_heads +
+                               item.kv_head * group + r % group) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) ws.q[d * kRows + r] = as_float(src[d]) * scale;
+  }
+  const int64_t padded = (len + kBlocked - 1) / kBlocked * kBlocked;
+  ws.keys.resize(padded * head_dim);
+  ws.values.resize(padded * head_dim + kBlocked);  // a last block of dims may read past D
+  ws.scores.resize(padded * kRows);
+  std::fill(ws.keys.begin() + len * head_dim, ws.keys.end(), 0.f);
+  std::fill(ws.values.begin() + len * head_dim, ws.values.end(), 0.f);
+  const ContextRows<scalar_t> rows{tables + item.chunk * table_width, len, block_size,
+                                   block_size * token_stride, token_stride,
+                                   item.kv_head * head_dim, head_dim};
+  widen_rows(rows, key_cache.data_ptr<scalar_t>(), head_dim, ws.keys.data());
+  widen_rows(rows, value_cache.data_ptr<scalar_t>(), head_dim, ws.values.data());
+
+  // scores[t][r] = q_r . k_t, four keys at a time.
+  const float* qt = ws.q.data();
+  for (int64_t t0 = 0; t0 < padded; t0 += kBlocked) {
+    float acc[kBlocked][kRows] = {};
+    const float* k = ws.keys.data() + t0 * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float* qd = qt + d * kRows;
+#pragma GCC unroll 4
+      for (int64_t b = 0; b < kBlocked; ++b) {
+        const float kd = k[b * head_dim + d];
+#pragma omp simd
+        for (int64_t r = 0; r < kRows; ++r) acc[b][r] += qd[r] * kd;
+      }
+    }
+    for (int64_t b = 0; b < kBlocked; ++b) {
+      float* dst = ws.scores.data() + (t0 + b) * kRows;
+#pragma omp simd
+      for (int64_t r = 0; r < kRows; ++r) dst[r] = acc[b][r];
+    }
+  }
+  // Causal: row r (query first_pos + r / group) sees keys up to its own position, so key t
+  // is hidden from the rows of the tile's first t - first_pos queries.
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  for (int64_t t = first_pos + 1; t < len; ++t) {
+    float* row = ws.scores.data() + t * kRows;
+    std::fill(row, row + (t - first_pos) * group, kMasked);
+  }
+
+  float top[kRows], sums[kRows];
+  std::fill(top, top + kRows, kMasked);
+  std::fill(sums, sums + kRows, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* row = ws.scores.data() + t * kRows;
+#pragma omp simd
+    for (int64_t r = 0; r < kRows; ++r) top[r] = std::max(top[r], row[r]);
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    float* row = ws.scores.data() + t * kRows;
+#pragma omp simd
+    for (int64_t r = 0; r < kRows; ++r) {
+      row[r] = std::exp(row[r] - top[r]);
+      sums[r] += row[r];
+    }
+  }
+  std::fill(ws.scores.begin() + len * kRows, ws.scores.end(), 0.f);  // padded keys weigh 0
+
+  // out[d][r] = sum_t p[t][r] v[t][d], four output dims at a time.
+  ws.out.resize(head_dim * kRows);
+  for (int64_t d0 = 0; d0 < head_dim; d0 += kBlocked) {
+    float acc[kBlocked][kRows] = {};
+    for (int64_t t = 0; t < padded; ++t) {
+      const float* p = ws.scores.data() + t * kRows;
+      const float* v = ws.values.data() + t * head_dim + d0;
+#pragma GCC unroll 4
+      for (int64_t b = 0; b < kBlocked; ++b) {
+        const float vd = v[b];
+#pragma omp simd
+        for (int64_t r = 0; r < kRows; ++r) acc[b][r] += p[r] * vd;
+      }
+    }
+    for (int64_t b = 0; b < kBlocked && d0 + b < head_dim; ++b) {
+      std::copy(acc[b], acc[b] + kRows, ws.out.data() + (d0 + b) * kRows);
+    }
+  }
+
+  scalar_t* o = out.data_ptr<scalar_t>();
+  for (int64_t r = 0; r < rows_used; ++r) {
+    scalar_t* dst =
+        o + ((first_row + r / group) * num_heads + item.kv_head * group + r % group) * head_dim;
+    const float inv_sum = 1.f / sums[r];
+    for (int64_t d = 0; d < head_dim; ++d) {
+      dst[d] = static_cast<scalar_t>(ws.out[d * kRows + r] * inv_sum);
+    }
+  }
+}
+
+template <typename scalar_t>
+void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& block_tables,
+                   const at::Tensor& starts, const at::Tensor& query_lens,
+                   const at::Tensor& seq_lens, double scale) {
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = query.size(1) / num_kv_heads;
+  const int64_t tile = std::max<int64_t>(1, kRows / group);
+  const int32_t* lens = query_lens.data_ptr<int32_t>();
+  std::vector<Item> items;
+  for (int64_t c = 0; c < starts.size(0); ++c) {
+    for (int64_t first = 0; first < lens[c]; first += tile) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        items.push_back(Item{c, h, first, std::min(tile, lens[c] - first)});
+      }
+    }
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Workspace ws;
+    for (int64_t i = next++; i < num_items; i = next++) {
+      attend_item<scalar_t>(items[i], ws, out, query, key_cache, value_cache,
+                            block_tables.data_ptr<int32_t>(), block_tables.size(1),
+                            starts.data_ptr<int32_t>(), lens, seq_lens.data_ptr<int32_t>(),
+                            static_cast<float>(scale));
+    }
+  });
+}
+
+// out [T, H, D] rows of every prefill chunk = causal softmax(q k^T * scale) v, for query
+// [T, H, D] whose chunk c holds rows starts[c] .. starts[c] + query_lens[c] and ends its
+// sequence at seq_lens[c] tokens, all in the cache (key/value_cache [num_blocks, block_size,
+// Hkv, D], block_tables [C, W] int32). Rows of no chunk are left as they are.
+void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& starts, const at::Tensor& query_lens,
+                             const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  for (const at::Tensor* t : {&block_tables, &starts, &query_lens, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(),
+                "block_tables, starts, query_lens and seq_lens must be contiguous int32");
+  }
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
+  if (query.scalar_type() == at::kFloat) {
+    paged_prefill<float>(out, query, key_cache, value_cache, block_tables, starts, query_lens,
+                         seq_lens, scale);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    paged_prefill<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, starts,
+                                 query_lens, seq_lens, scale);
+  } else {
+    TORCH_CHECK(false, "paged_prefill_attention supports float32 and bfloat16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+      "Tensor value_cache, Tensor block_tables, Tensor starts, Tensor query_lens, "
+      "Tensor seq_lens, float scale) -> ()");
+  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
+}
