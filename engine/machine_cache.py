@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -54,21 +55,47 @@ def cached(
     """The stored result of `measure` for key, else measure now and store it.
 
     `read` turns the stored JSON back into the result and raises (KeyError, TypeError,
-    ValueError) on anything it does not recognise, which counts as absent."""
-    path = _entry_path(kind, key)
+    ValueError) on anything it does not recognise, which counts as absent. A measurement
+    taken while other processes kept the CPU busy serves this process only: a stored one is
+    kept for good, and load from elsewhere slows the candidates unevenly."""
     try:
-        stored = json.loads(path.read_text())
-        if stored["key"] == key:
-            return read(stored["value"])
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        pass  # absent or unreadable: measure again
+        return _read_entry(kind, key, read)
+    except LookupError:
+        pass
+    before, started = _cpu_ticks(), time.monotonic()
     value = measure()
-    store(kind, key, value)
+    share = _others_share(before, _cpu_ticks(), time.monotonic() - started)
+    if share > BUSY_SHARE_LIMIT:
+        logger.info(
+            "%s measurement not kept: other processes used %.0f%% of the CPU meanwhile",
+            kind,
+            100 * share,
+        )
+    else:
+        _store(kind, key, value)
     return value
 
 
-def store(kind: str, key: dict[str, Any], value: Any) -> None:
-    """Keep value as the measurement of key (what `cached` reads back); a failure is logged."""
+def lookup(kind: str, key: dict[str, Any], read: Callable[[Any], Stored]) -> Stored | None:
+    """The stored measurement of key, read back by `read` (see `cached`); None if absent."""
+    try:
+        return _read_entry(kind, key, read)
+    except LookupError:
+        return None
+
+
+def _read_entry(kind: str, key: dict[str, Any], read: Callable[[Any], Stored]) -> Stored:
+    """The stored measurement of key (which may itself be None); LookupError if absent."""
+    try:
+        stored = json.loads(_entry_path(kind, key).read_text())
+        if stored["key"] == key:
+            return read(stored["value"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        pass  # absent or unreadable
+    raise LookupError(kind)
+
+
+def _store(kind: str, key: dict[str, Any], value: Any) -> None:
     path = _entry_path(kind, key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +104,33 @@ def store(kind: str, key: dict[str, Any], value: Any) -> None:
         partial.replace(path)  # atomic: engines starting together never read half a file
     except OSError as exc:
         logger.warning("could not keep the %s measurement in %s: %s", kind, path, exc)
+
+
+# Other processes' share of all cores above which a measurement is not stored.
+BUSY_SHARE_LIMIT = 0.15
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy clock ticks of every core, ticks of this process) from /proc; None off Linux."""
+    try:
+        machine = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError):
+        return None
+    idle = machine[3] + machine[4]  # idle, iowait; steal counts as busy: others had the core
+    return sum(machine) - idle, int(own[11]) + int(own[12])  # this process's utime + stime
+
+
+def _others_share(
+    before: tuple[int, int] | None, after: tuple[int, int] | None, seconds: float
+) -> float:
+    """The share of all cores that other processes used over `seconds` between two
+    `_cpu_ticks`; 0 where unknown or too short to tell apart from tick rounding."""
+    if before is None or after is None or seconds < 0.2:
+        return 0.0
+    capacity = seconds * os.sysconf("SC_CLK_TCK") * (os.cpu_count() or 1)
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others / capacity)
 
 
 def _entry_path(kind: str, key: dict[str, Any]) -> Path:

@@ -37,7 +37,7 @@ from engine.layers.matmul import (
     run,
     uniform,
 )
-from engine.machine_cache import cached, machine_key, store
+from engine.machine_cache import cached, lookup, machine_key
 from engine.models import model_factory
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,14 @@ def _timings_key(shapes: list[Shape], dtype: torch.dtype) -> dict[str, Any]:
 
 
 def cached_timings(shapes: list[Shape], dtype: torch.dtype) -> Timings:
-    """The timings of this machine for (shapes, dtype): from the cache, else measured and kept."""
+    """The timings of this machine for (shapes, dtype): from the cache, else measured and kept.
+
+    Where `dtype_timings` already measured fp32 against bf16 for these shapes, its timings of
+    dtype are used as they are, so a start with dtype="auto" measures once."""
+    joint = lookup(AUTO_DTYPE_KIND, _auto_dtype_key(shapes), _read_dtype_timings)
+    name = str(dtype).removeprefix("torch.")
+    if joint is not None and name in joint:
+        return joint[name]
     backends = available_backends(dtype)
     key = _timings_key(shapes, dtype)
 
@@ -205,33 +212,36 @@ def dtype_timings(shapes: list[Shape]) -> dict[str, Timings]:
     Two separate measurements could each catch a different burst of load from elsewhere, and
     the cache keeps a wrong answer for good: alternating makes a burst hit both dtypes alike,
     and each backend keeps its fastest pass over the rounds."""
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    key = machine_key(shapes=[list(shape) for shape in shapes])
 
     def measure_both() -> dict[str, Timings]:
         best: dict[str, Timings] = {}
         for _ in range(_DTYPE_ROUNDS):
-            for name, dtype in names.items():
+            for name, dtype in _AUTO_DTYPES.items():
                 timings = measure(shapes, dtype, available_backends(dtype))
                 previous = best.get(name, timings)
                 best[name] = {
                     backend: (min(small, previous[backend][0]), min(large, previous[backend][1]))
                     for backend, (small, large) in timings.items()
                 }
-        # Each dtype's plan (`tune`) reads these too, instead of measuring its dtype again.
-        for name, dtype in names.items():
-            store(CACHE_KIND, _timings_key(shapes, dtype), best[name])
         return best
 
-    def read(stored: Any) -> dict[str, Timings]:
-        result: dict[str, Timings] = {}
-        for name, dtype in names.items():
-            if set(stored[name]) != set(available_backends(dtype)):
-                raise KeyError("measured with other backends")
-            result[name] = {b: (float(ms[0]), float(ms[1])) for b, ms in stored[name].items()}
-        return result
+    return cached(AUTO_DTYPE_KIND, _auto_dtype_key(shapes), measure_both, _read_dtype_timings)
 
-    return cached(AUTO_DTYPE_KIND, key, measure_both, read)
+
+_AUTO_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _auto_dtype_key(shapes: list[Shape]) -> dict[str, Any]:
+    return machine_key(shapes=[list(shape) for shape in shapes])
+
+
+def _read_dtype_timings(stored: Any) -> dict[str, Timings]:
+    result: dict[str, Timings] = {}
+    for name, dtype in _AUTO_DTYPES.items():
+        if set(stored[name]) != set(available_backends(dtype)):
+            raise KeyError("measured with other backends")
+        result[name] = {b: (float(ms[0]), float(ms[1])) for b, ms in stored[name].items()}
+    return result
 
 
 def auto_dtype(
