@@ -25,6 +25,9 @@ from kernels.cpu_ops import cpu_fields, cpu_flags
 
 logger = logging.getLogger(__name__)
 
+# Other processes' share of all cores above which a measurement is not stored.
+BUSY_SHARE_LIMIT = 0.15
+
 Stored = TypeVar("Stored")
 
 
@@ -104,10 +107,6 @@ def _store(kind: str, key: dict[str, Any], value: Any) -> None:
         partial.replace(path)  # atomic: engines starting together never read half a file
     except OSError as exc:
         logger.warning("could not keep the %s measurement in %s: %s", kind, path, exc)
-
-
-# Other processes' share of all cores above which a measurement is not stored.
-BUSY_SHARE_LIMIT = 0.15
 
 
 def _cpu_ticks() -> tuple[int, int] | None:

@@ -43,6 +43,17 @@ class PrefillChunk:
 
 
 @dataclass
+class PagedPrefill:
+    """Every prefill chunk of a step as the CPU prefill kernel reads them (int32, one entry per
+    chunk)."""
+
+    tables: torch.Tensor  # [chunks, W] block tables
+    starts: torch.Tensor  # first query row of each chunk
+    query_lens: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass
 class TorchAttentionPlan:
     write_slots: torch.Tensor  # [W] int64 cache slots to store
     write_rows: torch.Tensor | None  # [W] the token rows they come from; None: all rows, in order
@@ -53,14 +64,9 @@ class TorchAttentionPlan:
     num_decodes: int
     decode_blocks_per_seq: int
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, ctx] additive; None: nothing padded
-    prefills: list[PrefillChunk]
+    prefills: list[PrefillChunk]  # the portable path's chunks; empty where paged_prefill runs
     max_gather_blocks: int  # workspace size in blocks
-    # The prefill kernel's view of the prefill chunks (int32, one entry per chunk); None where
-    # the portable path runs them.
-    prefill_tables: torch.Tensor | None = None  # [chunks, W] block tables
-    prefill_starts: torch.Tensor | None = None  # first query row of each chunk
-    prefill_query_lens: torch.Tensor | None = None
-    prefill_seq_lens: torch.Tensor | None = None
+    paged_prefill: PagedPrefill | None = None
     # Every sequence decodes one token through the fused kernel: the step may rotate and store
     # in one kernel call too (decode_from_qkv).
     decodes_only_fused: bool = False
@@ -117,7 +123,15 @@ def build_plan(
     prefill_seqs = [i for i, n in enumerate(query_lens) if n > 1]
     prefills = []
     max_gather_blocks = len(decode_seqs) * decode_blocks_per_seq
-    for i in prefill_seqs if not paged_kernels else ():
+    paged_prefill = None
+    if prefill_seqs and paged_kernels:
+        paged_prefill = PagedPrefill(
+            tables=meta.block_tables.index_select(0, torch.tensor(prefill_seqs, device=device)),
+            starts=_int32([starts[i] for i in prefill_seqs], device),
+            query_lens=_int32([query_lens[i] for i in prefill_seqs], device),
+            seq_lens=_int32([seq_lens[i] for i in prefill_seqs], device),
+        )
+    for i in prefill_seqs if paged_prefill is None else ():
         n = query_lens[i]
         seq_len = seq_lens[i]
         num_blocks = -(-seq_len // block_size)
@@ -130,21 +144,6 @@ def build_plan(
         blocks = meta.block_tables[i, :num_blocks].to(torch.int64)
         prefills.append(PrefillChunk(starts[i], starts[i] + n, seq_len, blocks, mask))
 
-    fused_prefill: dict[str, torch.Tensor] = {}
-    if prefill_seqs and paged_kernels:
-        index = torch.tensor(prefill_seqs, device=device)
-        fused_prefill = {
-            "prefill_tables": meta.block_tables.index_select(0, index).to(torch.int32),
-            "prefill_starts": torch.tensor(
-                [starts[i] for i in prefill_seqs], dtype=torch.int32, device=device
-            ),
-            "prefill_query_lens": torch.tensor(
-                [query_lens[i] for i in prefill_seqs], dtype=torch.int32, device=device
-            ),
-            "prefill_seq_lens": torch.tensor(
-                [seq_lens[i] for i in prefill_seqs], dtype=torch.int32, device=device
-            ),
-        }
     return TorchAttentionPlan(
         write_slots=write_slots,
         write_rows=write_rows,
@@ -158,8 +157,12 @@ def build_plan(
         prefills=prefills,
         max_gather_blocks=max_gather_blocks,
         decodes_only_fused=decode_tables is not None and decode_rows is None and not prefill_seqs,
-        **fused_prefill,
+        paged_prefill=paged_prefill,
     )
+
+
+def _int32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def _additive(masked_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -236,22 +239,6 @@ class TorchAttentionBackend:
             if plan.decode_rows is None:
                 return decode_out
 
-        if plan.prefill_tables is not None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            paged_prefill_attention(
-                out,
-                q.contiguous(),
-                k_cache,
-                v_cache,
-                plan.prefill_tables,
-                plan.prefill_starts,
-                plan.prefill_query_lens,
-                plan.prefill_seq_lens,
-                scale,
-            )
-            if decode_out is not None:
-                out.index_copy_(0, plan.decode_rows, decode_out)
-            return out
         if len(plan.prefills) == 1 and decode_out is None:
             return self._prefill(
                 q, k, v, k_cache, v_cache, k_buf, v_buf, plan.prefills[0], scale, gqa
@@ -259,6 +246,19 @@ class TorchAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decode_out is not None:
             out.index_copy_(0, plan.decode_rows, decode_out)
+        if plan.paged_prefill is not None:
+            batch = plan.paged_prefill
+            paged_prefill_attention(
+                out,
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                batch.tables,
+                batch.starts,
+                batch.query_lens,
+                batch.seq_lens,
+                scale,
+            )
         for chunk in plan.prefills:
             out[chunk.start : chunk.end] = self._prefill(
                 q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa

@@ -73,10 +73,10 @@ def test_any_json_object(llm: LLM) -> None:
     # Nothing bounds an arbitrary object's length: at temperature 1.0 this model runs a fifth
     # to a third of its samples (fp32 / bf16) past 200 tokens inside one string. Those end
     # with "length", cut off inside an object; every sample that ends on its own is one.
-    params = [constrained(json_object=True, seed=s) for s in range(6)]
+    params = [constrained(json_object=True, seed=s) for s in range(8)]
     results = _texts(llm, params)
     finished = [text for text, reason in results if reason == "stop"]
-    assert len(finished) >= 3, results
+    assert len(finished) >= 2, results
     for text in finished:
         assert isinstance(json.loads(text), dict)
     for text, reason in results:
