@@ -100,7 +100,7 @@ class EngineConfig:
     ] = False
     num_threads: Annotated[int | None, Field(ge=1, description="torch threads on the CPU")] = None
     cpu_matmul: Annotated[
-        Literal["auto", "aten", "onednn", "onednn_packed", "mkl_packed"],
+        Literal["auto", "aten", "onednn", "onednn_packed", "mkl_packed", "panels"],
         Field(
             description="CPU matmul backend of the linear layers; auto: the fastest measured at "
             "start-up over the model's shapes (cached per CPU), per decode/prefill row count"

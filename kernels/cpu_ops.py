@@ -26,6 +26,7 @@ _SOURCES = (
     Path(__file__).parent / "cpu" / "decode_glue.cpp",
     Path(__file__).parent / "cpu" / "decode_stack.cpp",
     Path(__file__).parent / "cpu" / "int8_matmul.cpp",
+    Path(__file__).parent / "cpu" / "panel_matmul.cpp",
 )
 # -ffast-math lets the compiler vectorize the softmax's exp; the kernels never see inf or NaN
 # inputs (attention reads only the valid part of each context). -fopenmp makes at::parallel_for
@@ -175,7 +176,32 @@ QUANT_GEMM_MIN_ROWS = 16
 # input_order, bias) and ints (kind, p0, p1, p2); see kernels/cpu/decode_stack.cpp for each kind.
 LINEAR_SLOTS = 5
 LINEAR_INTS = 4
-LINEAR_ATEN, LINEAR_ONEDNN, LINEAR_MKL, LINEAR_QUANT, LINEAR_W8A8 = 0, 1, 2, 3, 4
+LINEAR_ATEN, LINEAR_ONEDNN, LINEAR_MKL, LINEAR_QUANT, LINEAR_W8A8, LINEAR_PANELS = range(6)
+
+# Output features per panel of kernels/cpu/panel_matmul.cpp's packed weight layout.
+PANEL_WIDTH = 16
+
+
+def panel_matmul_supported() -> bool:
+    """Whether the panel matmul is built for this CPU (AVX2 and FMA) and the kernels load."""
+    return cpu_kernels_available() and bool(torch.ops.inferq_cpu.panel_matmul_supported())
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 weight [out, in] -> [ceil(out / PANEL_WIDTH), in, PANEL_WIDTH]: panel p holds output
+    features [p * PANEL_WIDTH, (p + 1) * PANEL_WIDTH) input by input, zero past `out`."""
+    out_features, in_features = weight.shape
+    pad = -out_features % PANEL_WIDTH
+    padded = torch.nn.functional.pad(weight.float(), (0, 0, 0, pad))
+    panels = padded.view(-1, PANEL_WIDTH, in_features).transpose(1, 2)
+    return panels.contiguous()
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """x @ W^T + bias for W packed by `pack_panels`; fp32, x [..., in] -> [..., out]."""
+    return torch.ops.inferq_cpu.panel_linear(x, panels, bias, out_features)
 
 
 def decode_layers(

@@ -111,6 +111,9 @@ class Linear(nn.Linear):
         if backend == "mkl_packed":
             tensors = [packed.mkl, self.weight, None, None, bias]
             return cpu_ops.LINEAR_MKL, tensors, [MKL_PACK_HINT, 0, 0]
+        if backend == "panels":
+            tensors = [packed.panels, None, None, None, bias]
+            return cpu_ops.LINEAR_PANELS, tensors, [self.out_features, 0, 0]
         return cpu_ops.LINEAR_ATEN, [self.weight, None, None, None, bias], [0, 0, 0]
 
     def use_quantized(self, weight: QuantizedWeight, keep_plain_weight: bool = False) -> None:

@@ -1,12 +1,14 @@
 """CPU matmul backends of the linear layers, and the plan that says which one runs when.
 
-Four ways to compute x @ W.T + b on the CPU, all in torch 2.x:
+Five ways to compute x @ W.T + b on the CPU, four of them in torch 2.x:
 
 - aten: `F.linear` (MKL sgemm for fp32, oneDNN for bf16), weight in plain layout.
 - onednn: oneDNN's linear on the plain weight; it may reorder the weight on every call.
 - onednn_packed: the weight reordered once, at load, into the blocked layout oneDNN's kernels
   want (what vLLM does on the CPU); no reorder per call, one (blocked) copy of the weight.
 - mkl_packed (fp32 only): MKL's packed sgemm; it also keeps the plain weight, so two copies.
+- panels (fp32 only, AVX2 + FMA): our own register-tiled kernel (kernels/cpu/panel_matmul.cpp)
+  over the weight packed once into 16-feature panels; one copy.
 
 Which is fastest depends on the machine (AMD without AVX-512, AMD with AVX-512 and bf16, Intel
 with AMX) and on how many rows a call has: a decode step of a few sequences streams the weights
@@ -22,7 +24,9 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-Backend = Literal["aten", "onednn", "onednn_packed", "mkl_packed"]
+from kernels import cpu_ops
+
+Backend = Literal["aten", "onednn", "onednn_packed", "mkl_packed", "panels"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
 ONEDNN_BACKENDS: tuple[Backend, ...] = ("onednn", "onednn_packed")
 
@@ -38,6 +42,7 @@ _STORAGE: dict[Backend, frozenset[str]] = {
     "onednn": frozenset({"plain"}),
     "onednn_packed": frozenset({"onednn"}),
     "mkl_packed": frozenset({"plain", "mkl"}),
+    "panels": frozenset({"panels"}),
 }
 
 
@@ -57,7 +62,11 @@ class MatmulPlan:
 
     def plain(self) -> MatmulPlan:
         """This plan on weights kept only in plain layout (packed backends -> their plain kin)."""
-        kin: dict[Backend, Backend] = {"onednn_packed": "onednn", "mkl_packed": "aten"}
+        kin: dict[Backend, Backend] = {
+            "onednn_packed": "onednn",
+            "mkl_packed": "aten",
+            "panels": "aten",
+        }
         plain = MatmulPlan(kin.get(self.small, self.small), kin.get(self.large, self.large))
         return self if plain == self else plain
 
@@ -88,6 +97,8 @@ def available_backends(dtype: torch.dtype) -> tuple[Backend, ...]:
         and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
     ):
         found.append("mkl_packed")
+    if dtype == torch.float32 and cpu_ops.panel_matmul_supported():
+        found.append("panels")
     return tuple(found)
 
 
@@ -104,6 +115,7 @@ class PackedWeights:
 
     onednn: torch.Tensor | None = None
     mkl: torch.Tensor | None = None
+    panels: torch.Tensor | None = None
 
 
 def pack(weight: torch.Tensor, plan: MatmulPlan) -> PackedWeights:
@@ -114,6 +126,8 @@ def pack(weight: torch.Tensor, plan: MatmulPlan) -> PackedWeights:
         packed.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_HINT)
     if "mkl" in storage:
         packed.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_HINT)
+    if "panels" in storage:
+        packed.panels = cpu_ops.pack_panels(weight)
     return packed
 
 
@@ -135,4 +149,7 @@ def run(
     if backend == "mkl_packed":
         assert packed.mkl is not None, "mkl_packed needs the weight packed first"
         return torch.ops.mkl._mkl_linear(x.contiguous(), packed.mkl, weight, bias, MKL_PACK_HINT)
+    if backend == "panels":
+        assert packed.panels is not None, "panels needs the weight packed first"
+        return cpu_ops.panel_linear(x, packed.panels, bias, weight.shape[0])
     return F.linear(x, weight, bias)

@@ -15,6 +15,7 @@
 //                oneDNN for the dequantized tiles          -> inferq_cpu::quant_matmul
 //   kind W8A8:   int8 codes, scales; ints the most rows
 //                kept exact, oneDNN tiles                 -> inferq_cpu::w8a8_matmul above that
+//   kind PANELS: weight packed in panels; int out         -> inferq_cpu::panel_linear
 // each with an optional input order (GPTQ act-order) and bias.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -32,7 +33,7 @@ namespace {
 constexpr int64_t kLinearSlots = 5;  // a, b, c, input_order, bias
 constexpr int64_t kLinearInts = 4;   // kind, p0, p1, p2
 constexpr int64_t kLinearsPerLayer = 4;
-enum LinearKind : int64_t { kAten = 0, kOneDnn = 1, kMkl = 2, kQuant = 3, kW8A8 = 4 };
+enum LinearKind : int64_t { kAten = 0, kOneDnn = 1, kMkl = 2, kQuant = 3, kW8A8 = 4, kPanels = 5 };
 
 c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -58,6 +59,7 @@ at::Tensor run_linear(const Linear& spec, at::Tensor x, int64_t quant_gemm_min_r
   static const c10::OperatorHandle mkl = find_op("mkl::_mkl_linear");
   static const c10::OperatorHandle quant = find_op("inferq_cpu::quant_matmul");
   static const c10::OperatorHandle w8a8 = find_op("inferq_cpu::w8a8_matmul");
+  static const c10::OperatorHandle panels = find_op("inferq_cpu::panel_linear");
   if (spec.input_order.has_value() && spec.input_order->defined()) {
     x = x.index_select(-1, *spec.input_order);
   }
@@ -81,6 +83,8 @@ at::Tensor run_linear(const Linear& spec, at::Tensor x, int64_t quant_gemm_min_r
       return call_op(quant, {x.contiguous(), *spec.a, *spec.b, c10::IValue(), c10::IValue(int64_t{8}),
                              c10::IValue(x.size(-1)), optional_tensor(spec.bias),
                              c10::IValue(quant_gemm_min_rows), c10::IValue(spec.p1 != 0)});
+    case kPanels:
+      return call_op(panels, {x, *spec.a, optional_tensor(spec.bias), c10::IValue(spec.p0)});
     default:
       TORCH_CHECK(false, "unknown linear kind ", spec.kind);
   }

@@ -11,9 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM
 from engine.layers.linear import Linear, NativeLinear
+from engine.layers.matmul import available_backends
 from engine.models import cpu_decode_stack
 from kernels import cpu_ops
 from schemas.sampling import SamplingParams
@@ -75,6 +77,7 @@ def _with_and_without_stack(
         {"dtype": "float32", "cpu_matmul": "aten"},
         {"dtype": "float32", "cpu_matmul": "onednn_packed"},
         {"dtype": "float32", "cpu_matmul": "mkl_packed"},
+        {"dtype": "float32", "cpu_matmul": "panels"},
         {"dtype": "bfloat16", "cpu_matmul": "aten"},
         {"dtype": "float32", "quantization": "int8"},
         {"dtype": "float32", "quantization": "w8a8"},
@@ -86,6 +89,9 @@ def _with_and_without_stack(
 def test_decode_stack_gives_the_python_forwards_tokens_and_logprobs(
     tiny_llama_dir: Path, engine_args: dict[str, str], stack_calls: list[int]
 ) -> None:
+    backend = engine_args.get("cpu_matmul")
+    if backend is not None and backend not in available_backends(torch.float32):
+        pytest.skip(f"{backend} does not run on this CPU")
     llm = LLM(str(tiny_llama_dir), **engine_args)
     with_stack, without = _with_and_without_stack(llm, _prompts(3))
     assert stack_calls, "no decode step ran through the C++ stack"

@@ -182,6 +182,23 @@ def test_fp32_and_bf16_are_measured_alternately_once_per_machine(monkeypatch, tm
     assert len(files) == 1
 
 
+@pytest.mark.parametrize("rows", [1, 6, 7, 37])
+def test_the_panel_kernel_covers_long_inputs_and_partial_panels(rows):
+    """Inputs beyond one pass of the kernel (it accumulates pass after pass), row counts around
+    its 6-row tile and an output count that leaves the last panel partial."""
+    if "panels" not in available_backends(torch.float32):
+        pytest.skip("the panel kernel needs AVX2 and FMA")
+    from kernels import cpu_ops
+
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(37, 600, generator=generator) / 20
+    bias = torch.randn(37, generator=generator)
+    x = torch.randn(rows, 600, generator=generator)
+    out = cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight), bias, 37)
+    expected = F.linear(x.double(), weight.double(), bias.double()).float()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_forced_backend_generates_the_same_tokens(tiny_llama_dir, backend):
     if backend not in available_backends(torch.float32):
