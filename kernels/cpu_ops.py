@@ -178,29 +178,40 @@ LINEAR_SLOTS = 5
 LINEAR_INTS = 4
 LINEAR_ATEN, LINEAR_ONEDNN, LINEAR_MKL, LINEAR_QUANT, LINEAR_W8A8, LINEAR_PANELS = range(6)
 
-# Output features per panel of kernels/cpu/panel_matmul.cpp's packed weight layout.
-PANEL_WIDTH = 16
+# Output features per panel of kernels/cpu/panel_matmul.cpp's packed weight layouts.
+PANEL_WIDTH = {torch.float32: 16, torch.bfloat16: 32}
 
 
-def panel_matmul_supported() -> bool:
-    """Whether the panel matmul is built for this CPU (AVX2 and FMA) and the kernels load."""
-    return cpu_kernels_available() and bool(torch.ops.inferq_cpu.panel_matmul_supported())
+def panel_matmul_supported(dtype: torch.dtype) -> bool:
+    """Whether the panel matmul is built for this CPU and dtype (fp32: AVX2 and FMA; bf16:
+    AVX512-BF16) and the kernels load."""
+    return (
+        dtype in PANEL_WIDTH
+        and cpu_kernels_available()
+        and bool(torch.ops.inferq_cpu.panel_matmul_supported(dtype))
+    )
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """fp32 weight [out, in] -> [ceil(out / PANEL_WIDTH), in, PANEL_WIDTH]: panel p holds output
-    features [p * PANEL_WIDTH, (p + 1) * PANEL_WIDTH) input by input, zero past `out`."""
+    """weight [out, in] -> panels of PANEL_WIDTH output features, zero past `out`: fp32
+    [panels, in, 16], each panel input by input; bf16 [panels, ceil(in / 2), 32, 2], each
+    panel's features holding their inputs in consecutive pairs (zero past `in`)."""
+    if weight.dtype not in PANEL_WIDTH:
+        raise TypeError(f"panels hold fp32 or bf16 weights, got {weight.dtype}")
+    width = PANEL_WIDTH[weight.dtype]
     out_features, in_features = weight.shape
-    pad = -out_features % PANEL_WIDTH
-    padded = torch.nn.functional.pad(weight.float(), (0, 0, 0, pad))
-    panels = padded.view(-1, PANEL_WIDTH, in_features).transpose(1, 2)
-    return panels.contiguous()
+    if weight.dtype == torch.float32:
+        padded = torch.nn.functional.pad(weight, (0, 0, 0, -out_features % width))
+        return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+    padded = torch.nn.functional.pad(weight, (0, in_features % 2, 0, -out_features % width))
+    pairs = padded.view(-1, width, padded.shape[1] // 2, 2)
+    return pairs.transpose(1, 2).contiguous()
 
 
 def panel_linear(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
-    """x @ W^T + bias for W packed by `pack_panels`; fp32, x [..., in] -> [..., out]."""
+    """x @ W^T + bias for W packed by `pack_panels`; fp32 or bf16, x [..., in] -> [..., out]."""
     return torch.ops.inferq_cpu.panel_linear(x, panels, bias, out_features)
 
 

@@ -15,11 +15,12 @@ from torch import nn
 
 from engine.layers.matmul import (
     ATEN,
-    MKL_PACK_HINT,
     ONEDNN_BACKENDS,
     SMALL_ROWS,
     MatmulPlan,
+    NativeLinear,
     PackedWeights,
+    native,
     pack,
     run,
 )
@@ -39,11 +40,6 @@ def storage_generation() -> int:
 def _storage_changed() -> None:
     global _storage_generation
     _storage_generation += 1
-
-
-# What kernels.cpu_ops.decode_layers needs to run one linear layer in C++: its kind, its
-# tensors (LINEAR_SLOTS of them, None where unused) and its three int parameters.
-NativeLinear = tuple[int, list[torch.Tensor | None], list[int]]
 
 
 def linear(
@@ -103,18 +99,7 @@ class Linear(nn.Linear):
             return cpu_ops.LINEAR_QUANT, [*tensors, bias], ints
         plan = self.plan if quantized is None else self.plan.plain()
         backend = "aten" if plan is ATEN else plan.backend_for(rows)
-        packed = self.packed or PackedWeights()
-        if backend == "onednn_packed":
-            return cpu_ops.LINEAR_ONEDNN, [packed.onednn, None, None, None, bias], [0, 0, 0]
-        if backend == "onednn":
-            return cpu_ops.LINEAR_ONEDNN, [self.weight, None, None, None, bias], [0, 0, 0]
-        if backend == "mkl_packed":
-            tensors = [packed.mkl, self.weight, None, None, bias]
-            return cpu_ops.LINEAR_MKL, tensors, [MKL_PACK_HINT, 0, 0]
-        if backend == "panels":
-            tensors = [packed.panels, None, None, None, bias]
-            return cpu_ops.LINEAR_PANELS, tensors, [self.out_features, 0, 0]
-        return cpu_ops.LINEAR_ATEN, [self.weight, None, None, None, bias], [0, 0, 0]
+        return native(backend, self.weight, bias, self.packed or PackedWeights())
 
     def use_quantized(self, weight: QuantizedWeight, keep_plain_weight: bool = False) -> None:
         """Compute through `weight` from now on and free the plain weight (unless it is shared,

@@ -7,8 +7,9 @@ Five ways to compute x @ W.T + b on the CPU, four of them in torch 2.x:
 - onednn_packed: the weight reordered once, at load, into the blocked layout oneDNN's kernels
   want (what vLLM does on the CPU); no reorder per call, one (blocked) copy of the weight.
 - mkl_packed (fp32 only): MKL's packed sgemm; it also keeps the plain weight, so two copies.
-- panels (fp32 only, AVX2 + FMA): our own register-tiled kernel (kernels/cpu/panel_matmul.cpp)
-  over the weight packed once into 16-feature panels; one copy.
+- panels (fp32 on AVX2 + FMA, bf16 on AVX512-BF16): our own register-tiled kernel
+  (kernels/cpu/panel_matmul.cpp) over the weight packed once into panels of 16 (fp32) or 32
+  (bf16) features; one copy.
 
 Which is fastest depends on the machine (AMD without AVX-512, AMD with AVX-512 and bf16, Intel
 with AMX) and on how many rows a call has: a decode step of a few sequences streams the weights
@@ -97,7 +98,7 @@ def available_backends(dtype: torch.dtype) -> tuple[Backend, ...]:
         and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
     ):
         found.append("mkl_packed")
-    if dtype == torch.float32 and cpu_ops.panel_matmul_supported():
+    if cpu_ops.panel_matmul_supported(dtype):
         found.append("panels")
     return tuple(found)
 
@@ -153,3 +154,24 @@ def run(
         assert packed.panels is not None, "panels needs the weight packed first"
         return cpu_ops.panel_linear(x, packed.panels, bias, weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+# What kernels.cpu_ops.decode_layers needs to run one linear layer in C++: its kind, its
+# tensors (LINEAR_SLOTS of them, None where unused) and its three int parameters.
+NativeLinear = tuple[int, list[torch.Tensor | None], list[int]]
+
+
+def native(
+    backend: Backend, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeights
+) -> NativeLinear:
+    """`run` as the C++ decode stack calls it: the same backend on the same tensors."""
+    if backend == "onednn_packed":
+        return cpu_ops.LINEAR_ONEDNN, [packed.onednn, None, None, None, bias], [0, 0, 0]
+    if backend == "onednn":
+        return cpu_ops.LINEAR_ONEDNN, [weight, None, None, None, bias], [0, 0, 0]
+    if backend == "mkl_packed":
+        return cpu_ops.LINEAR_MKL, [packed.mkl, weight, None, None, bias], [MKL_PACK_HINT, 0, 0]
+    if backend == "panels":
+        tensors = [packed.panels, None, None, None, bias]
+        return cpu_ops.LINEAR_PANELS, tensors, [weight.shape[0], 0, 0]
+    return cpu_ops.LINEAR_ATEN, [weight, None, None, None, bias], [0, 0, 0]

@@ -16,10 +16,12 @@
 #include <tuple>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
+using inferq_cpu::as_float;
+using inferq_cpu::from_float;
 
 // Runs body.template operator()<scalar_t>() for float32 or bfloat16 tensors.
 template <typename Body>
@@ -49,7 +51,7 @@ void rms_norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int
       const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
-        outr[i] = static_cast<scalar_t>(as_float(xr[i]) * inv * as_float(weight[i]));
+        outr[i] = from_float<scalar_t>(as_float(xr[i]) * inv * as_float(weight[i]));
       }
     }
   });
@@ -93,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     scalar_t* sp = summed.data_ptr<scalar_t>();
     at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin * width; i < end * width; ++i) {
-        sp[i] = static_cast<scalar_t>(as_float(xp[i]) + as_float(rp[i]));
+        sp[i] = from_float<scalar_t>(as_float(xp[i]) + as_float(rp[i]));
       }
     });
     rms_norm_rows(sp, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, width,
@@ -123,8 +125,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 #pragma omp simd
         for (int64_t i = 0; i < width; ++i) {
           const float g = as_float(gate[i]);
-          const scalar_t silu = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
-          outr[i] = static_cast<scalar_t>(as_float(silu) * as_float(up[i]));
+          const scalar_t silu = from_float<scalar_t>(g / (1.f + std::exp(-g)));
+          outr[i] = from_float<scalar_t>(as_float(silu) * as_float(up[i]));
         }
       }
     });
@@ -144,8 +146,8 @@ inline void rotate_heads(const scalar_t* src, scalar_t* out, int64_t heads, int6
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
       const float lo = as_float(x[i]), hi = as_float(x[i + half]);
-      o[i] = static_cast<scalar_t>(lo * cos[i] - hi * sin[i]);
-      o[i + half] = static_cast<scalar_t>(hi * cos[i] + lo * sin[i]);
+      o[i] = from_float<scalar_t>(lo * cos[i] - hi * sin[i]);
+      o[i + half] = from_float<scalar_t>(hi * cos[i] + lo * sin[i]);
     }
   }
 }

@@ -3,13 +3,12 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cstdint>
 
 namespace inferq_cpu {
-
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t count) {

@@ -25,6 +25,7 @@
 namespace {
 
 using inferq_cpu::as_float;
+using inferq_cpu::from_float;
 using inferq_cpu::ContextRows;
 
 #ifdef INFERQ_DECODE_BF16_DOT
@@ -131,7 +132,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       scalar_t* o_seq = o + (seq * num_heads + first_kv * group) * head_dim;
       for (int64_t h = 0; h < q_per_item; ++h) {
         for (int64_t d = 0; d < head_dim; ++d) {
-          o_seq[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sums[h]);
+          o_seq[h * head_dim + d] = from_float<scalar_t>(acc[h * head_dim + d] * inv_sums[h]);
         }
       }
     }

@@ -25,6 +25,7 @@
 namespace {
 
 using inferq_cpu::as_float;
+using inferq_cpu::from_float;
 using inferq_cpu::ContextRows;
 
 constexpr int64_t kRows = 64;    // rows of one work item: 4 vectors of 16 lanes
@@ -159,7 +160,7 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
         o + ((first_row + r / group) * num_heads + item.kv_head * group + r % group) * head_dim;
     const float inv_sum = 1.f / sums[r];
     for (int64_t d = 0; d < head_dim; ++d) {
-      dst[d] = static_cast<scalar_t>(ws.out[d * kRows + r] * inv_sum);
+      dst[d] = from_float<scalar_t>(ws.out[d * kRows + r] * inv_sum);
     }
   }
 }

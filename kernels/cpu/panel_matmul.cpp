@@ -11,6 +11,13 @@
 //
 // Threads split the panels. Inside a thread the inputs go in slices of kDepth, so that a panel's
 // slice (16 KiB) stays in L1 while every row of a block of x passes over it.
+//
+// bf16 (CPUs with AVX512-BF16): a panel holds 32 output features as [in / 2][32][2] bf16, each
+// feature's two consecutive inputs side by side, the pairs `vdpbf16ps` multiplies and adds into
+// one fp32 lane. A tile of 12 rows x 32 outputs keeps 24 fp32 accumulators in AVX-512 registers
+// over all inputs (2 weight loads and 12 broadcast pairs of x feed 24 dot products), then adds the
+// bias and rounds to bf16 once, as oneDNN does. Rows go in blocks of kRowBlockBf16 so that a block
+// of x stays in L2 while the thread's panels stream past it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,13 +31,15 @@
 #include <immintrin.h>
 #define INFERQ_PANEL_GEMM 1
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define INFERQ_PANEL_GEMM_BF16 1
+#endif
 
 namespace {
 
 constexpr int64_t kPanel = 16;     // output features per panel (two AVX2 registers)
 constexpr int64_t kTileRows = 6;   // rows of x per micro-kernel call
 constexpr int64_t kDepth = 256;    // inputs per pass over a panel
-constexpr int64_t kRowBlock = 1 << 20;  // rows of x per pass: blocking rows measured no gain
 
 #ifdef INFERQ_PANEL_GEMM
 
@@ -78,18 +87,15 @@ constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>,
 // Panels [first, last) of out [M, ldo] from x [M, K].
 void panel_range(const float* x, int64_t M, int64_t K, const float* panels, const float* bias,
                  float* out, int64_t ldo, int64_t first, int64_t last) {
+  // Every row in one pass over a panel: blocking the rows as well measured no gain.
   for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
     const int64_t depth = std::min(kDepth, K - k0);
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t block_end = std::min(M, m0 + kRowBlock);
-      for (int64_t p = first; p < last; ++p) {
-        const float* w = panels + (p * K + k0) * kPanel;
-        const float* init = bias == nullptr ? nullptr : bias + p * kPanel;
-        for (int64_t m = m0; m < block_end; m += kTileRows) {
-          const int64_t rows = std::min(kTileRows, block_end - m);
-          kTiles[rows](x + m * K + k0, K, w, depth, out + m * ldo + p * kPanel, ldo, k0 > 0,
-                       init);
-        }
+    for (int64_t p = first; p < last; ++p) {
+      const float* w = panels + (p * K + k0) * kPanel;
+      const float* init = bias == nullptr ? nullptr : bias + p * kPanel;
+      for (int64_t m = 0; m < M; m += kTileRows) {
+        const int64_t rows = std::min(kTileRows, M - m);
+        kTiles[rows](x + m * K + k0, K, w, depth, out + m * ldo + p * kPanel, ldo, k0 > 0, init);
       }
     }
   }
@@ -97,52 +103,143 @@ void panel_range(const float* x, int64_t M, int64_t K, const float* panels, cons
 
 #endif
 
-bool panel_matmul_supported() {
-#ifdef INFERQ_PANEL_GEMM
-  return true;
-#else
-  return false;
-#endif
+#ifdef INFERQ_PANEL_GEMM_BF16
+
+constexpr int64_t kPanelBf16 = 32;     // output features per bf16 panel (two AVX-512 registers)
+constexpr int64_t kTileRowsBf16 = 12;  // rows per micro-kernel call: 24 accumulators
+constexpr int64_t kRowBlockBf16 = 96;  // rows of x per pass over the panels (~300 KiB of x)
+
+// out[R, 32] (row stride ldo, bf16) = x[R, 2 * pairs] (row stride ldx pairs) @ w + bias, for a
+// panel w [pairs][32] of bf16 pairs (one uint32 each); bias: 32 fp32 or null.
+template <int R>
+inline void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t pairs,
+                      at::BFloat16* out, int64_t ldo, const float* bias) {
+  __m512 lo[R], hi[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    lo[r] = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias);
+    hi[r] = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + 16);
+  }
+  for (int64_t k = 0; k < pairs; ++k) {
+    const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(w + k * kPanelBf16);
+    const __m512bh w_hi = (__m512bh)_mm512_loadu_si512(w + k * kPanelBf16 + 16);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + k]));
+      lo[r] = _mm512_dpbf16_ps(lo[r], pair, w_lo);
+      hi[r] = _mm512_dpbf16_ps(hi[r], pair, w_hi);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    auto* row = reinterpret_cast<__m256i*>(out + r * ldo);
+    _mm256_storeu_si256(row, (__m256i)_mm512_cvtneps_pbh(lo[r]));
+    _mm256_storeu_si256(row + 1, (__m256i)_mm512_cvtneps_pbh(hi[r]));
+  }
 }
 
-// x [..., K] fp32; panels [ceil(N / 16), K, 16] fp32 (kernels.cpu_ops.pack_panels); bias [N].
+using TileBf16Fn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, at::BFloat16*,
+                            int64_t, const float*);
+constexpr TileBf16Fn kTilesBf16[kTileRowsBf16 + 1] = {
+    nullptr,       tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,  tile_bf16<4>,
+    tile_bf16<5>,  tile_bf16<6>, tile_bf16<7>, tile_bf16<8>,  tile_bf16<9>,
+    tile_bf16<10>, tile_bf16<11>, tile_bf16<12>};
+
+// Panels [first, last) of out [M, ldo] from x [M, 2 * pairs].
+void panel_range_bf16(const uint32_t* x, int64_t M, int64_t pairs, const uint32_t* panels,
+                      const float* bias, at::BFloat16* out, int64_t ldo, int64_t first,
+                      int64_t last) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlockBf16) {
+    const int64_t block_end = std::min(M, m0 + kRowBlockBf16);
+    for (int64_t p = first; p < last; ++p) {
+      const uint32_t* w = panels + p * pairs * kPanelBf16;
+      const float* init = bias == nullptr ? nullptr : bias + p * kPanelBf16;
+      for (int64_t m = m0; m < block_end; m += kTileRowsBf16) {
+        const int64_t rows = std::min(kTileRowsBf16, block_end - m);
+        kTilesBf16[rows](x + m * pairs, pairs, w, pairs, out + m * ldo + p * kPanelBf16, ldo,
+                         init);
+      }
+    }
+  }
+}
+
+#endif
+
+bool panel_matmul_supported(c10::ScalarType dtype) {
+  if (dtype == at::kFloat) {
+#ifdef INFERQ_PANEL_GEMM
+    return true;
+#endif
+  }
+  if (dtype == at::kBFloat16) {
+#ifdef INFERQ_PANEL_GEMM_BF16
+    return true;
+#endif
+  }
+  return false;
+}
+
+int64_t panel_width(c10::ScalarType dtype) { return dtype == at::kBFloat16 ? 32 : 16; }
+
+// x [..., K] fp32 or bf16; panels as kernels.cpu_ops.pack_panels lays them out for x's dtype:
+// fp32 [ceil(N / 16), K, 16], bf16 [ceil(N / 32), ceil(K / 2), 32, 2]; bias [N] of x's dtype.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                         const std::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(panel_matmul_supported(), "panel_linear needs a CPU with AVX2 and FMA");
+  const c10::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(panel_matmul_supported(dtype), "panel_linear has no ", dtype,
+              " kernel for this CPU (float32 needs AVX2 and FMA, bfloat16 AVX512-BF16)");
+  TORCH_CHECK(panels.scalar_type() == dtype, "panels must be ", dtype, " like x");
   const int64_t K = x.size(-1);
   const int64_t N = out_features;
-  const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
-              "panel_linear computes in float32");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(0) == num_panels && panels.size(1) == K &&
-                  panels.size(2) == kPanel && panels.is_contiguous(),
-              "panels must be contiguous [", num_panels, ", ", K, ", ", kPanel, "] for ", N,
-              " outputs of ", K, " inputs");
+  const int64_t width = panel_width(dtype);
+  const int64_t num_panels = (N + width - 1) / width;
+  const bool bf16 = dtype == at::kBFloat16;
+  const std::vector<int64_t> panel_shape =
+      bf16 ? std::vector<int64_t>{num_panels, (K + 1) / 2, width, 2}
+           : std::vector<int64_t>{num_panels, K, width};
+  TORCH_CHECK(panels.sizes() == at::IntArrayRef(panel_shape) && panels.is_contiguous(),
+              "panels must be contiguous ", at::IntArrayRef(panel_shape), " for ", N,
+              " outputs of ", K, " inputs, got ", panels.sizes());
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->numel() == N && bias->scalar_type() == at::kFloat),
-              "bias must be float32 [", N, "]");
+  TORCH_CHECK(!has_bias || (bias->numel() == N && bias->scalar_type() == dtype),
+              "bias must be ", dtype, " [", N, "]");
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   // A last, partial panel is computed into padded rows and cut to N afterwards.
-  const int64_t padded = num_panels * kPanel;
+  const int64_t padded = num_panels * width;
   at::Tensor out = at::empty({M, padded}, x.options());
   if (M == 0) return out.narrow(1, 0, N).reshape(out_shape);
   at::Tensor padded_bias;
   if (has_bias) {
     padded_bias = bias->contiguous();
+    if (bf16) padded_bias = padded_bias.to(at::kFloat);
     if (padded != N) padded_bias = at::constant_pad_nd(padded_bias, {0, padded - N});
   }
-#ifdef INFERQ_PANEL_GEMM
-  const float* x_data = x2.data_ptr<float>();
-  const float* w_data = panels.data_ptr<float>();
-  const float* b_data = has_bias ? padded_bias.data_ptr<float>() : nullptr;
-  float* out_data = out.data_ptr<float>();
-  at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
-    panel_range(x_data, M, K, w_data, b_data, out_data, padded, first, last);
-  });
+  if (bf16) {
+#ifdef INFERQ_PANEL_GEMM_BF16
+    if (K % 2 != 0) x2 = at::constant_pad_nd(x2, {0, 1});  // the packed weight's zero input
+    const auto* x_data = reinterpret_cast<const uint32_t*>(x2.data_ptr<at::BFloat16>());
+    const auto* w_data = reinterpret_cast<const uint32_t*>(panels.data_ptr<at::BFloat16>());
+    const float* b_data = has_bias ? padded_bias.data_ptr<float>() : nullptr;
+    at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
+    const int64_t pairs = (K + 1) / 2;
+    at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
+      panel_range_bf16(x_data, M, pairs, w_data, b_data, out_data, padded, first, last);
+    });
 #endif
+  } else {
+#ifdef INFERQ_PANEL_GEMM
+    const float* x_data = x2.data_ptr<float>();
+    const float* w_data = panels.data_ptr<float>();
+    const float* b_data = has_bias ? padded_bias.data_ptr<float>() : nullptr;
+    float* out_data = out.data_ptr<float>();
+    at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
+      panel_range(x_data, M, K, w_data, b_data, out_data, padded, first, last);
+    });
+#endif
+  }
   if (padded != N) out = out.narrow(1, 0, N).contiguous();
   return out.view(out_shape);
 }
@@ -150,7 +247,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
-  m.def("panel_matmul_supported() -> bool", &panel_matmul_supported);
+  m.def("panel_matmul_supported(ScalarType dtype) -> bool", &panel_matmul_supported);
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
 }

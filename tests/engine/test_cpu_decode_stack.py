@@ -79,6 +79,7 @@ def _with_and_without_stack(
         {"dtype": "float32", "cpu_matmul": "mkl_packed"},
         {"dtype": "float32", "cpu_matmul": "panels"},
         {"dtype": "bfloat16", "cpu_matmul": "aten"},
+        {"dtype": "bfloat16", "cpu_matmul": "panels"},
         {"dtype": "float32", "quantization": "int8"},
         {"dtype": "float32", "quantization": "w8a8"},
         {"dtype": "float32", "quantization": "int4"},
@@ -90,7 +91,8 @@ def test_decode_stack_gives_the_python_forwards_tokens_and_logprobs(
     tiny_llama_dir: Path, engine_args: dict[str, str], stack_calls: list[int]
 ) -> None:
     backend = engine_args.get("cpu_matmul")
-    if backend is not None and backend not in available_backends(torch.float32):
+    dtype = getattr(torch, engine_args["dtype"])
+    if backend is not None and backend not in available_backends(dtype):
         pytest.skip(f"{backend} does not run on this CPU")
     llm = LLM(str(tiny_llama_dir), **engine_args)
     with_stack, without = _with_and_without_stack(llm, _prompts(3))

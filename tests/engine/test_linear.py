@@ -182,21 +182,24 @@ def test_fp32_and_bf16_are_measured_alternately_once_per_machine(monkeypatch, tm
     assert len(files) == 1
 
 
-@pytest.mark.parametrize("rows", [1, 6, 7, 37])
-def test_the_panel_kernel_covers_long_inputs_and_partial_panels(rows):
-    """Inputs beyond one pass of the kernel (it accumulates pass after pass), row counts around
-    its 6-row tile and an output count that leaves the last panel partial."""
-    if "panels" not in available_backends(torch.float32):
-        pytest.skip("the panel kernel needs AVX2 and FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 6, 7, 13, 37, 100])
+def test_the_panel_kernel_covers_long_inputs_and_partial_panels(dtype, rows):
+    """Inputs beyond one pass of the fp32 kernel (it accumulates pass after pass) and an odd
+    count (bf16 multiplies inputs in pairs), row counts around its tiles (6 rows fp32, 12 bf16)
+    and bf16's 96-row blocks, and an output count that leaves the last panel partial."""
+    if "panels" not in available_backends(dtype):
+        pytest.skip(f"no {dtype} panel kernel for this CPU")
     from kernels import cpu_ops
 
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(37, 600, generator=generator) / 20
-    bias = torch.randn(37, generator=generator)
-    x = torch.randn(rows, 600, generator=generator)
+    weight = (torch.randn(37, 601, generator=generator) / 20).to(dtype)
+    bias = torch.randn(37, generator=generator).to(dtype)
+    x = torch.randn(rows, 601, generator=generator).to(dtype)
     out = cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight), bias, 37)
-    expected = F.linear(x.double(), weight.double(), bias.double()).float()
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    expected = F.linear(x.double(), weight.double(), bias.double()).to(dtype)
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, expected, **tolerance)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
