@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.model_files import inferq_home
+from kernels import cpu_ops
 from kernels.cpu_ops import cpu_fields, cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -38,12 +39,14 @@ def cpu_identity() -> tuple[str, str]:
 
 
 def machine_key(**details: Any) -> dict[str, Any]:
-    """What a measurement depends on: this CPU, torch and its threads, plus `details`."""
+    """What a measurement depends on: this CPU, torch and its threads, our CPU kernels' build
+    (a changed kernel is measured again), plus `details`."""
     model, flags = cpu_identity()
     return {
         "cpu": model,
         "cpu_flags": flags,
         "torch": torch.__version__,
+        "kernels": cpu_ops.build_name(),
         "threads": torch.get_num_threads(),
         **details,
     }

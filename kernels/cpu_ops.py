@@ -55,7 +55,9 @@ def cpu_flags() -> str:
     return fields.get("flags") or fields.get("Features", "")
 
 
-def _build_name() -> str:
+@functools.cache
+def build_name() -> str:
+    """The CPU kernels' build: a hash of their sources, flags, this CPU's flags and torch."""
     digest = hashlib.sha256()
     for source in (*_SOURCES, *sorted(_SOURCES[0].parent.glob("*.h"))):
         digest.update(source.read_bytes())
@@ -73,7 +75,7 @@ def cpu_kernels_available() -> bool:
     started = time.perf_counter()
     try:
         cpp_extension.load(
-            name=_build_name(),
+            name=build_name(),
             sources=[str(source) for source in _SOURCES],
             extra_cflags=list(_CFLAGS),
             is_python_module=False,

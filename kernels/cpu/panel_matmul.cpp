@@ -10,7 +10,9 @@
 // per machine whether it is used.
 //
 // Threads split the panels. Inside a thread the inputs go in slices of kDepth, so that a panel's
-// slice (16 KiB) stays in L1 while every row of a block of x passes over it.
+// slice (16 KiB) stays in L1 while every row of a block of x passes over it. On CPUs with
+// AVX-512 one register holds a panel, and a tile of 12 rows x 2 panels accumulates over all
+// inputs in registers instead (tile512).
 //
 // bf16 (CPUs with AVX512-BF16): a panel holds 32 output features as [in / 2][32][2] bf16, each
 // feature's two consecutive inputs side by side, the pairs `vdpbf16ps` multiplies and adds into
@@ -23,6 +25,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -30,6 +34,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define INFERQ_PANEL_GEMM 1
+#endif
+#if defined(__AVX512F__)
+#define INFERQ_PANEL_GEMM_512 1
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define INFERQ_PANEL_GEMM_BF16 1
@@ -41,7 +48,7 @@ constexpr int64_t kPanel = 16;     // output features per panel (two AVX2 regist
 constexpr int64_t kTileRows = 6;   // rows of x per micro-kernel call
 constexpr int64_t kDepth = 256;    // inputs per pass over a panel
 
-#ifdef INFERQ_PANEL_GEMM
+#if defined(INFERQ_PANEL_GEMM) && !defined(INFERQ_PANEL_GEMM_512)
 
 // out[R, 16] (row stride ldo) = or += x[R, depth] (row stride ldx) @ w[depth, 16], where the
 // first pass over the inputs starts from `init` (the bias, or zero when null).
@@ -103,6 +110,88 @@ void panel_range(const float* x, int64_t M, int64_t K, const float* panels, cons
 
 #endif
 
+// Splits rows [first, last) into tiles of at most max_rows, as even as possible (36 rows are
+// 12 + 12 + 12, 16 are 8 + 8), and calls tile_fn(first_row, rows) for each.
+template <typename TileFn>
+inline void for_each_row_tile(int64_t first, int64_t last, int64_t max_rows, TileFn&& tile_fn) {
+  const int64_t count = last - first;
+  const int64_t tiles = (count + max_rows - 1) / max_rows;
+  for (int64_t t = 0, m = first; t < tiles; ++t) {
+    const int64_t rows = count / tiles + (t < count % tiles ? 1 : 0);
+    tile_fn(m, rows);
+    m += rows;
+  }
+}
+
+#ifdef INFERQ_PANEL_GEMM_512
+
+// With AVX-512 one register holds a whole 16-feature panel: a tile covers 12 rows x 2 panels in
+// 24 accumulators over all inputs at once (2 weight loads and 12 broadcasts per 24 FMAs), and the
+// rows go in blocks that keep their part of x in L2 while the thread's panels stream past.
+constexpr int64_t kTileRows512 = 12;
+constexpr int64_t kRowBlock512 = 48;
+
+// out[R, 16 * NP] (row stride ldo) = x[R, K] (row stride ldx) @ panels w, w + panel_stride, ...
+// + init (the bias, or zero when null).
+template <int R, int NP>
+inline void tile512(const float* x, int64_t ldx, const float* w, int64_t panel_stride, int64_t K,
+                    float* out, int64_t ldo, const float* init) {
+  __m512 acc[NP][R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {
+      acc[j][r] = init == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(init + j * kPanel);
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NP];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w + j * panel_stride + k * kPanel);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) acc[j][r] = _mm512_fmadd_ps(a, wv[j], acc[j][r]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(out + r * ldo + j * kPanel, acc[j][r]);
+  }
+}
+
+template <int NP>
+using Tile512Fn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
+                           const float*);
+
+template <int NP, std::size_t... R>
+constexpr std::array<Tile512Fn<NP>, sizeof...(R) + 1> tiles512(std::index_sequence<R...>) {
+  return {nullptr, tile512<R + 1, NP>...};
+}
+
+// Panels [first, last) of out [M, ldo] from x [M, K], two panels per tile.
+void panel_range512(const float* x, int64_t M, int64_t K, const float* panels, const float* bias,
+                    float* out, int64_t ldo, int64_t first, int64_t last) {
+  static constexpr auto kPairTiles = tiles512<2>(std::make_index_sequence<kTileRows512>());
+  static constexpr auto kSingleTiles = tiles512<1>(std::make_index_sequence<kTileRows512>());
+  const int64_t panel_stride = K * kPanel;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock512) {
+    const int64_t block_end = std::min(M, m0 + kRowBlock512);
+    for (int64_t p = first; p < last; p += 2) {
+      const auto& tiles = p + 1 < last ? kPairTiles : kSingleTiles;
+      const float* w = panels + p * panel_stride;
+      const float* init = bias == nullptr ? nullptr : bias + p * kPanel;
+      for_each_row_tile(m0, block_end, kTileRows512, [&](int64_t m, int64_t rows) {
+        tiles[rows](x + m * K, K, w, panel_stride, K, out + m * ldo + p * kPanel, ldo, init);
+      });
+    }
+  }
+}
+
+#endif
+
 #ifdef INFERQ_PANEL_GEMM_BF16
 
 constexpr int64_t kPanelBf16 = 32;     // output features per bf16 panel (two AVX-512 registers)
@@ -154,11 +243,10 @@ void panel_range_bf16(const uint32_t* x, int64_t M, int64_t pairs, const uint32_
     for (int64_t p = first; p < last; ++p) {
       const uint32_t* w = panels + p * pairs * kPanelBf16;
       const float* init = bias == nullptr ? nullptr : bias + p * kPanelBf16;
-      for (int64_t m = m0; m < block_end; m += kTileRowsBf16) {
-        const int64_t rows = std::min(kTileRowsBf16, block_end - m);
+      for_each_row_tile(m0, block_end, kTileRowsBf16, [&](int64_t m, int64_t rows) {
         kTilesBf16[rows](x + m * pairs, pairs, w, pairs, out + m * ldo + p * kPanelBf16, ldo,
                          init);
-      }
+      });
     }
   }
 }
@@ -235,9 +323,17 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
     const float* w_data = panels.data_ptr<float>();
     const float* b_data = has_bias ? padded_bias.data_ptr<float>() : nullptr;
     float* out_data = out.data_ptr<float>();
+#ifdef INFERQ_PANEL_GEMM_512
+    // Threads split pairs of panels, the AVX-512 tile's width.
+    at::parallel_for(0, (num_panels + 1) / 2, 1, [&](int64_t first, int64_t last) {
+      panel_range512(x_data, M, K, w_data, b_data, out_data, padded, 2 * first,
+                     std::min(num_panels, 2 * last));
+    });
+#else
     at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
       panel_range(x_data, M, K, w_data, b_data, out_data, padded, first, last);
     });
+#endif
 #endif
   }
   if (padded != N) out = out.narrow(1, 0, N).contiguous();
