@@ -60,7 +60,7 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor: ...
 
-    def decode_from_qkv(
+    def attend_from_qkv(
         self,
         qkv: torch.Tensor,
         positions: torch.Tensor,
@@ -71,7 +71,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor | None:
-        """A decode step straight from the fused projection qkv: rotary, KV store and
-        attention in one go, [T, num_heads, head_dim]; None where the backend has no such path
-        for this step (the model then rotates and calls forward)."""
+        """A step straight from the fused projection qkv: rotary, KV store and attention in
+        one go, [T, num_heads, head_dim]; None where the backend has no such path for this step
+        (the model then rotates and calls forward)."""
         ...

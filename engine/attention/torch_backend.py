@@ -55,6 +55,7 @@ class PagedPrefill:
 
 @dataclass
 class TorchAttentionPlan:
+    token_slots: torch.Tensor  # [T] int64 cache slot of every token; -1: not stored
     write_slots: torch.Tensor  # [W] int64 cache slots to store
     write_rows: torch.Tensor | None  # [W] the token rows they come from; None: all rows, in order
     decode_rows: torch.Tensor | None  # rows of single-token sequences; None: every row is one
@@ -67,8 +68,10 @@ class TorchAttentionPlan:
     prefills: list[PrefillChunk]  # the portable path's chunks; empty where paged_prefill runs
     max_gather_blocks: int  # workspace size in blocks
     paged_prefill: PagedPrefill | None = None
-    # Every sequence decodes one token through the fused kernel: the step may rotate and store
-    # in one kernel call too (decode_from_qkv).
+    # Every sequence goes through the CPU kernels: the step may rotate and store in one kernel
+    # call too (attend_from_qkv).
+    kernels: bool = False
+    # ... and every sequence decodes one token (the C++ decode stack runs such steps).
     decodes_only_fused: bool = False
 
 
@@ -145,6 +148,7 @@ def build_plan(
         prefills.append(PrefillChunk(starts[i], starts[i] + n, seq_len, blocks, mask))
 
     return TorchAttentionPlan(
+        token_slots=slot_mapping,
         write_slots=write_slots,
         write_rows=write_rows,
         decode_rows=decode_rows,
@@ -156,6 +160,7 @@ def build_plan(
         decode_mask=decode_mask,
         prefills=prefills,
         max_gather_blocks=max_gather_blocks,
+        kernels=paged_kernels,
         decodes_only_fused=decode_tables is not None and decode_rows is None and not prefill_seqs,
         paged_prefill=paged_prefill,
     )
@@ -192,32 +197,17 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        plan = meta.backend_plan
-        if plan is None:
-            fused = self._use_paged_kernels(q)
-            plan = meta.backend_plan = build_plan(meta, block_size, q.dtype, fused)
+        plan = self._plan(meta, k_cache, q)
 
         store_kv(k, v, k_cache, v_cache, plan)
+        if plan.kernels:
+            return self._attend_paged(q.contiguous(), k_cache, v_cache, plan, scale)
         k_buf, v_buf = self._gather_buffers(plan.max_gather_blocks, k_cache)
         num_heads = q.shape[1]
         gqa = num_heads != num_kv_heads
 
         decode_out = None
-        if plan.decode_tables is not None:
-            q_dec = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
-            decode_out = torch.empty(q_dec.shape, dtype=q.dtype, device=q.device)
-            paged_decode_attention(
-                decode_out,
-                q_dec.contiguous(),
-                k_cache,
-                v_cache,
-                plan.decode_tables,
-                plan.decode_lens,
-                scale,
-            )
-            if plan.decode_rows is None:
-                return decode_out
-        elif plan.num_decodes:
+        if plan.num_decodes:
             q_dec = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
             num_blocks = plan.decode_blocks.numel()
             keys = torch.index_select(k_cache, 0, plan.decode_blocks, out=k_buf[:num_blocks])
@@ -246,26 +236,13 @@ class TorchAttentionBackend:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decode_out is not None:
             out.index_copy_(0, plan.decode_rows, decode_out)
-        if plan.paged_prefill is not None:
-            batch = plan.paged_prefill
-            paged_prefill_attention(
-                out,
-                q.contiguous(),
-                k_cache,
-                v_cache,
-                batch.tables,
-                batch.starts,
-                batch.query_lens,
-                batch.seq_lens,
-                scale,
-            )
         for chunk in plan.prefills:
             out[chunk.start : chunk.end] = self._prefill(
                 q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
             )
         return out
 
-    def decode_from_qkv(
+    def attend_from_qkv(
         self,
         qkv: torch.Tensor,
         positions: torch.Tensor,
@@ -276,22 +253,63 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor | None:
-        """A decode-only CPU step from the fused projection qkv [T, (H + 2 Hkv) * D]: Neox
-        rotary (cos_sin_cache as in engine.layers.rotary), KV store and attention in two kernel
-        calls, [T, H, D] out. None where this step or build cannot: the caller then rotates and
-        calls forward.
+        """A CPU step from the fused projection qkv [T, (H + 2 Hkv) * D]: Neox rotary
+        (cos_sin_cache as in engine.layers.rotary) and KV store in one kernel call, then the
+        paged attention kernels, [T, H, D] out. None where this step or build cannot: the
+        caller then rotates and calls forward.
 
-        Per layer a decode step is otherwise a dozen small ops (split, views, rotation,
-        index_copy_, allocations) that each cost more dispatch than arithmetic."""
-        plan = self.fused_decode_plan(meta, k_cache, qkv)
-        if plan is None:
+        Otherwise rotation and store are a dozen small ops per layer (split, views, cat,
+        multiplies, index_copy_) that each pass over memory or cost more dispatch than
+        arithmetic."""
+        if qkv.dtype != k_cache.dtype:
+            return None
+        plan = self._plan(meta, k_cache, qkv)
+        if not plan.kernels:
             return None
         q = rotary_store_kv(
-            qkv, positions, cos_sin_cache, plan.write_slots, k_cache, v_cache, num_heads
+            qkv, positions, cos_sin_cache, plan.token_slots, k_cache, v_cache, num_heads
         )
+        return self._attend_paged(q, k_cache, v_cache, plan, scale)
+
+    @staticmethod
+    def _attend_paged(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: TorchAttentionPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of q [T, H, D] (contiguous, K/V stored) through the CPU kernels."""
         out = torch.empty_like(q)
-        paged_decode_attention(
-            out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale
+        if plan.paged_prefill is None:  # every row decodes
+            paged_decode_attention(
+                out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale
+            )
+            return out
+        if plan.decode_tables is not None:
+            q_dec = q.index_select(0, plan.decode_rows)
+            decode_out = torch.empty_like(q_dec)
+            paged_decode_attention(
+                decode_out,
+                q_dec,
+                k_cache,
+                v_cache,
+                plan.decode_tables,
+                plan.decode_lens,
+                scale,
+            )
+            out.index_copy_(0, plan.decode_rows, decode_out)
+        batch = plan.paged_prefill
+        paged_prefill_attention(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            batch.tables,
+            batch.starts,
+            batch.query_lens,
+            batch.seq_lens,
+            scale,
         )
         return out
 
@@ -302,11 +320,17 @@ class TorchAttentionBackend:
         with activations x of the cache's dtype (the plan is built once per step); else None."""
         if not meta.is_decode_only or x.dtype != k_cache.dtype:
             return None
-        plan = meta.backend_plan
-        if plan is None:
-            fused = self._use_paged_kernels(x)
-            plan = meta.backend_plan = build_plan(meta, k_cache.shape[1], x.dtype, fused)
+        plan = self._plan(meta, k_cache, x)
         return plan if plan.decodes_only_fused else None
+
+    def _plan(
+        self, meta: AttentionMetadata, k_cache: torch.Tensor, x: torch.Tensor
+    ) -> TorchAttentionPlan:
+        """The step's plan, built by the first layer that asks and kept on the metadata."""
+        if meta.backend_plan is None:
+            fused = self._use_paged_kernels(x)
+            meta.backend_plan = build_plan(meta, k_cache.shape[1], x.dtype, fused)
+        return meta.backend_plan
 
     def _use_paged_kernels(self, q: torch.Tensor) -> bool:
         if self._paged_kernels is None:

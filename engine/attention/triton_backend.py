@@ -49,7 +49,7 @@ class TritonAttentionBackend:
             num_splits=self.num_splits,
         )
 
-    def decode_from_qkv(
+    def attend_from_qkv(
         self,
         qkv: torch.Tensor,
         positions: torch.Tensor,

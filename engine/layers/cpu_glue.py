@@ -130,7 +130,8 @@ def native_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
-# Rotary stays eager here: decode steps rotate inside the KV-cache store (rotary_store_kv).
+# Rotary stays eager here: where the CPU kernels run, every step rotates inside the KV-cache
+# store (rotary_store_kv).
 NATIVE = Glue(native_rms_norm, native_add_rms_norm, rotate, native_silu_and_mul)
 
 

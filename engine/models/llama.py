@@ -112,7 +112,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        out = self.backend.decode_from_qkv(
+        out = self.backend.attend_from_qkv(
             qkv,
             positions,
             self.rotary_emb.cos_sin_cache,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace inferq_cpu {
 
@@ -14,7 +15,7 @@ template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t count) {
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t offset = 0; offset < count * int64_t(sizeof(scalar_t)); offset += 64) {
-    __builtin_prefetch(bytes + offset);
+    __builtin_prefetch(bytes + offset, 0, 2);
   }
 }
 
@@ -28,7 +29,9 @@ struct ContextRows {
 
   // visit(row, t) for every token t in order. Blocks lie anywhere in the cache, beyond the
   // hardware prefetcher's sight, so the next block's rows are requested while this one's are
-  // visited.
+  // visited: into L2, not L1, since L1 has few slots for misses in flight and a prefetch that
+  // finds them all taken stalls the core (measured: L1 prefetches left decode attention at
+  // about half the memory bandwidth that L2 prefetches reach).
   template <typename Visit>
   void visit(const scalar_t* cache, Visit&& visit_row) const {
     for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
@@ -43,5 +46,20 @@ struct ContextRows {
     }
   }
 };
+
+// f(std::integral_constant<int64_t, D>{}) with D the head size where the kernels specialise it
+// (64, 128: loops over a head unroll into a few full-width vector instructions), else D = 0,
+// meaning "read it at run time".
+template <typename F>
+void with_head_dim(int64_t head_dim, F&& f) {
+  switch (head_dim) {
+    case 64:
+      return f(std::integral_constant<int64_t, 64>{});
+    case 128:
+      return f(std::integral_constant<int64_t, 128>{});
+    default:
+      return f(std::integral_constant<int64_t, 0>{});
+  }
+}
 
 }  // namespace inferq_cpu

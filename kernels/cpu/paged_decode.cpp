@@ -139,23 +139,6 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   });
 }
 
-template <typename scalar_t>
-void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                       const at::Tensor& value_cache, const at::Tensor& block_tables,
-                       const at::Tensor& seq_lens, double scale) {
-  switch (query.size(2)) {
-    case 64:
-      return paged_decode<scalar_t, 64>(out, query, key_cache, value_cache, block_tables,
-                                        seq_lens, scale);
-    case 128:
-      return paged_decode<scalar_t, 128>(out, query, key_cache, value_cache, block_tables,
-                                         seq_lens, scale);
-    default:
-      return paged_decode<scalar_t, 0>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                       scale);
-  }
-}
-
 // out [S, H, D] = softmax(q k^T * scale) v for q [S, H, D] over each sequence's cached context
 // (key/value_cache [num_blocks, block_size, Hkv, D], block_tables [S, W] int32, seq_lens [S] int32).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -168,14 +151,17 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
-  if (query.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
-  } else if (query.scalar_type() == at::kBFloat16) {
-    dispatch_head_dim<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                     scale);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
-  }
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "paged_decode_attention supports float32 and bfloat16");
+  inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
+    if (query.scalar_type() == at::kFloat) {
+      paged_decode<float, head_dim>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                    scale);
+    } else {
+      paged_decode<c10::BFloat16, head_dim>(out, query, key_cache, value_cache, block_tables,
+                                            seq_lens, scale);
+    }
+  });
 }
 
 }  // namespace

@@ -6,7 +6,7 @@
 // query head of that KV head's group) pair, padded with unused rows. Its context (every key up
 // to the tile's last query) is widened to fp32 once into contiguous rows, then two register-
 // blocked passes run over it: scores for 4 keys x kRows rows at a time (16 accumulators of 16
-// lanes), softmax down each row, and the weighted sum for 4 output dims x kRows rows at a time.
+// lanes), softmax down each row, and the weighted sum for a few rows' whole heads at a time.
 // All arithmetic is fp32, whatever the cache's dtype. Items are handed out one at a time to the
 // threads, since their costs differ (later tiles see longer contexts).
 #include <ATen/Parallel.h>
@@ -40,7 +40,6 @@ struct Workspace {
   std::vector<float> keys;    // [context][D]
   std::vector<float> values;  // [context][D]
   std::vector<float> scores;  // [context][kRows], then the softmax numerators
-  std::vector<float> out;     // [D][kRows]
 };
 
 // dst[t][d] = src row t, widened to fp32, for the item's `len` keys.
@@ -54,12 +53,56 @@ void widen_rows(const ContextRows<scalar_t>& rows, const scalar_t* cache, int64_
   });
 }
 
-template <typename scalar_t>
+// Output row r = sum_t p[t][r] v[t] / sums[r] for the item's used rows, written straight to
+// the output. With the head size fixed at compile time, a few rows' whole heads stay in
+// registers (4 x 64 or 2 x 128 floats: 16 accumulators) while the keys stream past, and every
+// output row leaves in full-width stores.
+template <typename scalar_t, int64_t kHeadDim, typename RowOf>
+void weighted_sum(const Workspace& ws, int64_t head_dim, int64_t len, int64_t rows_used,
+                  const float* sums, RowOf&& row_of) {
+  if constexpr (kHeadDim == 0) {
+    std::vector<float> acc(head_dim);
+    for (int64_t r = 0; r < rows_used; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float p = ws.scores[t * kRows + r];
+        const float* v = ws.values.data() + t * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * v[d];
+      }
+      scalar_t* dst = row_of(r);
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[d] / sums[r]);
+    }
+  } else {
+    constexpr int64_t kRowBlock = kHeadDim >= 128 ? 2 : 4;
+    for (int64_t r0 = 0; r0 < rows_used; r0 += kRowBlock) {
+      float acc[kRowBlock][kHeadDim] = {};
+      for (int64_t t = 0; t < len; ++t) {
+        const float* p = ws.scores.data() + t * kRows + r0;
+        const float* v = ws.values.data() + t * kHeadDim;
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < kRowBlock; ++i) {
+          const float pi = p[i];
+#pragma omp simd
+          for (int64_t d = 0; d < kHeadDim; ++d) acc[i][d] += pi * v[d];
+        }
+      }
+      for (int64_t i = 0; i < kRowBlock && r0 + i < rows_used; ++i) {
+        scalar_t* dst = row_of(r0 + i);
+        const float inv_sum = 1.f / sums[r0 + i];
+#pragma omp simd
+        for (int64_t d = 0; d < kHeadDim; ++d) dst[d] = from_float<scalar_t>(acc[i][d] * inv_sum);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, int64_t kHeadDim>
 void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Tensor& query,
                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const int32_t* tables, int64_t table_width, const int32_t* starts,
                  const int32_t* query_lens, const int32_t* seq_lens, float scale) {
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
@@ -79,7 +122,7 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
   }
   const int64_t padded = (len + kBlocked - 1) / kBlocked * kBlocked;
   ws.keys.resize(padded * head_dim);
-  ws.values.resize(padded * head_dim + kBlocked);  // a last block of dims may read past D
+  ws.values.resize(padded * head_dim);
   ws.scores.resize(padded * kRows);
   std::fill(ws.keys.begin() + len * head_dim, ws.keys.end(), 0.f);
   std::fill(ws.values.begin() + len * head_dim, ws.values.end(), 0.f);
@@ -133,39 +176,14 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
       sums[r] += row[r];
     }
   }
-  std::fill(ws.scores.begin() + len * kRows, ws.scores.end(), 0.f);  // padded keys weigh 0
 
-  // out[d][r] = sum_t p[t][r] v[t][d], four output dims at a time.
-  ws.out.resize(head_dim * kRows);
-  for (int64_t d0 = 0; d0 < head_dim; d0 += kBlocked) {
-    float acc[kBlocked][kRows] = {};
-    for (int64_t t = 0; t < padded; ++t) {
-      const float* p = ws.scores.data() + t * kRows;
-      const float* v = ws.values.data() + t * head_dim + d0;
-#pragma GCC unroll 4
-      for (int64_t b = 0; b < kBlocked; ++b) {
-        const float vd = v[b];
-#pragma omp simd
-        for (int64_t r = 0; r < kRows; ++r) acc[b][r] += p[r] * vd;
-      }
-    }
-    for (int64_t b = 0; b < kBlocked && d0 + b < head_dim; ++b) {
-      std::copy(acc[b], acc[b] + kRows, ws.out.data() + (d0 + b) * kRows);
-    }
-  }
-
-  scalar_t* o = out.data_ptr<scalar_t>();
-  for (int64_t r = 0; r < rows_used; ++r) {
-    scalar_t* dst =
-        o + ((first_row + r / group) * num_heads + item.kv_head * group + r % group) * head_dim;
-    const float inv_sum = 1.f / sums[r];
-    for (int64_t d = 0; d < head_dim; ++d) {
-      dst[d] = from_float<scalar_t>(ws.out[d * kRows + r] * inv_sum);
-    }
-  }
+  weighted_sum<scalar_t, kHeadDim>(ws, head_dim, len, rows_used, sums, [&](int64_t r) {
+    return out.data_ptr<scalar_t>() +
+           ((first_row + r / group) * num_heads + item.kv_head * group + r % group) * head_dim;
+  });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, int64_t kHeadDim>
 void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                    const at::Tensor& starts, const at::Tensor& query_lens,
@@ -187,10 +205,10 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Workspace ws;
     for (int64_t i = next++; i < num_items; i = next++) {
-      attend_item<scalar_t>(items[i], ws, out, query, key_cache, value_cache,
-                            block_tables.data_ptr<int32_t>(), block_tables.size(1),
-                            starts.data_ptr<int32_t>(), lens, seq_lens.data_ptr<int32_t>(),
-                            static_cast<float>(scale));
+      attend_item<scalar_t, kHeadDim>(items[i], ws, out, query, key_cache, value_cache,
+                                      block_tables.data_ptr<int32_t>(), block_tables.size(1),
+                                      starts.data_ptr<int32_t>(), lens,
+                                      seq_lens.data_ptr<int32_t>(), static_cast<float>(scale));
     }
   });
 }
@@ -211,15 +229,17 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   }
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
-  if (query.scalar_type() == at::kFloat) {
-    paged_prefill<float>(out, query, key_cache, value_cache, block_tables, starts, query_lens,
-                         seq_lens, scale);
-  } else if (query.scalar_type() == at::kBFloat16) {
-    paged_prefill<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, starts,
-                                 query_lens, seq_lens, scale);
-  } else {
-    TORCH_CHECK(false, "paged_prefill_attention supports float32 and bfloat16");
-  }
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention supports float32 and bfloat16");
+  inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
+    if (query.scalar_type() == at::kFloat) {
+      paged_prefill<float, head_dim>(out, query, key_cache, value_cache, block_tables, starts,
+                                     query_lens, seq_lens, scale);
+    } else {
+      paged_prefill<c10::BFloat16, head_dim>(out, query, key_cache, value_cache, block_tables,
+                                             starts, query_lens, seq_lens, scale);
+    }
+  });
 }
 
 }  // namespace

@@ -127,9 +127,11 @@ inline void for_each_row_tile(int64_t first, int64_t last, int64_t max_rows, Til
 
 // With AVX-512 one register holds a whole 16-feature panel: a tile covers 12 rows x 2 panels in
 // 24 accumulators over all inputs at once (2 weight loads and 12 broadcasts per 24 FMAs), and the
-// rows go in blocks that keep their part of x in L2 while the thread's panels stream past.
+// rows go in blocks that keep their part of x in L2 while the thread's panels stream past. The
+// blocks are as even as possible: every block streams all the thread's weights once more, so a
+// decode step of 64 rows must not become 48 + 16 (measured: 15% slower than one block of 64).
 constexpr int64_t kTileRows512 = 12;
-constexpr int64_t kRowBlock512 = 48;
+constexpr int64_t kRowBlock512 = 96;
 
 // out[R, 16 * NP] (row stride ldo) = x[R, K] (row stride ldx) @ panels w, w + panel_stride, ...
 // + init (the bias, or zero when null).
@@ -177,8 +179,8 @@ void panel_range512(const float* x, int64_t M, int64_t K, const float* panels, c
   static constexpr auto kPairTiles = tiles512<2>(std::make_index_sequence<kTileRows512>());
   static constexpr auto kSingleTiles = tiles512<1>(std::make_index_sequence<kTileRows512>());
   const int64_t panel_stride = K * kPanel;
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock512) {
-    const int64_t block_end = std::min(M, m0 + kRowBlock512);
+  for_each_row_tile(0, M, kRowBlock512, [&](int64_t m0, int64_t block_rows) {
+    const int64_t block_end = m0 + block_rows;
     for (int64_t p = first; p < last; p += 2) {
       const auto& tiles = p + 1 < last ? kPairTiles : kSingleTiles;
       const float* w = panels + p * panel_stride;
@@ -187,7 +189,7 @@ void panel_range512(const float* x, int64_t M, int64_t K, const float* panels, c
         tiles[rows](x + m * K, K, w, panel_stride, K, out + m * ldo + p * kPanel, ldo, init);
       });
     }
-  }
+  });
 }
 
 #endif
@@ -238,8 +240,8 @@ constexpr TileBf16Fn kTilesBf16[kTileRowsBf16 + 1] = {
 void panel_range_bf16(const uint32_t* x, int64_t M, int64_t pairs, const uint32_t* panels,
                       const float* bias, at::BFloat16* out, int64_t ldo, int64_t first,
                       int64_t last) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlockBf16) {
-    const int64_t block_end = std::min(M, m0 + kRowBlockBf16);
+  for_each_row_tile(0, M, kRowBlockBf16, [&](int64_t m0, int64_t block_rows) {
+    const int64_t block_end = m0 + block_rows;
     for (int64_t p = first; p < last; ++p) {
       const uint32_t* w = panels + p * pairs * kPanelBf16;
       const float* init = bias == nullptr ? nullptr : bias + p * kPanelBf16;
@@ -248,7 +250,7 @@ void panel_range_bf16(const uint32_t* x, int64_t M, int64_t pairs, const uint32_
                          init);
       });
     }
-  }
+  });
 }
 
 #endif

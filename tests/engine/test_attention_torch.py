@@ -15,6 +15,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.layers.rotary import RotaryEmbedding
 from kernels.cpu_ops import cpu_kernels_available
 
 HEAD_DIM = 16
@@ -32,27 +33,13 @@ class Case:
     head_dim: int = HEAD_DIM
 
 
-def _run_case(
-    case: Case,
-    seed: int = 0,
-    paged_kernels: bool | None = None,
-    dtype: torch.dtype = torch.float32,
-):
-    """Returns (backend output, oracle output, cache before, cache after, metadata)."""
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    bs, hkv, num_heads = case.block_size, case.num_kv_heads, case.num_kv_heads * case.group
-    k_cache = torch.randn(NUM_BLOCKS, bs, hkv, case.head_dim).to(dtype)
-    v_cache = torch.randn(NUM_BLOCKS, bs, hkv, case.head_dim).to(dtype)
+def _layout(case: Case, rng: random.Random) -> tuple[list[list[int]], list[int], AttentionMetadata]:
+    """Scattered block tables, every new token's slot and the step's metadata for a case."""
+    bs = case.block_size
     free_blocks = list(range(NUM_BLOCKS))
     rng.shuffle(free_blocks)  # non-contiguous, unordered block tables
-
     seq_lens = [c + n for c, n in zip(case.contexts, case.query_lens, strict=True)]
     tables = [[free_blocks.pop() for _ in range(-(-n // bs))] for n in seq_lens]
-    total = sum(case.query_lens)
-    q = torch.randn(total, num_heads, case.head_dim).to(dtype)
-    k = torch.randn(total, hkv, case.head_dim).to(dtype)
-    v = torch.randn(total, hkv, case.head_dim).to(dtype)
 
     slots, row = [], 0
     for context, n, table in zip(case.contexts, case.query_lens, tables, strict=True):
@@ -77,6 +64,25 @@ def _run_case(
         query_lens_cpu=list(case.query_lens),
         seq_lens_cpu=seq_lens,
     )
+    return tables, slots, meta
+
+
+def _run_case(
+    case: Case,
+    seed: int = 0,
+    paged_kernels: bool | None = None,
+    dtype: torch.dtype = torch.float32,
+):
+    """Returns (backend output, oracle output, cache before, cache after, metadata)."""
+    torch.manual_seed(seed)
+    bs, hkv, num_heads = case.block_size, case.num_kv_heads, case.num_kv_heads * case.group
+    k_cache = torch.randn(NUM_BLOCKS, bs, hkv, case.head_dim).to(dtype)
+    v_cache = torch.randn(NUM_BLOCKS, bs, hkv, case.head_dim).to(dtype)
+    tables, slots, meta = _layout(case, random.Random(seed))
+    total = sum(case.query_lens)
+    q = torch.randn(total, num_heads, case.head_dim).to(dtype)
+    k = torch.randn(total, hkv, case.head_dim).to(dtype)
+    v = torch.randn(total, hkv, case.head_dim).to(dtype)
     before = (k_cache.clone(), v_cache.clone())
     scale = case.head_dim**-0.5
     backend = TorchAttentionBackend(paged_kernels)
@@ -181,3 +187,54 @@ def test_skipped_slots_leave_the_cache_unchanged() -> None:
         assert torch.equal(flat_after[unwritten], flat_before[unwritten])
     # The sequence that wrote normally still attends correctly.
     torch.testing.assert_close(out[1:4], expected[1:4], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_a_step_from_the_fused_projection_matches_rotating_then_attending(
+    case: Case, dtype: torch.dtype
+) -> None:
+    # Every CPU step with the kernels rotates and stores in one kernel call (attend_from_qkv);
+    # it must give what the portable path gives: rotate q and k, then forward.
+    torch.manual_seed(0)
+    bs, hkv, num_heads = case.block_size, case.num_kv_heads, case.num_kv_heads * case.group
+    caches = [torch.randn(NUM_BLOCKS, bs, hkv, case.head_dim).to(dtype) for _ in range(2)]
+    qkv = torch.randn(sum(case.query_lens), (num_heads + 2 * hkv) * case.head_dim).to(dtype)
+    positions = torch.tensor(
+        [p for c, n in zip(case.contexts, case.query_lens, strict=True) for p in range(c, c + n)]
+    )
+    rotary = RotaryEmbedding(case.head_dim, 512, 10000.0, None)
+    scale = case.head_dim**-0.5
+
+    fused_caches = [c.clone() for c in caches]
+    _, _, meta = _layout(case, random.Random(0))
+    fused = TorchAttentionBackend().attend_from_qkv(
+        qkv, positions, rotary.cos_sin_cache, num_heads, *fused_caches, meta, scale
+    )
+    assert fused is not None
+
+    _, _, meta = _layout(case, random.Random(0))
+    q, k, v = qkv.split([num_heads * case.head_dim, hkv * case.head_dim, hkv * case.head_dim], -1)
+    q, k = rotary(positions, q, k)
+    v = v.reshape(-1, hkv, case.head_dim)
+    expected = TorchAttentionBackend().forward(q, k, v, *caches, meta, scale)
+
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused, expected, atol=tolerance, rtol=tolerance)
+    for fused_cache, cache in zip(fused_caches, caches, strict=True):
+        torch.testing.assert_close(fused_cache, cache, atol=tolerance, rtol=tolerance)
+
+
+def test_without_the_kernels_a_step_from_the_fused_projection_is_declined() -> None:
+    case = CASES["mixed prefill chunks and decodes"]
+    hkv, num_heads = case.num_kv_heads, case.num_kv_heads * case.group
+    k_cache, v_cache = (torch.zeros(NUM_BLOCKS, case.block_size, hkv, HEAD_DIM) for _ in "kv")
+    qkv = torch.randn(sum(case.query_lens), (num_heads + 2 * hkv) * HEAD_DIM)
+    positions = torch.zeros(qkv.shape[0], dtype=torch.int64)
+    rotary = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None)
+    _, _, meta = _layout(case, random.Random(0))
+    out = TorchAttentionBackend(paged_kernels=False).attend_from_qkv(
+        qkv, positions, rotary.cos_sin_cache, num_heads, k_cache, v_cache, meta, 1.0
+    )
+    assert out is None
+    assert not k_cache.any()  # nothing stored: the caller's forward will store
