@@ -70,7 +70,8 @@ void weighted_sum(const Workspace& ws, int64_t head_dim, int64_t len, int64_t ro
         for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * v[d];
       }
       scalar_t* dst = row_of(r);
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[d] / sums[r]);
+      const float inv_sum = 1.f / sums[r];
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[d] * inv_sum);
     }
   } else {
     constexpr int64_t kRowBlock = kHeadDim >= 128 ? 2 : 4;
@@ -121,11 +122,10 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
     for (int64_t d = 0; d < head_dim; ++d) ws.q[d * kRows + r] = as_float(src[d]) * scale;
   }
   const int64_t padded = (len + kBlocked - 1) / kBlocked * kBlocked;
-  ws.keys.resize(padded * head_dim);
-  ws.values.resize(padded * head_dim);
+  ws.keys.resize(padded * head_dim);  // zero keys fill the scores pass's last group of 4
+  ws.values.resize(len * head_dim);
   ws.scores.resize(padded * kRows);
   std::fill(ws.keys.begin() + len * head_dim, ws.keys.end(), 0.f);
-  std::fill(ws.values.begin() + len * head_dim, ws.values.end(), 0.f);
   const ContextRows<scalar_t> rows{tables + item.chunk * table_width, len, block_size,
                                    block_size * token_stride, token_stride,
                                    item.kv_head * head_dim, head_dim};
