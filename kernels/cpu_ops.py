@@ -178,10 +178,20 @@ QUANT_GEMM_MIN_ROWS = 16
 # input_order, bias) and ints (kind, p0, p1, p2); see kernels/cpu/decode_stack.cpp for each kind.
 LINEAR_SLOTS = 5
 LINEAR_INTS = 4
-LINEAR_ATEN, LINEAR_ONEDNN, LINEAR_MKL, LINEAR_QUANT, LINEAR_W8A8, LINEAR_PANELS = range(6)
+(
+    LINEAR_ATEN,
+    LINEAR_ONEDNN,
+    LINEAR_MKL,
+    LINEAR_QUANT,
+    LINEAR_W8A8,
+    LINEAR_PANELS,
+    LINEAR_GATED_PANELS,
+) = range(7)
 
 # Output features per panel of kernels/cpu/panel_matmul.cpp's packed weight layouts.
 PANEL_WIDTH = {torch.float32: 16, torch.bfloat16: 32}
+# A gated weight's gate and up rows are interleaved this many at a time (each half of a tile).
+GATED_GROUP = 16
 
 
 def panel_matmul_supported(dtype: torch.dtype) -> bool:
@@ -192,6 +202,11 @@ def panel_matmul_supported(dtype: torch.dtype) -> bool:
         and cpu_kernels_available()
         and bool(torch.ops.inferq_cpu.panel_matmul_supported(dtype))
     )
+
+
+def panel_gated_supported(dtype: torch.dtype) -> bool:
+    """Whether `panel_gated_linear` is built for this CPU and dtype (AVX-512; bf16: AVX512-BF16)."""
+    return panel_matmul_supported(dtype) and bool(torch.ops.inferq_cpu.panel_gated_supported(dtype))
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -215,6 +230,25 @@ def panel_linear(
 ) -> torch.Tensor:
     """x @ W^T + bias for W packed by `pack_panels`; fp32 or bf16, x [..., in] -> [..., out]."""
     return torch.ops.inferq_cpu.panel_linear(x, panels, bias, out_features)
+
+
+def interleave_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows [2 I, in] -> GATED_GROUP gate rows, the same features' up rows, the next
+    GATED_GROUP gate rows, ...: the order panel_gated_linear wants them packed in."""
+    halves = weight.view(2, -1, GATED_GROUP, weight.shape[-1])
+    return halves.transpose(0, 1).reshape(weight.shape)
+
+
+def deinterleave_gate_up(out: torch.Tensor) -> torch.Tensor:
+    """A projection's outputs [..., 2 I] through an interleaved weight, back to [gate; up]."""
+    groups = out.view(*out.shape[:-1], -1, 2, GATED_GROUP)
+    return groups.transpose(-3, -2).reshape(out.shape)
+
+
+def panel_gated_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """silu(gate) * up [..., out_features] of x's projection through a [gate; up] weight packed
+    as pack_panels(interleave_gate_up(weight)); rounded as panel_linear then silu_and_mul."""
+    return torch.ops.inferq_cpu.panel_gated_linear(x, panels, out_features)
 
 
 def decode_layers(

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.activation import silu_and_mul
 from engine.layers.matmul import (
     ATEN,
     ONEDNN_BACKENDS,
@@ -22,7 +23,9 @@ from engine.layers.matmul import (
     PackedWeights,
     native,
     pack,
+    packs_gated,
     run,
+    run_gated,
 )
 from engine.quantization.matmul import quantized_linear
 from engine.quantization.weights import QuantizedWeight
@@ -62,6 +65,7 @@ class Linear(nn.Linear):
     plan: MatmulPlan = ATEN
     packed: PackedWeights | None = None
     quantized: QuantizedWeight | None = None
+    _gated = False  # a [gate; up] projection whose weight may be packed for one gated kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is None:
@@ -123,7 +127,8 @@ class Linear(nn.Linear):
             _storage_changed()
             return
         with torch.no_grad():
-            self.packed = pack(self.weight.detach(), plan)
+            weight = self.weight.detach()
+            self.packed = pack(weight, plan, self._gated and packs_gated(weight, self.bias, plan))
         self.plan = plan
         _storage_changed()
         if "plain" not in plan.storage() and not keep_plain_weight:
@@ -132,11 +137,32 @@ class Linear(nn.Linear):
 
 
 class MergedLinear(Linear):
-    """Output rows are the concatenation of shards (e.g. [q; k; v]); the loader fills each shard."""
+    """Output rows are the concatenation of shards (e.g. [q; k; v]); the loader fills each shard.
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
+    gated: the shards are a gated MLP's [gate; up], of one size, which `activated` turns into
+    silu(gate) * up."""
+
+    def __init__(
+        self, in_features: int, shard_sizes: list[int], bias: bool = False, gated: bool = False
+    ) -> None:
         super().__init__(in_features, sum(shard_sizes), bias=bias)
         self.shard_sizes = list(shard_sizes)
+        if gated and (len(shard_sizes) != 2 or shard_sizes[0] != shard_sizes[1]):
+            raise ValueError(f"a gated projection has two equal shards, got {shard_sizes}")
+        self._gated = gated
+
+    def activated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x's [gate; up] projection (gated layers): in the matmul's own
+        kernel where the plan packed the weight for it, else projected and then activated."""
+        if not self._gated:
+            raise TypeError("activated() needs a gated [gate; up] projection")
+        packed = self.packed
+        if packed is not None and packed.gated and self.quantized is None and x.numel():
+            rows = x.numel() // x.shape[-1]
+            fused = run_gated(self.plan.backend_for(rows), x, self.weight, packed)
+            if fused is not None:
+                return fused
+        return silu_and_mul(self(x))
 
     def shard_offset(self, shard: int) -> int:
         return sum(self.shard_sizes[:shard])

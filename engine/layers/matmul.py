@@ -117,10 +117,14 @@ class PackedWeights:
     onednn: torch.Tensor | None = None
     mkl: torch.Tensor | None = None
     panels: torch.Tensor | None = None
+    # The panels hold a [gate; up] weight with its halves interleaved (cpu_ops.interleave_gate_up),
+    # so that one kernel computes silu(gate) * up (run_gated).
+    gated: bool = False
 
 
-def pack(weight: torch.Tensor, plan: MatmulPlan) -> PackedWeights:
-    """Reorder weight [out, in] once into the layouts the plan's backends want."""
+def pack(weight: torch.Tensor, plan: MatmulPlan, gated: bool = False) -> PackedWeights:
+    """Reorder weight [out, in] once into the layouts the plan's backends want; gated: weight is
+    [gate; up] and its panels are packed for run_gated."""
     storage = plan.storage()
     packed = PackedWeights()
     if "onednn" in storage:
@@ -128,8 +132,21 @@ def pack(weight: torch.Tensor, plan: MatmulPlan) -> PackedWeights:
     if "mkl" in storage:
         packed.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_HINT)
     if "panels" in storage:
-        packed.panels = cpu_ops.pack_panels(weight)
+        packed.gated = gated
+        packed.panels = cpu_ops.pack_panels(cpu_ops.interleave_gate_up(weight) if gated else weight)
     return packed
+
+
+def packs_gated(weight: torch.Tensor, bias: torch.Tensor | None, plan: MatmulPlan) -> bool:
+    """Whether a [gate; up] weight can be packed for run_gated under this plan: the plan has
+    panels, the CPU their gated kernel, the halves whole groups of features, and no bias."""
+    half = weight.shape[0] // 2
+    return (
+        "panels" in plan.storage()
+        and bias is None
+        and half % cpu_ops.GATED_GROUP == 0
+        and cpu_ops.panel_gated_supported(weight.dtype)
+    )
 
 
 def run(
@@ -152,8 +169,20 @@ def run(
         return torch.ops.mkl._mkl_linear(x.contiguous(), packed.mkl, weight, bias, MKL_PACK_HINT)
     if backend == "panels":
         assert packed.panels is not None, "panels needs the weight packed first"
-        return cpu_ops.panel_linear(x, packed.panels, bias, weight.shape[0])
+        out = cpu_ops.panel_linear(x, packed.panels, bias, weight.shape[0])
+        return cpu_ops.deinterleave_gate_up(out) if packed.gated else out
     return F.linear(x, weight, bias)
+
+
+def run_gated(
+    backend: Backend, x: torch.Tensor, weight: torch.Tensor, packed: PackedWeights
+) -> torch.Tensor | None:
+    """silu(gate) * up of x's projection through a [gate; up] weight, in one kernel, where the
+    backend is panels packed gated; None elsewhere (the caller projects, then activates)."""
+    if backend != "panels" or not packed.gated:
+        return None
+    assert packed.panels is not None, "gated panels need the weight packed first"
+    return cpu_ops.panel_gated_linear(x, packed.panels, weight.shape[0] // 2)
 
 
 # What kernels.cpu_ops.decode_layers needs to run one linear layer in C++: its kind, its
@@ -171,6 +200,17 @@ def native(
         return cpu_ops.LINEAR_ONEDNN, [weight, None, None, None, bias], [0, 0, 0]
     if backend == "mkl_packed":
         return cpu_ops.LINEAR_MKL, [packed.mkl, weight, None, None, bias], [MKL_PACK_HINT, 0, 0]
+    if backend == "panels" and packed.gated:
+        # The decode stack then skips its SiLU-and-mul: this kernel applies it.
+        return (
+            cpu_ops.LINEAR_GATED_PANELS,
+            [packed.panels, None, None, None, None],
+            [
+                weight.shape[0] // 2,
+                0,
+                0,
+            ],
+        )
     if backend == "panels":
         tensors = [packed.panels, None, None, None, bias]
         return cpu_ops.LINEAR_PANELS, tensors, [weight.shape[0], 0, 0]

@@ -93,8 +93,10 @@ def balanced_slice(full: int, tp: TensorParallel, dim: int = 0) -> TensorSlice:
 class ColumnParallelLinear(MergedLinear):
     """This rank's rows of each fused part ([q; k; v] or [gate; up]), stacked."""
 
-    def __init__(self, in_features: int, parts: list[TensorSlice], bias: bool = False) -> None:
-        super().__init__(in_features, [part.length for part in parts], bias=bias)
+    def __init__(
+        self, in_features: int, parts: list[TensorSlice], bias: bool = False, gated: bool = False
+    ) -> None:
+        super().__init__(in_features, [part.length for part in parts], bias=bias, gated=gated)
         self.parts = list(parts)
 
     def checkpoint_slice(self, param: str, shard: int | None) -> TensorSlice | None:

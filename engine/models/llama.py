@@ -16,7 +16,6 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed.group import TensorParallel
-from engine.layers.activation import silu_and_mul
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
@@ -54,16 +53,20 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj: MergedLinear
         self.down_proj: Linear
         if tp is None:
-            self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+            self.gate_up_proj = MergedLinear(
+                hidden_size, [intermediate_size] * 2, bias=bias, gated=True
+            )
             self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         else:
             part = balanced_slice(intermediate_size, tp)
-            self.gate_up_proj = ColumnParallelLinear(hidden_size, [part, part], bias=bias)
+            self.gate_up_proj = ColumnParallelLinear(
+                hidden_size, [part, part], bias=bias, gated=True
+            )
             columns = TensorSlice(1, part.start, part.length, part.full)
             self.down_proj = RowParallelLinear(columns, hidden_size, tp, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.activated(x))
 
 
 class LlamaAttention(nn.Module):

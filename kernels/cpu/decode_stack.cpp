@@ -16,6 +16,9 @@
 //   kind W8A8:   int8 codes, scales; ints the most rows
 //                kept exact, oneDNN tiles                 -> inferq_cpu::w8a8_matmul above that
 //   kind PANELS: weight packed in panels; int out         -> inferq_cpu::panel_linear
+//   kind GATED_PANELS: [gate; up] weight interleaved and
+//                packed in panels; int the halves' width  -> inferq_cpu::panel_gated_linear,
+//                which applies SiLU-and-mul itself (only as a gate_up projection)
 // each with an optional input order (GPTQ act-order) and bias.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -33,7 +36,15 @@ namespace {
 constexpr int64_t kLinearSlots = 5;  // a, b, c, input_order, bias
 constexpr int64_t kLinearInts = 4;   // kind, p0, p1, p2
 constexpr int64_t kLinearsPerLayer = 4;
-enum LinearKind : int64_t { kAten = 0, kOneDnn = 1, kMkl = 2, kQuant = 3, kW8A8 = 4, kPanels = 5 };
+enum LinearKind : int64_t {
+  kAten = 0,
+  kOneDnn = 1,
+  kMkl = 2,
+  kQuant = 3,
+  kW8A8 = 4,
+  kPanels = 5,
+  kGatedPanels = 6,
+};
 
 c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -60,6 +71,7 @@ at::Tensor run_linear(const Linear& spec, at::Tensor x, int64_t quant_gemm_min_r
   static const c10::OperatorHandle quant = find_op("inferq_cpu::quant_matmul");
   static const c10::OperatorHandle w8a8 = find_op("inferq_cpu::w8a8_matmul");
   static const c10::OperatorHandle panels = find_op("inferq_cpu::panel_linear");
+  static const c10::OperatorHandle gated_panels = find_op("inferq_cpu::panel_gated_linear");
   if (spec.input_order.has_value() && spec.input_order->defined()) {
     x = x.index_select(-1, *spec.input_order);
   }
@@ -85,6 +97,8 @@ at::Tensor run_linear(const Linear& spec, at::Tensor x, int64_t quant_gemm_min_r
                              c10::IValue(quant_gemm_min_rows), c10::IValue(spec.p1 != 0)});
     case kPanels:
       return call_op(panels, {x, *spec.a, optional_tensor(spec.bias), c10::IValue(spec.p0)});
+    case kGatedPanels:
+      return call_op(gated_panels, {x, *spec.a, c10::IValue(spec.p0)});
     default:
       TORCH_CHECK(false, "unknown linear kind ", spec.kind);
   }
@@ -160,8 +174,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor projected =
         run_linear(proj[1], attended.view({num_tokens, -1}), quant_gemm_min_rows);
     std::tie(normed, residual) = normed_sum(projected, residual, norm_weights[2 * layer + 1]);
-    const at::Tensor gate_up = run_linear(proj[2], normed, quant_gemm_min_rows);
-    hidden = run_linear(proj[3], call_op(silu_and_mul, {gate_up}), quant_gemm_min_rows);
+    at::Tensor activated = run_linear(proj[2], normed, quant_gemm_min_rows);
+    if (proj[2].kind != kGatedPanels) activated = call_op(silu_and_mul, {activated});
+    hidden = run_linear(proj[3], activated, quant_gemm_min_rows);
   }
   return {hidden, residual};
 }

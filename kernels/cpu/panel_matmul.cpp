@@ -20,15 +20,21 @@
 // over all inputs (2 weight loads and 12 broadcast pairs of x feed 24 dot products), then adds the
 // bias and rounds to bf16 once, as oneDNN does. Rows go in blocks of kRowBlockBf16 so that a block
 // of x stays in L2 while the thread's panels stream past it.
+//
+// Gated (an MLP's [gate; up] projection followed by SiLU-and-mul): with the weight's gate and up
+// rows interleaved 16 at a time before packing, a tile's two 16-feature halves (the AVX-512 fp32
+// tile's two panels, a bf16 panel's two registers) hold the gate and the up of the same 16
+// features, so the tile writes silu(gate) * up straight from its accumulators: no [rows, 2 x I]
+// output is written and read back, and no separate pass runs over it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
-#include <utility>
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -110,6 +116,9 @@ void panel_range(const float* x, int64_t M, int64_t K, const float* panels, cons
 
 #endif
 
+// Features per half of a gated tile: gate and up rows are interleaved this many at a time.
+constexpr int64_t kGatedGroup = 16;
+
 // Splits rows [first, last) into tiles of at most max_rows, as even as possible (36 rows are
 // 12 + 12 + 12, 16 are 8 + 8), and calls tile_fn(first_row, rows) for each.
 template <typename TileFn>
@@ -152,12 +161,39 @@ inline PrefetchShare prefetch_share(const void* next, int64_t next_lines, int64_
 // rows go in blocks that keep their part of x in L2 while the thread's panels stream past. The
 // blocks are as even as possible: every block streams all the thread's weights once more, so a
 // decode step of 64 rows must not become 48 + 16 (measured: 15% slower than one block of 64).
+// exp(x) for 16 floats in registers, within 2 ulp: 2^n * e^r with n = round(x / ln 2) and
+// |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (the next term is below 2^-27 there). The
+// gated tiles' SiLU runs once per row of a tile; a call to the C library's vector exp there
+// costs more than the whole epilogue.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);       // ln 2, the rest
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// silu(g) = g / (1 + e^-g).
+inline __m512 silu512(__m512 g) {
+  const __m512 exp_minus_g = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_minus_g));
+}
+
 constexpr int64_t kTileRows512 = 12;
 constexpr int64_t kRowBlock512 = 96;
 
 // out[R, 16 * NP] (row stride ldo) = x[R, K] (row stride ldx) @ panels w, w + panel_stride, ...
 // + init (the bias, or zero when null).
-template <int R, int NP>
+template <int R, int NP, bool Gated>
 inline void tile512(const float* x, int64_t ldx, const float* w, int64_t panel_stride, int64_t K,
                     float* out, int64_t ldo, const float* init, const char* prefetch,
                     int64_t prefetch_lines) {
@@ -181,10 +217,18 @@ inline void tile512(const float* x, int64_t ldx, const float* w, int64_t panel_s
       for (int j = 0; j < NP; ++j) acc[j][r] = _mm512_fmadd_ps(a, wv[j], acc[j][r]);
     }
   }
+  if constexpr (Gated) {
+    static_assert(NP == 2, "a gated tile holds a gate panel and an up panel");
 #pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(silu512(acc[0][r]), acc[1][r]));
+    }
+  } else {
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(out + r * ldo + j * kPanel, acc[j][r]);
+      for (int j = 0; j < NP; ++j) _mm512_storeu_ps(out + r * ldo + j * kPanel, acc[j][r]);
+    }
   }
 }
 
@@ -192,16 +236,20 @@ template <int NP>
 using Tile512Fn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t,
                            const float*, const char*, int64_t);
 
-template <int NP, std::size_t... R>
+template <int NP, bool Gated, std::size_t... R>
 constexpr std::array<Tile512Fn<NP>, sizeof...(R) + 1> tiles512(std::index_sequence<R...>) {
-  return {nullptr, tile512<R + 1, NP>...};
+  return {nullptr, tile512<R + 1, NP, Gated>...};
 }
 
-// Panels [first, last) of out [M, ldo] from x [M, K], two panels per tile.
+// Panels [first, last) of out [M, ldo] from x [M, K], two panels per tile; gated: the pairs are
+// (gate, up) panels, and each writes its 16 features of silu(gate) * up.
+template <bool Gated>
 void panel_range512(const float* x, int64_t M, int64_t K, const float* panels, const float* bias,
                     float* out, int64_t ldo, int64_t first, int64_t last) {
-  static constexpr auto kPairTiles = tiles512<2>(std::make_index_sequence<kTileRows512>());
-  static constexpr auto kSingleTiles = tiles512<1>(std::make_index_sequence<kTileRows512>());
+  static constexpr auto kPairTiles = tiles512<2, Gated>(std::make_index_sequence<kTileRows512>());
+  static constexpr auto kSingleTiles =
+      tiles512<1, false>(std::make_index_sequence<kTileRows512>());
+  constexpr int64_t kPanelsPerOutput = Gated ? 2 : 1;
   const int64_t panel_stride = K * kPanel;
   for_each_row_tile(0, M, kRowBlock512, [&](int64_t m0, int64_t block_rows) {
     const int64_t block_end = m0 + block_rows;
@@ -215,8 +263,9 @@ void panel_range512(const float* x, int64_t M, int64_t K, const float* panels, c
       for_each_row_tile(m0, block_end, kTileRows512, [&](int64_t m, int64_t rows) {
         const PrefetchShare share =
             prefetch_share(w + 2 * panel_stride, next_lines, tile++, num_tiles);
-        tiles[rows](x + m * K, K, w, panel_stride, K, out + m * ldo + p * kPanel, ldo, init,
-                    share.first, share.lines);
+        tiles[rows](x + m * K, K, w, panel_stride, K,
+                    out + m * ldo + p / kPanelsPerOutput * kPanel, ldo, init, share.first,
+                    share.lines);
       });
     }
   });
@@ -226,13 +275,19 @@ void panel_range512(const float* x, int64_t M, int64_t K, const float* panels, c
 
 #ifdef INFERQ_PANEL_GEMM_BF16
 
+// x rounded to bf16 (to nearest, ties to even) and widened back to fp32.
+inline __m512 round_to_bf16(__m512 x) {
+  const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+}
+
 constexpr int64_t kPanelBf16 = 32;     // output features per bf16 panel (two AVX-512 registers)
 constexpr int64_t kTileRowsBf16 = 12;  // rows per micro-kernel call: 24 accumulators
 constexpr int64_t kRowBlockBf16 = 96;  // rows of x per pass over the panels (~300 KiB of x)
 
 // out[R, 32] (row stride ldo, bf16) = x[R, 2 * pairs] (row stride ldx pairs) @ w + bias, for a
 // panel w [pairs][32] of bf16 pairs (one uint32 each); bias: 32 fp32 or null.
-template <int R>
+template <int R, bool Gated>
 inline void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t pairs,
                       at::BFloat16* out, int64_t ldo, const float* bias, const char* prefetch,
                       int64_t prefetch_lines) {
@@ -253,25 +308,40 @@ inline void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t
       hi[r] = _mm512_dpbf16_ps(hi[r], pair, w_hi);
     }
   }
+  if constexpr (Gated) {
+    // Rounded where the unfused ops round: the projection's outputs, the SiLU, the product.
 #pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-    auto* row = reinterpret_cast<__m256i*>(out + r * ldo);
-    _mm256_storeu_si256(row, (__m256i)_mm512_cvtneps_pbh(lo[r]));
-    _mm256_storeu_si256(row + 1, (__m256i)_mm512_cvtneps_pbh(hi[r]));
+    for (int r = 0; r < R; ++r) {
+      const __m512 silu = round_to_bf16(silu512(round_to_bf16(lo[r])));
+      const __m512 product = _mm512_mul_ps(silu, round_to_bf16(hi[r]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo),
+                          (__m256i)_mm512_cvtneps_pbh(product));
+    }
+  } else {
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      auto* row = reinterpret_cast<__m256i*>(out + r * ldo);
+      _mm256_storeu_si256(row, (__m256i)_mm512_cvtneps_pbh(lo[r]));
+      _mm256_storeu_si256(row + 1, (__m256i)_mm512_cvtneps_pbh(hi[r]));
+    }
   }
 }
 
 using TileBf16Fn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, at::BFloat16*,
                             int64_t, const float*, const char*, int64_t);
-constexpr TileBf16Fn kTilesBf16[kTileRowsBf16 + 1] = {
-    nullptr,       tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,  tile_bf16<4>,
-    tile_bf16<5>,  tile_bf16<6>, tile_bf16<7>, tile_bf16<8>,  tile_bf16<9>,
-    tile_bf16<10>, tile_bf16<11>, tile_bf16<12>};
+template <bool Gated, std::size_t... R>
+constexpr std::array<TileBf16Fn, sizeof...(R) + 1> tiles_bf16(std::index_sequence<R...>) {
+  return {nullptr, tile_bf16<R + 1, Gated>...};
+}
 
-// Panels [first, last) of out [M, ldo] from x [M, 2 * pairs].
+// Panels [first, last) of out [M, ldo] from x [M, 2 * pairs]; gated: each panel holds 16 gate
+// and 16 up features, and writes those 16 features of silu(gate) * up.
+template <bool Gated>
 void panel_range_bf16(const uint32_t* x, int64_t M, int64_t pairs, const uint32_t* panels,
                       const float* bias, at::BFloat16* out, int64_t ldo, int64_t first,
                       int64_t last) {
+  static constexpr auto kTilesBf16 = tiles_bf16<Gated>(std::make_index_sequence<kTileRowsBf16>());
+  constexpr int64_t kOutputsPerPanel = Gated ? kGatedGroup : kPanelBf16;
   for_each_row_tile(0, M, kRowBlockBf16, [&](int64_t m0, int64_t block_rows) {
     const int64_t block_end = m0 + block_rows;
     for (int64_t p = first; p < last; ++p) {
@@ -283,8 +353,8 @@ void panel_range_bf16(const uint32_t* x, int64_t M, int64_t pairs, const uint32_
       for_each_row_tile(m0, block_end, kTileRowsBf16, [&](int64_t m, int64_t rows) {
         const PrefetchShare share =
             prefetch_share(w + pairs * kPanelBf16, next_lines, tile++, num_tiles);
-        kTilesBf16[rows](x + m * pairs, pairs, w, pairs, out + m * ldo + p * kPanelBf16, ldo,
-                         init, share.first, share.lines);
+        kTilesBf16[rows](x + m * pairs, pairs, w, pairs, out + m * ldo + p * kOutputsPerPanel,
+                         ldo, init, share.first, share.lines);
       });
     }
   });
@@ -306,18 +376,34 @@ bool panel_matmul_supported(c10::ScalarType dtype) {
   return false;
 }
 
+// The gated tiles are AVX-512 ones: fp32 pairs a gate and an up panel in one tile.
+bool panel_gated_supported(c10::ScalarType dtype) {
+  if (dtype == at::kFloat) {
+#ifdef INFERQ_PANEL_GEMM_512
+    return true;
+#endif
+  }
+  return dtype == at::kBFloat16 && panel_matmul_supported(dtype);
+}
+
 int64_t panel_width(c10::ScalarType dtype) { return dtype == at::kBFloat16 ? 32 : 16; }
 
-// x [..., K] fp32 or bf16; panels as kernels.cpu_ops.pack_panels lays them out for x's dtype:
-// fp32 [ceil(N / 16), K, 16], bf16 [ceil(N / 32), ceil(K / 2), 32, 2]; bias [N] of x's dtype.
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
-                        const std::optional<at::Tensor>& bias, int64_t out_features) {
+// x @ W^T (+ bias) for the `packed_features` outputs of a weight W packed into panels; gated: W
+// holds gate and up rows interleaved kGatedGroup at a time, and the result is
+// silu(gate) * up [..., packed_features / 2].
+at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& panels,
+                        const std::optional<at::Tensor>& bias, int64_t packed_features,
+                        bool gated) {
   const c10::ScalarType dtype = x.scalar_type();
   TORCH_CHECK(panel_matmul_supported(dtype), "panel_linear has no ", dtype,
               " kernel for this CPU (float32 needs AVX2 and FMA, bfloat16 AVX512-BF16)");
+  TORCH_CHECK(!gated || panel_gated_supported(dtype), "panel_gated_linear has no ", dtype,
+              " kernel for this CPU (it needs AVX-512)");
   TORCH_CHECK(panels.scalar_type() == dtype, "panels must be ", dtype, " like x");
   const int64_t K = x.size(-1);
-  const int64_t N = out_features;
+  const int64_t N = packed_features;
+  TORCH_CHECK(!gated || N % (2 * kGatedGroup) == 0, "a gated weight's halves must be multiples",
+              " of ", kGatedGroup, " features, got ", N, " features in all");
   const int64_t width = panel_width(dtype);
   const int64_t num_panels = (N + width - 1) / width;
   const bool bf16 = dtype == at::kBFloat16;
@@ -328,16 +414,18 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
               "panels must be contiguous ", at::IntArrayRef(panel_shape), " for ", N,
               " outputs of ", K, " inputs, got ", panels.sizes());
   const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || !gated, "a gated panel matmul takes no bias");
   TORCH_CHECK(!has_bias || (bias->numel() == N && bias->scalar_type() == dtype),
               "bias must be ", dtype, " [", N, "]");
+  const int64_t out_features = gated ? N / 2 : N;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
+  out_shape.back() = out_features;
   at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   // A last, partial panel is computed into padded rows and cut to N afterwards.
-  const int64_t padded = num_panels * width;
+  const int64_t padded = gated ? out_features : num_panels * width;
   at::Tensor out = at::empty({M, padded}, x.options());
-  if (M == 0) return out.narrow(1, 0, N).reshape(out_shape);
+  if (M == 0) return out.narrow(1, 0, out_features).reshape(out_shape);
   at::Tensor padded_bias;
   if (has_bias) {
     padded_bias = bias->contiguous();
@@ -352,8 +440,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
     const float* b_data = has_bias ? padded_bias.data_ptr<float>() : nullptr;
     at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
     const int64_t pairs = (K + 1) / 2;
+    const auto range = gated ? panel_range_bf16<true> : panel_range_bf16<false>;
     at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
-      panel_range_bf16(x_data, M, pairs, w_data, b_data, out_data, padded, first, last);
+      range(x_data, M, pairs, w_data, b_data, out_data, padded, first, last);
     });
 #endif
   } else {
@@ -364,9 +453,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
     float* out_data = out.data_ptr<float>();
 #ifdef INFERQ_PANEL_GEMM_512
     // Threads split pairs of panels, the AVX-512 tile's width.
+    const auto range = gated ? panel_range512<true> : panel_range512<false>;
     at::parallel_for(0, (num_panels + 1) / 2, 1, [&](int64_t first, int64_t last) {
-      panel_range512(x_data, M, K, w_data, b_data, out_data, padded, 2 * first,
-                     std::min(num_panels, 2 * last));
+      range(x_data, M, K, w_data, b_data, out_data, padded, 2 * first,
+            std::min(num_panels, 2 * last));
     });
 #else
     at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
@@ -375,14 +465,32 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
 #endif
 #endif
   }
-  if (padded != N) out = out.narrow(1, 0, N).contiguous();
+  if (padded != out_features) out = out.narrow(1, 0, out_features).contiguous();
   return out.view(out_shape);
+}
+
+// x [..., K] fp32 or bf16; panels as kernels.cpu_ops.pack_panels lays them out for x's dtype:
+// fp32 [ceil(N / 16), K, 16], bf16 [ceil(N / 32), ceil(K / 2), 32, 2]; bias [N] of x's dtype.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const std::optional<at::Tensor>& bias, int64_t out_features) {
+  return panel_matmul(x, panels, bias, out_features, /*gated=*/false);
+}
+
+// silu(gate) * up [..., out_features] of x's projection through a [gate; up] weight whose rows
+// were interleaved kGatedGroup at a time (gate 0-15, up 0-15, gate 16-31, ...) and then packed
+// as for panel_linear.
+at::Tensor panel_gated_linear(const at::Tensor& x, const at::Tensor& panels,
+                              int64_t out_features) {
+  return panel_matmul(x, panels, std::nullopt, 2 * out_features, /*gated=*/true);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
   m.def("panel_matmul_supported(ScalarType dtype) -> bool", &panel_matmul_supported);
+  m.def("panel_gated_supported(ScalarType dtype) -> bool", &panel_gated_supported);
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("panel_gated_linear(Tensor x, Tensor panels, int out_features) -> Tensor");
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
+  m.impl("panel_gated_linear", c10::DispatchKey::CPU, &panel_gated_linear);
 }

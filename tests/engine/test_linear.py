@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from engine import machine_cache
 from engine.config import EngineConfig
 from engine.layers import matmul_tuning
-from engine.layers.linear import Linear, linear
+from engine.layers.linear import Linear, MergedLinear, linear
 from engine.layers.matmul import (
     BACKENDS,
     SMALL_ROWS,
@@ -24,6 +24,7 @@ from engine.layers.matmul import (
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.quantization.matmul import quantized_linear
 from engine.quantization.weights import quantize_int8
+from kernels.reference import silu_and_mul_ref
 
 SHAPES = [(40, 48), (96, 48), (48, 32)]
 
@@ -220,6 +221,55 @@ def test_the_panel_kernel_covers_long_inputs_and_partial_panels(dtype, rows):
     expected = F.linear(x.double(), weight.double(), bias.double()).to(dtype)
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
     torch.testing.assert_close(out, expected, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 13, 100])
+def test_the_gated_panel_kernel_is_the_projection_then_silu_and_mul(dtype, rows):
+    """An MLP's [gate; up] projection with its SiLU-and-mul in one kernel gives what the two ops
+    give one after the other (in bf16 rounded where they round: the projection, then the SiLU)."""
+    from kernels import cpu_ops
+
+    if not cpu_ops.panel_gated_supported(dtype):
+        pytest.skip(f"no gated {dtype} panel kernel for this CPU")
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(2 * 48, 601, generator=generator) / 20).to(dtype)
+    x = torch.randn(rows, 601, generator=generator).to(dtype)
+    panels = cpu_ops.pack_panels(cpu_ops.interleave_gate_up(weight))
+    fused = cpu_ops.panel_gated_linear(x, panels, 48)
+    projected = cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight), None, 2 * 48)
+    torch.testing.assert_close(fused, cpu_ops.silu_and_mul(projected))
+    gate, up = F.linear(x.double(), weight.double()).chunk(2, dim=-1)
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {}
+    torch.testing.assert_close(fused, (F.silu(gate) * up).to(dtype), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gated_projection_activates_in_its_matmul_and_still_projects(dtype):
+    if "panels" not in available_backends(dtype):
+        pytest.skip(f"no {dtype} panel kernel for this CPU")
+    from kernels import cpu_ops
+
+    generator = torch.Generator().manual_seed(0)
+    layer = MergedLinear(48, [32, 32], gated=True).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(64, 48, generator=generator) / 7)
+    weight = layer.weight.detach().clone()
+    layer.use_plan(uniform("panels"))
+    assert layer.packed.gated == cpu_ops.panel_gated_supported(dtype)
+    tolerance = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for rows in (1, SMALL_ROWS + 5):
+        x = torch.randn(rows, 48, generator=generator).to(dtype)
+        projected = F.linear(x, weight)
+        torch.testing.assert_close(layer(x), projected, **tolerance)  # still [gate; up]
+        torch.testing.assert_close(layer.activated(x), silu_and_mul_ref(projected), **tolerance)
+
+
+def test_only_two_equal_shards_make_a_gated_projection():
+    with pytest.raises(ValueError, match="two equal shards"):
+        MergedLinear(48, [32, 16], gated=True)
+    with pytest.raises(TypeError, match="gated"):
+        MergedLinear(48, [32, 16]).activated(torch.zeros(1, 48))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
