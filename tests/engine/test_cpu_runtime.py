@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.cpu_runtime import find_allocator
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,6 +75,43 @@ def test_a_tuned_process_reuses_freed_buffers_without_page_faults(tmp_path: Path
     # Each step frees and reallocates multi-MB activations; faulting them in again every time
     # cost ~15% of CPU throughput with jemalloc's default purging.
     assert _run_probe(tmp_path, bind=False)["refaults"] < 0.05
+
+
+HUGE_PAGE_PROBE = """
+import sys
+sys.path.insert(0, {repo!r})
+from engine.cpu_runtime import reexec_with_cpu_runtime
+reexec_with_cpu_runtime(threads=1, bind_threads=False)
+import torch
+kv_cache = torch.zeros(64 << 20, dtype=torch.uint8)
+rollup = open("/proc/self/smaps_rollup").read()
+print(int(rollup.split("AnonHugePages:")[1].split()[0]))
+"""
+
+
+def _huge_pages_allowed() -> bool:
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return setting.exists() and "[never]" not in setting.read_text()
+
+
+def test_a_tuned_process_keeps_large_tensors_on_huge_pages(tmp_path: Path) -> None:
+    # Decode attention reads KV blocks scattered over gigabytes: on 4 KiB pages nearly every
+    # block is a TLB miss.
+    if not _huge_pages_allowed():
+        pytest.skip("transparent huge pages are off on this machine")
+    (tmp_path / "probe.py").write_text(HUGE_PAGE_PROBE.format(repo=str(REPO)))
+    clean = {k: v for k, v in os.environ.items() if k != "INFERQ_CPU_RUNTIME_TUNED"}
+    clean.pop("THP_MEM_ALLOC_ENABLE", None)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "probe.py")],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    huge_kib = int(result.stdout.strip().splitlines()[-1])
+    assert huge_kib >= 32 << 10  # most of the 64 MiB tensor
 
 
 def test_binding_only_when_asked_and_opt_out(tmp_path: Path) -> None:
