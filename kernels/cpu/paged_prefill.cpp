@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "paged_context.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -97,6 +98,38 @@ void weighted_sum(const Workspace& ws, int64_t head_dim, int64_t len, int64_t ro
   }
 }
 
+// scores[t][r] = exp(scores[t][r] - top[r]) for the `len` keys, summed over t into sums[r].
+inline void exponentiate(float* scores, int64_t len, const float* top, float* sums) {
+#ifdef __AVX512F__
+  // kRows scores per key are a few vectors: the C library's vector exp costs a call per vector.
+  constexpr int64_t kVectors = kRows / 16;
+  __m512 top_v[kVectors], sum_v[kVectors];
+  for (int64_t j = 0; j < kVectors; ++j) {
+    top_v[j] = _mm512_loadu_ps(top + 16 * j);
+    sum_v[j] = _mm512_loadu_ps(sums + 16 * j);
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    float* row = scores + t * kRows;
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < kVectors; ++j) {
+      const __m512 e = inferq_cpu::exp512(_mm512_sub_ps(_mm512_loadu_ps(row + 16 * j), top_v[j]));
+      _mm512_storeu_ps(row + 16 * j, e);
+      sum_v[j] = _mm512_add_ps(sum_v[j], e);
+    }
+  }
+  for (int64_t j = 0; j < kVectors; ++j) _mm512_storeu_ps(sums + 16 * j, sum_v[j]);
+#else
+  for (int64_t t = 0; t < len; ++t) {
+    float* row = scores + t * kRows;
+#pragma omp simd
+    for (int64_t r = 0; r < kRows; ++r) {
+      row[r] = std::exp(row[r] - top[r]);
+      sums[r] += row[r];
+    }
+  }
+#endif
+}
+
 template <typename scalar_t, int64_t kHeadDim>
 void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Tensor& query,
                  const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -168,14 +201,7 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
 #pragma omp simd
     for (int64_t r = 0; r < kRows; ++r) top[r] = std::max(top[r], row[r]);
   }
-  for (int64_t t = 0; t < len; ++t) {
-    float* row = ws.scores.data() + t * kRows;
-#pragma omp simd
-    for (int64_t r = 0; r < kRows; ++r) {
-      row[r] = std::exp(row[r] - top[r]);
-      sums[r] += row[r];
-    }
-  }
+  exponentiate(ws.scores.data(), len, top, sums);
 
   weighted_sum<scalar_t, kHeadDim>(ws, head_dim, len, rows_used, sums, [&](int64_t r) {
     return out.data_ptr<scalar_t>() +

@@ -37,6 +37,8 @@
 #include <utility>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define INFERQ_PANEL_GEMM 1
@@ -148,6 +150,7 @@ inline PrefetchShare prefetch_share(const void* next, int64_t next_lines, int64_
 
 #if defined(INFERQ_PANEL_GEMM)
 // Two lines of a share per input the tile steps over (a share never holds more than that).
+// Always inlined: left to itself, GCC built the tiles without a single prefetch.
 [[gnu::always_inline]] inline void prefetch_two_lines(const char* first, int64_t lines, int64_t k) {
   if (2 * k < lines) _mm_prefetch(first + 128 * k, _MM_HINT_T1);
   if (2 * k + 1 < lines) _mm_prefetch(first + 128 * k + 64, _MM_HINT_T1);
@@ -156,38 +159,17 @@ inline PrefetchShare prefetch_share(const void* next, int64_t next_lines, int64_
 
 #ifdef INFERQ_PANEL_GEMM_512
 
+// silu(g) = g / (1 + e^-g).
+inline __m512 silu512(__m512 g) {
+  const __m512 exp_minus_g = inferq_cpu::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_minus_g));
+}
+
 // With AVX-512 one register holds a whole 16-feature panel: a tile covers 12 rows x 2 panels in
 // 24 accumulators over all inputs at once (2 weight loads and 12 broadcasts per 24 FMAs), and the
 // rows go in blocks that keep their part of x in L2 while the thread's panels stream past. The
 // blocks are as even as possible: every block streams all the thread's weights once more, so a
 // decode step of 64 rows must not become 48 + 16 (measured: 15% slower than one block of 64).
-// exp(x) for 16 floats in registers, within 2 ulp: 2^n * e^r with n = round(x / ln 2) and
-// |r| <= ln 2 / 2, e^r by its Taylor series to r^7 (the next term is below 2^-27 there). The
-// gated tiles' SiLU runs once per row of a tile; a call to the C library's vector exp there
-// costs more than the whole epilogue.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2, high bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);       // ln 2, the rest
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// silu(g) = g / (1 + e^-g).
-inline __m512 silu512(__m512 g) {
-  const __m512 exp_minus_g = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_minus_g));
-}
-
 constexpr int64_t kTileRows512 = 12;
 constexpr int64_t kRowBlock512 = 96;
 
