@@ -202,15 +202,8 @@ def native(
         return cpu_ops.LINEAR_MKL, [packed.mkl, weight, None, None, bias], [MKL_PACK_HINT, 0, 0]
     if backend == "panels" and packed.gated:
         # The decode stack then skips its SiLU-and-mul: this kernel applies it.
-        return (
-            cpu_ops.LINEAR_GATED_PANELS,
-            [packed.panels, None, None, None, None],
-            [
-                weight.shape[0] // 2,
-                0,
-                0,
-            ],
-        )
+        tensors = [packed.panels, None, None, None, None]
+        return cpu_ops.LINEAR_GATED_PANELS, tensors, [weight.shape[0] // 2, 0, 0]
     if backend == "panels":
         tensors = [packed.panels, None, None, None, bias]
         return cpu_ops.LINEAR_PANELS, tensors, [weight.shape[0], 0, 0]
