@@ -156,10 +156,9 @@ class MergedLinear(Linear):
         kernel where the plan packed the weight for it, else projected and then activated."""
         if not self._gated:
             raise TypeError("activated() needs a gated [gate; up] projection")
-        packed = self.packed
-        if packed is not None and packed.gated and self.quantized is None and x.numel():
+        if self.packed is not None and self.quantized is None and x.numel():
             rows = x.numel() // x.shape[-1]
-            fused = run_gated(self.plan.backend_for(rows), x, self.weight, packed)
+            fused = run_gated(self.plan.backend_for(rows), x, self.weight, self.packed)
             if fused is not None:
                 return fused
         return silu_and_mul(self(x))

@@ -6,8 +6,8 @@ shapes at both ends of the plan's two ranges: decode-sized row counts (1 and 16)
 step of many sequences (64) with a prefill-sized call (128), interleaved so that a burst of load
 from elsewhere hits all of them alike, keeping each one's fastest pass. Decode passes run over
 several copies of the weights, so that they stream from memory as they do in a real step instead
-of sitting in cache. The whole measurement takes milliseconds for tiny models
-and stays well under a second for real ones (large weights are measured on their first rows).
+of sitting in cache. The whole measurement takes milliseconds for tiny models and stays well
+under a second for real ones (large weights are measured on their first rows).
 
 The timings are cached as JSON under $INFERQ_HOME/cpu_matmul (engine.machine_cache), keyed by CPU model, CPU flags,
 torch version, thread count, dtype and shapes, so a second start on the same machine measures
