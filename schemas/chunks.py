@@ -54,6 +54,7 @@ with `schemas.events.parse_channel_message`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -70,6 +71,20 @@ LOGPROB_FLOOR = -9999.0
 
 REPLAY_FIELD = "c"
 """The one field of a replay stream entry: the chunk JSON."""
+
+
+@dataclass(frozen=True)
+class ChunkWrite:
+    """One chunk as a worker writes it: XADD to `out_stream` at `entry_id`, PUBLISH on
+    `channel` (see `schemas.redis_scripts.chunks_call`)."""
+
+    job_id: str
+    index: int
+    out_stream: str
+    channel: str
+    entry_id: str
+    payload: str
+    set_ttl: bool
 
 
 def _finite_logprob(value: object) -> object:

@@ -119,8 +119,13 @@ DEFAULT_CLAIM_MIN_IDLE_MS = 30_000  # XAUTOCLAIM min-idle: a job's lease if not 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._~-]+(:[A-Za-z0-9._~-]+)*$")
 
 
+_UNRESERVED_RE = re.compile(r"[A-Za-z0-9._~-]*")
+
+
 def encode_segment(name: str) -> str:
     """Percent-encode a variable key part (everything but RFC 3986 unreserved characters)."""
+    if _UNRESERVED_RE.fullmatch(name):
+        return name  # job ids and most names: a worker builds two keys per chunk
     return quote(name, safe="")
 
 

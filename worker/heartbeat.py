@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from datetime import datetime
+from functools import cache
 from importlib import metadata
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from schemas.workers import LIVE_STATS_MAXLEN, LIVE_STATS_WINDOW_S, TokenSample,
 MAX_BUFFERED_TTFTS = 10_000  # TTFTs kept while Redis is away (the oldest are dropped)
 
 
+@cache  # reading package metadata takes milliseconds, and every heartbeat names the version
 def worker_version() -> str:
     try:
         return metadata.version("inferq")

@@ -30,12 +30,12 @@ from schemas import (
     transition_call,
     utc_now,
 )
-from schemas.chunks import REPLAY_FIELD
+from schemas.chunks import REPLAY_FIELD, ChunkWrite
 from schemas.keys import DEAD_LETTER_MAXLEN, JOB_ENTRY_FIELD
 from schemas.redis_connection import ReplicaWait
-from schemas.redis_scripts import CHUNKS_SCRIPT
+from schemas.redis_scripts import CHUNKS_SCRIPT, chunks_call
 from worker.logs import log_event
-from worker.replay_log import ChunkWrite, ReplayLog
+from worker.replay_log import ReplayLog
 
 logger = logging.getLogger(__name__)
 
@@ -249,10 +249,7 @@ def _units(batch: list[_Op]) -> list[tuple[list[tuple[Any, ...]], Reply | None]]
 
 
 def _chunk_run(run: list[ChunkWrite]) -> tuple[list[tuple[Any, ...]], Reply]:
-    args: list[Any] = [OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD]
-    for write in run:
-        args += [write.channel, write.entry_id, write.payload, "1" if write.set_ttl else "0"]
-    keys = [write.out_stream for write in run]
+    keys, args = chunks_call(run, OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD)
     return [("EVAL", CHUNKS_SCRIPT, len(keys), *keys, *args)], _check_chunk_reply
 
 

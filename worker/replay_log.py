@@ -15,29 +15,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from redis.asyncio import Redis
 
 from schemas import chunk_index_from_stream_id
-from schemas.redis_scripts import CHUNKS_SCRIPT
+from schemas.chunks import ChunkWrite
+from schemas.redis_scripts import CHUNKS_SCRIPT, chunks_call
 from worker.logs import log_event
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ChunkWrite:
-    """One chunk as the outbox sends it: XADD to `out_stream` at `entry_id`, PUBLISH on
-    `channel`."""
-
-    job_id: str
-    index: int
-    out_stream: str
-    channel: str
-    entry_id: str
-    payload: str
-    set_ttl: bool
 
 
 @dataclass
@@ -84,9 +71,6 @@ async def refill(redis: Redis, log: ReplayLog, maxlen: int, ttl_s: int, field_na
         return 0
     jobs = len({write.job_id for write in missing})
     log_event(logger, logging.WARNING, "replay_streams_refilled", jobs=jobs, chunks=len(missing))
-    args: list[str | int] = [maxlen, ttl_s, field_name]
-    for write in missing:
-        args += [write.channel, write.entry_id, write.payload, "1"]
-    keys = [write.out_stream for write in missing]
+    keys, args = chunks_call([replace(w, set_ttl=True) for w in missing], maxlen, ttl_s, field_name)
     await redis.execute_command("EVAL", CHUNKS_SCRIPT, len(keys), *keys, *args)
     return len(missing)

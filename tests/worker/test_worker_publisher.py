@@ -36,3 +36,36 @@ async def test_resent_chunks_land_once_and_keep_their_order(redis_url):
         live.append(TokenChunk.from_json(message["data"]).index)
     assert live == [0, 1, 0, 1, 2, 2]  # readers skip repeats by index
     await pubsub.aclose()
+
+
+async def test_chunk_text_arrives_byte_for_byte_and_only_asked_ttls_are_set(redis_url):
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    outbox = Outbox(KEYS, KEYS.jobs_stream("m"), "w")
+    texts = [
+        '"quoted" \\ back',
+        "naïve — 日本語 🙂",
+        "tab\tnew\nline \x01",
+        "\\u00e9 not an escape",
+    ]
+    chunks = [
+        TokenChunk(job_id=f"job_{i}", index=0, text=text, token_ids=[i])
+        for i, text in enumerate(texts)
+    ]
+    pubsub = redis.pubsub()
+    await pubsub.psubscribe(KEYS.channel("") + "*")
+    await pubsub.get_message(timeout=1)
+    for i, chunk in enumerate(chunks):
+        outbox.chunk(chunk, set_ttl=i % 2 == 0)
+    await outbox.flush(redis)
+    for i, chunk in enumerate(chunks):
+        assert [c for _, c in await replay_chunks(redis, chunk.job_id)] == [chunk]
+        stored = await redis.xrange(KEYS.out_stream(chunk.job_id))
+        assert list(stored[0][1].values()) == [chunk.to_json()]
+        assert (await redis.ttl(KEYS.out_stream(chunk.job_id)) > 0) == (i % 2 == 0)
+    live = []
+    while (
+        message := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+    ) is not None:
+        live.append(message["data"])
+    assert live == [chunk.to_json() for chunk in chunks]
+    await pubsub.aclose()
