@@ -45,6 +45,21 @@ struct ContextRows {
       }
     }
   }
+
+  // visit_block(rows, next_rows, first, count) for every block in order: its `count` token
+  // rows from `rows` (one every token_stride elements), tokens first .. first + count - 1;
+  // `next_rows` is the next block's (nullptr for the last), for the caller to prefetch row by
+  // row as it goes, as `visit` does.
+  template <typename VisitBlock>
+  void visit_blocks(const scalar_t* cache, VisitBlock&& visit_block) const {
+    for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
+      const scalar_t* rows = cache + table[block] * block_stride + row_offset;
+      const bool has_next = first + block_size < len;
+      const scalar_t* next = has_next ? cache + table[block + 1] * block_stride + row_offset
+                                      : nullptr;
+      visit_block(rows, next, first, std::min(block_size, len - first));
+    }
+  }
 };
 
 // f(std::integral_constant<int64_t, D>{}) with D the head size where the kernels specialise it

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -22,11 +23,19 @@
 #define INFERQ_DECODE_BF16_DOT 1
 #endif
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "vec_math.h"
+#define INFERQ_DECODE_AVX512 1
+#endif
+
 namespace {
 
 using inferq_cpu::as_float;
 using inferq_cpu::from_float;
 using inferq_cpu::ContextRows;
+using inferq_cpu::prefetch_row;
 
 #ifdef INFERQ_DECODE_BF16_DOT
 // q . k over 64 bfloat16 inputs in two vdpbf16ps: the products of two bfloat16 are exact in
@@ -139,6 +148,215 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   });
 }
 
+#ifdef INFERQ_DECODE_AVX512
+// 16 values widened to float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// [sum(a), sum(b), sum(c), sum(d)]: four dot products finished together, a few shuffles for
+// all four where reducing each vector on its own costs as many per vector.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // per 128-bit lane: [a, b, c, d] summed over that lane
+  const __m512 lanes = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 halves = _mm256_add_ps(
+      _mm512_castps512_ps256(lanes),
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
+// q . k as a vector of partial sums. With `kDotBf16`, q and k are bfloat16 multiplied by
+// vdpbf16ps (exact products, float32 sums); otherwise q is the scaled float32 query and k is
+// widened.
+template <int64_t kHeadDim, bool kDotBf16, typename scalar_t>
+inline __m512 dot_partial(const void* q, const scalar_t* k) {
+  __m512 acc = _mm512_setzero_ps();
+#ifdef INFERQ_DECODE_BF16_DOT
+  if constexpr (kDotBf16) {
+    const auto* qb = static_cast<const c10::BFloat16*>(q);
+    for (int64_t d = 0; d < kHeadDim; d += 32) {
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + d),
+                             (__m512bh)_mm512_loadu_si512(k + d));
+    }
+    return acc;
+  }
+#endif
+  const auto* qf = static_cast<const float*>(q);
+  for (int64_t d = 0; d < kHeadDim; d += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(k + d), acc);
+  }
+  return acc;
+}
+
+// softmax of each of `heads` rows of `len` scores in place (unnormalised: e^(s - max)); the
+// reciprocal of each row's sum goes to inv_sums.
+inline void softmax_rows(float* scores, int64_t heads, int64_t len, float* inv_sums) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len % 16)) - 1);
+  const int64_t full = len - len % 16;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* row = scores + h * len;
+    __m512 top = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+    for (int64_t t = 0; t < full; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + t));
+    if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, row + full));
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < full; t += 16) {
+      const __m512 e = inferq_cpu::exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), max));
+      _mm512_storeu_ps(row + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+      const __m512 e =
+          inferq_cpu::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), max));
+      _mm512_mask_storeu_ps(row + full, tail, e);
+      sum = _mm512_mask_add_ps(sum, tail, sum, e);
+    }
+    inv_sums[h] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+}
+
+// The decode kernel for head sizes of 64 and 128 in AVX-512 registers, same work items and
+// passes as `paged_decode`, reshaped for the vector unit: scores are finished four tokens at a
+// time (`sum4`), and the weighted sum of V keeps each group of query heads' accumulators in
+// registers over a block of tokens, widening each V row once for all the heads that share it.
+template <typename scalar_t, int64_t kHeadDim>
+void paged_decode_avx512(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, double scale) {
+  constexpr int64_t kVecs = kHeadDim / 16;
+  constexpr int64_t kHeadsInRegisters = 16 / kVecs;  // 16 accumulators
+#ifdef INFERQ_DECODE_BF16_DOT
+  constexpr bool kDotBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+  constexpr bool kDotBf16 = false;
+#endif
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_width = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * kHeadDim;
+  const int64_t block_stride = block_size * token_stride;
+
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k_base = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v_base = value_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const float scale_f = static_cast<float>(scale);
+
+  const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
+  const int64_t kv_per_item = num_kv_heads / splits;
+  const int64_t q_per_item = kv_per_item * group;
+  const int64_t row_size = kv_per_item * kHeadDim;
+
+  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q_rows(q_per_item * kHeadDim);
+    std::vector<float> acc(q_per_item * kHeadDim);
+    std::vector<float> scores;
+    std::vector<float> inv_sums(q_per_item);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / splits;
+      const int64_t first_kv = (item % splits) * kv_per_item;
+      const int64_t len = lens[seq];
+      const scalar_t* q_seq = q + (seq * num_heads + first_kv * group) * kHeadDim;
+      for (int64_t i = 0; i < q_per_item * kHeadDim; ++i) {
+        q_rows[i] = as_float(q_seq[i]) * scale_f;
+      }
+      // the query row of head h as dot_partial takes it; bf16 dot products scale afterwards
+      const auto query_of = [&](int64_t h) -> const void* {
+        if constexpr (kDotBf16) return q_seq + h * kHeadDim;
+        return q_rows.data() + h * kHeadDim;
+      };
+      const __m128 after_dot = _mm_set1_ps(kDotBf16 ? scale_f : 1.f);
+      scores.resize(q_per_item * len);
+      const ContextRows<scalar_t> context{tables + seq * table_width, len, block_size,
+                                          block_stride, token_stride, first_kv * kHeadDim,
+                                          row_size};
+
+      context.visit_blocks(k_base, [&](const scalar_t* rows, const scalar_t* next, int64_t first,
+                                       int64_t count) {
+        int64_t i = 0;
+        for (; i + 4 <= count; i += 4) {
+          if (next != nullptr) {
+            for (int64_t j = i; j < i + 4; ++j) prefetch_row(next + j * token_stride, row_size);
+          }
+          const scalar_t* k0 = rows + i * token_stride;
+          for (int64_t h = 0; h < q_per_item; ++h) {
+            const scalar_t* k = k0 + (h / group) * kHeadDim;
+            const void* qh = query_of(h);
+            const __m128 dots = sum4(dot_partial<kHeadDim, kDotBf16>(qh, k),
+                                     dot_partial<kHeadDim, kDotBf16>(qh, k + token_stride),
+                                     dot_partial<kHeadDim, kDotBf16>(qh, k + 2 * token_stride),
+                                     dot_partial<kHeadDim, kDotBf16>(qh, k + 3 * token_stride));
+            _mm_storeu_ps(scores.data() + h * len + first + i, _mm_mul_ps(dots, after_dot));
+          }
+        }
+        for (; i < count; ++i) {
+          if (next != nullptr) prefetch_row(next + i * token_stride, row_size);
+          for (int64_t h = 0; h < q_per_item; ++h) {
+            const scalar_t* k = rows + i * token_stride + (h / group) * kHeadDim;
+            scores[h * len + first + i] =
+                _mm512_reduce_add_ps(dot_partial<kHeadDim, kDotBf16>(query_of(h), k)) *
+                _mm_cvtss_f32(after_dot);
+          }
+        }
+      });
+
+      softmax_rows(scores.data(), q_per_item, len, inv_sums.data());
+
+      std::fill(acc.begin(), acc.end(), 0.f);
+      context.visit_blocks(v_base, [&](const scalar_t* rows, const scalar_t* next, int64_t first,
+                                       int64_t count) {
+        for (int64_t kv = 0; kv < kv_per_item; ++kv) {
+          for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += kHeadsInRegisters) {
+            const int64_t heads = std::min(kHeadsInRegisters, (kv + 1) * group - h0);
+            __m512 a[kHeadsInRegisters][kVecs];
+            for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
+              for (int64_t v = 0; v < kVecs; ++v) {
+                a[h][v] = h < heads ? _mm512_loadu_ps(acc.data() + (h0 + h) * kHeadDim + 16 * v)
+                                    : _mm512_setzero_ps();
+              }
+            }
+            const bool first_sweep = kv == 0 && h0 == 0 && next != nullptr;
+            for (int64_t i = 0; i < count; ++i) {
+              if (first_sweep) prefetch_row(next + i * token_stride, row_size);
+              const scalar_t* v_row = rows + i * token_stride + kv * kHeadDim;
+              __m512 values[kVecs];
+              for (int64_t v = 0; v < kVecs; ++v) values[v] = load16(v_row + 16 * v);
+              for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
+                if (h >= heads) break;
+                const __m512 p = _mm512_set1_ps(scores[(h0 + h) * len + first + i]);
+                for (int64_t v = 0; v < kVecs; ++v) a[h][v] = _mm512_fmadd_ps(p, values[v], a[h][v]);
+              }
+            }
+            for (int64_t h = 0; h < heads; ++h) {
+              for (int64_t v = 0; v < kVecs; ++v) {
+                _mm512_storeu_ps(acc.data() + (h0 + h) * kHeadDim + 16 * v, a[h][v]);
+              }
+            }
+          }
+        }
+      });
+      scalar_t* o_seq = o + (seq * num_heads + first_kv * group) * kHeadDim;
+      for (int64_t h = 0; h < q_per_item; ++h) {
+        for (int64_t d = 0; d < kHeadDim; ++d) {
+          o_seq[h * kHeadDim + d] = from_float<scalar_t>(acc[h * kHeadDim + d] * inv_sums[h]);
+        }
+      }
+    }
+  });
+}
+#endif
+
 // out [S, H, D] = softmax(q k^T * scale) v for q [S, H, D] over each sequence's cached context
 // (key/value_cache [num_blocks, block_size, Hkv, D], block_tables [S, W] int32, seq_lens [S] int32).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
@@ -154,6 +372,18 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "paged_decode_attention supports float32 and bfloat16");
   inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
+#ifdef INFERQ_DECODE_AVX512
+    if constexpr (head_dim > 0) {
+      if (query.scalar_type() == at::kFloat) {
+        paged_decode_avx512<float, head_dim>(out, query, key_cache, value_cache, block_tables,
+                                             seq_lens, scale);
+      } else {
+        paged_decode_avx512<c10::BFloat16, head_dim>(out, query, key_cache, value_cache,
+                                                     block_tables, seq_lens, scale);
+      }
+      return;
+    }
+#endif
     if (query.scalar_type() == at::kFloat) {
       paged_decode<float, head_dim>(out, query, key_cache, value_cache, block_tables, seq_lens,
                                     scale);

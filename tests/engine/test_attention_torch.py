@@ -125,6 +125,19 @@ CASES = {
     # head sizes the CPU decode kernel specialises at compile time
     "head_dim 64": Case(contexts=[0, 37, 70], query_lens=[1, 1, 1], group=3, head_dim=64),
     "head_dim 128": Case(contexts=[12, 3], query_lens=[1, 5], head_dim=128, block_size=16),
+    # decode batches in the AVX-512 kernel: tokens in fours and a tail, more query heads per KV
+    # head than it keeps in registers at once
+    "decode batch, head_dim 64, gqa 8": Case(
+        contexts=[0, 3, 4, 15, 16, 17, 33, 63, 100],
+        query_lens=[1] * 9,
+        num_kv_heads=2,
+        group=8,
+        head_dim=64,
+        block_size=16,
+    ),
+    "decode batch, head_dim 128, gqa 3": Case(
+        contexts=[1, 7, 16, 29, 50], query_lens=[1] * 5, group=3, head_dim=128, block_size=16
+    ),
     # the CPU prefill kernel works in tiles of 64 // group queries
     "prefill chunks over several tiles": Case(
         contexts=[0, 40, 3], query_lens=[150, 70, 1], group=3, head_dim=64, block_size=16
@@ -146,9 +159,17 @@ def test_cpu_attention_kernels_build_here() -> None:
     assert cpu_kernels_available()
 
 
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
 @pytest.mark.parametrize("paged_kernels", [False, None], ids=["gather", "cpu kernel"])
-def test_bfloat16_decodes_match_the_oracle(paged_kernels: bool | None) -> None:
-    case = Case(contexts=[0, 5, 40, 31], query_lens=[1, 1, 1, 1], num_kv_heads=3, group=3)
+def test_bfloat16_decodes_match_the_oracle(paged_kernels: bool | None, head_dim: int) -> None:
+    case = Case(
+        contexts=[0, 5, 40, 31, 17],
+        query_lens=[1] * 5,
+        num_kv_heads=3,
+        group=3,
+        head_dim=head_dim,
+        block_size=16,
+    )
     out, expected, *_ = _run_case(case, paged_kernels=paged_kernels, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
