@@ -21,6 +21,7 @@ from engine.sampling.filters import apply_min_p, apply_top_k_top_p
 from engine.sampling.noise import race_noise
 from engine.sampling.penalties import apply_penalties, min_tokens_mask_indices, uses_penalties
 from engine.sequence import Sequence
+from kernels.cpu_ops import argmax_rows, cpu_kernels_available
 
 
 @dataclass
@@ -30,6 +31,31 @@ class SamplerOutput:
     logprobs: list[float | None]
     # the top_logprobs most likely (token id, logprob) pairs; None where not requested
     top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] long: each row's first maximum; on the CPU over the rows in parallel, reading
+    bfloat16 as it is (argmax is exact in any float dtype)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.stride(-1) == 1
+        and logits.shape[-1] > 0
+        and cpu_kernels_available()
+    ):
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
+def _only_argmax(seq: Sequence) -> bool:
+    """Whether the row's token is the raw logits' argmax and nothing else is asked of them."""
+    params = seq.params
+    return (
+        params.greedy
+        and not params.logprobs
+        and not uses_penalties(seq)
+        and seq.num_output_tokens >= params.min_tokens
+    )
 
 
 def _rows_tensor(rows: list[int], device: torch.device) -> torch.Tensor:
@@ -55,6 +81,9 @@ class Sampler:
         if not seqs:
             return SamplerOutput([], [], [])
         # Columns past vocab_size are padding of the LM head, never valid tokens.
+        if all(_only_argmax(seq) for seq in seqs):
+            token_ids = argmax(logits[:, : self.vocab_size]).tolist()
+            return SamplerOutput(token_ids, [None] * len(seqs), [None] * len(seqs))
         raw = logits[:, : self.vocab_size].float()
         chosen = self._choose(self.process_logits(raw, seqs), seqs)
         token_ids = chosen.tolist()  # the one host-device sync of a step
@@ -85,7 +114,7 @@ class Sampler:
         """[B] long device tensor of picked token ids."""
         sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if len(sampled) < len(seqs):
-            picked = logits.argmax(dim=-1)
+            picked = argmax(logits)
             if not sampled:
                 return picked
         if len(sampled) == len(seqs):

@@ -27,6 +27,7 @@ _SOURCES = (
     Path(__file__).parent / "cpu" / "decode_stack.cpp",
     Path(__file__).parent / "cpu" / "int8_matmul.cpp",
     Path(__file__).parent / "cpu" / "panel_matmul.cpp",
+    Path(__file__).parent / "cpu" / "greedy.cpp",
 )
 # -ffast-math lets the compiler vectorize the softmax's exp; the kernels never see inf or NaN
 # inputs (attention reads only the valid part of each context). -fopenmp makes at::parallel_for
@@ -141,6 +142,12 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual)."""
     return torch.ops.inferq_cpu.add_rms_norm(x, residual, weight, eps)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] int64: each row's first maximum in logits [rows, width] (float32 or bfloat16,
+    unit column stride); a NaN counts as the maximum, as in torch.argmax."""
+    return torch.ops.inferq_cpu.argmax_rows(logits)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

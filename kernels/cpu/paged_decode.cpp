@@ -149,12 +149,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
 }
 
 #ifdef INFERQ_DECODE_AVX512
-// 16 values widened to float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+using inferq_cpu::load16;
 
 // [sum(a), sum(b), sum(c), sum(d)]: four dot products finished together, a few shuffles for
 // all four where reducing each vector on its own costs as many per vector.

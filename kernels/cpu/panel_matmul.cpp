@@ -159,12 +159,6 @@ inline PrefetchShare prefetch_share(const void* next, int64_t next_lines, int64_
 
 #ifdef INFERQ_PANEL_GEMM_512
 
-// silu(g) = g / (1 + e^-g).
-inline __m512 silu512(__m512 g) {
-  const __m512 exp_minus_g = inferq_cpu::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_minus_g));
-}
-
 // With AVX-512 one register holds a whole 16-feature panel: a tile covers 12 rows x 2 panels in
 // 24 accumulators over all inputs at once (2 weight loads and 12 broadcasts per 24 FMAs), and the
 // rows go in blocks that keep their part of x in L2 while the thread's panels stream past. The
@@ -203,7 +197,7 @@ inline void tile512(const float* x, int64_t ldx, const float* w, int64_t panel_s
     static_assert(NP == 2, "a gated tile holds a gate panel and an up panel");
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(silu512(acc[0][r]), acc[1][r]));
+      _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(inferq_cpu::silu512(acc[0][r]), acc[1][r]));
     }
   } else {
 #pragma GCC unroll 12
@@ -258,10 +252,7 @@ void panel_range512(const float* x, int64_t M, int64_t K, const float* panels, c
 #ifdef INFERQ_PANEL_GEMM_BF16
 
 // x rounded to bf16 (to nearest, ties to even) and widened back to fp32.
-inline __m512 round_to_bf16(__m512 x) {
-  const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-}
+inline __m512 round_to_bf16(__m512 x) { return inferq_cpu::as_stored(x, c10::BFloat16{}); }
 
 constexpr int64_t kPanelBf16 = 32;     // output features per bf16 panel (two AVX-512 registers)
 constexpr int64_t kTileRowsBf16 = 12;  // rows per micro-kernel call: 24 accumulators
@@ -294,7 +285,7 @@ inline void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t
     // Rounded where the unfused ops round: the projection's outputs, the SiLU, the product.
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512 silu = round_to_bf16(silu512(round_to_bf16(lo[r])));
+      const __m512 silu = round_to_bf16(inferq_cpu::silu512(round_to_bf16(lo[r])));
       const __m512 product = _mm512_mul_ps(silu, round_to_bf16(hi[r]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo),
                           (__m256i)_mm512_cvtneps_pbh(product));

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.sampler import Sampler
+from engine.sampler import Sampler, argmax
 from engine.sequence import Sequence
 from schemas.sampling import SamplingParams
 
@@ -124,12 +124,30 @@ def test_greedy_rows_take_argmax_alone_and_next_to_sampled_rows(device):
         assert picked[row] == int(logits[row].argmax())
 
 
-def test_padded_vocab_columns_are_never_sampled():
-    logits = torch.randn(4, VOCAB + 8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_vocab_columns_are_never_sampled(dtype):
+    logits = torch.randn(4, VOCAB + 8).to(dtype)
     logits[:, VOCAB:] = 100.0  # LM-head padding that would dominate if it were not cut off
     sampler = Sampler(VOCAB, {EOS})
     seqs = [make_seq(temperature=0.0), make_seq(), make_seq(top_p=0.5), make_seq(top_k=3)]
     assert all(t < VOCAB for t in sampler(logits, seqs).token_ids)
+    greedy = [make_seq(temperature=0.0) for _ in range(4)]
+    expected = logits[:, :VOCAB].float().argmax(-1).tolist()
+    assert sampler(logits, greedy).token_ids == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152])
+def test_argmax_picks_the_first_maximum_like_torch(dtype, width):
+    rows = torch.randn(7, width + 5).to(dtype)[:, :width]  # rows of a wider tensor
+    rows[1] = -math.inf
+    rows[2] = 0.0  # all tied: the first wins
+    rows[3, width // 2 :] = 50.0  # tied maxima in different vector lanes
+    if width > 16:
+        rows[4, 3] = rows[4, width - 1] = 60.0
+    rows[5, width // 3] = math.nan  # a NaN wins, as in torch
+    rows[6, width - 1] = 70.0  # the tail past the last full vector
+    assert argmax(rows).tolist() == rows.argmax(-1).tolist()
 
 
 FILTER_CASES = [
