@@ -2,7 +2,9 @@
 
 On the CPU, decode rows and prefill chunks go through C++ kernels that read K/V straight from
 the cache blocks (kernels.cpu_ops) when they could be built: one call per layer for all decodes,
-one for all prefill chunks. Everything below describes the portable path.
+one for all prefill chunks. Where torch's SDPA measures faster for prefill chunks (its bf16
+matmuls run on AMX tiles), they take the portable path below instead
+(engine.attention.cpu_prefill_choice). Everything below describes the portable path.
 
 Every layer first stores the step's K/V into the paged cache (index_copy_ on the flat slot
 dimension), then reads each sequence's whole context back through its block table. Sequences
@@ -15,6 +17,7 @@ every layer, so the per-layer work is a few large tensor ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +30,17 @@ from kernels.cpu_ops import (
     paged_prefill_attention,
     rotary_store_kv,
 )
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """What the speed of a layer's prefill attention depends on, besides the chunk sizes."""
+
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
 
 
 @dataclass
@@ -76,12 +90,17 @@ class TorchAttentionPlan:
 
 
 def build_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, paged_kernels: bool
+    meta: AttentionMetadata,
+    block_size: int,
+    dtype: torch.dtype,
+    paged_kernels: bool,
+    sdpa_prefill: bool = False,
 ) -> TorchAttentionPlan:
     """Derive the per-step gather indices and masks from the batch description (once per step).
 
     paged_kernels: decodes and prefill chunks read the cache through their block tables (no
-    gather indices, no masks).
+    gather indices, no masks). sdpa_prefill: with paged_kernels, prefill chunks still take
+    the portable path, gathering all of their context from the cache.
     """
     device = meta.slot_mapping.device
     slot_mapping = meta.slot_mapping.to(torch.int64)
@@ -127,7 +146,7 @@ def build_plan(
     prefills = []
     max_gather_blocks = len(decode_seqs) * decode_blocks_per_seq
     paged_prefill = None
-    if prefill_seqs and paged_kernels:
+    if prefill_seqs and paged_kernels and not sdpa_prefill:
         paged_prefill = PagedPrefill(
             tables=meta.block_tables.index_select(0, torch.tensor(prefill_seqs, device=device)),
             starts=_int32([starts[i] for i in prefill_seqs], device),
@@ -139,6 +158,8 @@ def build_plan(
         seq_len = seq_lens[i]
         num_blocks = -(-seq_len // block_size)
         mask = None
+        if paged_kernels:  # the step's K/V are only in the cache
+            max_gather_blocks = max(max_gather_blocks, num_blocks)
         if seq_len != n:  # cached context: query j sits at position seq_len - n + j
             max_gather_blocks = max(max_gather_blocks, num_blocks)
             key_pos = torch.arange(seq_len, device=device)[None, :]
@@ -179,9 +200,17 @@ def _additive(masked_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class TorchAttentionBackend:
     """AttentionBackend in plain torch (see the module docstring)."""
 
-    def __init__(self, paged_kernels: bool | None = None) -> None:
-        """paged_kernels: None uses the CPU attention kernels wherever they can be built."""
+    def __init__(
+        self,
+        paged_kernels: bool | None = None,
+        sdpa_prefill: Callable[[PrefillShape], bool] | bool = False,
+    ) -> None:
+        """paged_kernels: None uses the CPU attention kernels wherever they can be built.
+        sdpa_prefill: with the kernels, whether prefill chunks go through SDPA instead, or a
+        function that decides it per shape (asked once per shape)."""
         self._paged_kernels = paged_kernels
+        self._sdpa_prefill = sdpa_prefill
+        self._sdpa_prefill_by_shape: dict[PrefillShape, bool] = {}
         # Gathered K/V of the current layer; reused by every layer and step (grown on demand)
         # because fresh multi-MB buffers per layer cost page faults on the CPU.
         self._workspace: torch.Tensor | None = None
@@ -197,7 +226,7 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        plan = self._plan(meta, k_cache, q)
+        plan = self._plan(meta, k_cache, q, q.shape[1])
 
         store_kv(k, v, k_cache, v_cache, plan)
         if plan.kernels:
@@ -263,7 +292,7 @@ class TorchAttentionBackend:
         arithmetic."""
         if qkv.dtype != k_cache.dtype:
             return None
-        plan = self._plan(meta, k_cache, qkv)
+        plan = self._plan(meta, k_cache, qkv, num_heads)
         if not plan.kernels:
             return None
         q = rotary_store_kv(
@@ -271,17 +300,18 @@ class TorchAttentionBackend:
         )
         return self._attend_paged(q, k_cache, v_cache, plan, scale)
 
-    @staticmethod
     def _attend_paged(
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         plan: TorchAttentionPlan,
         scale: float,
     ) -> torch.Tensor:
-        """Attention of q [T, H, D] (contiguous, K/V stored) through the CPU kernels."""
+        """Attention of q [T, H, D] (contiguous, K/V stored) through the CPU kernels (and SDPA
+        for prefill chunks where it was chosen)."""
         out = torch.empty_like(q)
-        if plan.paged_prefill is None:  # every row decodes
+        if plan.paged_prefill is None and not plan.prefills:  # every row decodes
             paged_decode_attention(
                 out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale
             )
@@ -299,6 +329,14 @@ class TorchAttentionBackend:
                 scale,
             )
             out.index_copy_(0, plan.decode_rows, decode_out)
+        if plan.prefills:  # through SDPA, context gathered from the cache
+            k_buf, v_buf = self._gather_buffers(plan.max_gather_blocks, k_cache)
+            gqa = q.shape[1] != k_cache.shape[2]
+            for chunk in plan.prefills:
+                out[chunk.start : chunk.end] = self._prefill(
+                    q, None, None, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
+                )
+            return out
         batch = plan.paged_prefill
         paged_prefill_attention(
             out,
@@ -320,17 +358,31 @@ class TorchAttentionBackend:
         with activations x of the cache's dtype (the plan is built once per step); else None."""
         if not meta.is_decode_only or x.dtype != k_cache.dtype:
             return None
-        plan = self._plan(meta, k_cache, x)
+        plan = self._plan(meta, k_cache, x, num_heads=0)
         return plan if plan.decodes_only_fused else None
 
     def _plan(
-        self, meta: AttentionMetadata, k_cache: torch.Tensor, x: torch.Tensor
+        self, meta: AttentionMetadata, k_cache: torch.Tensor, x: torch.Tensor, num_heads: int
     ) -> TorchAttentionPlan:
         """The step's plan, built by the first layer that asks and kept on the metadata."""
         if meta.backend_plan is None:
             fused = self._use_paged_kernels(x)
-            meta.backend_plan = build_plan(meta, k_cache.shape[1], x.dtype, fused)
+            sdpa = (
+                fused
+                and max(meta.query_lens_cpu, default=0) > 1
+                and self._prefill_through_sdpa(
+                    PrefillShape(x.dtype, num_heads, *k_cache.shape[2:], k_cache.shape[1])
+                )
+            )
+            meta.backend_plan = build_plan(meta, k_cache.shape[1], x.dtype, fused, sdpa)
         return meta.backend_plan
+
+    def _prefill_through_sdpa(self, shape: PrefillShape) -> bool:
+        if isinstance(self._sdpa_prefill, bool):
+            return self._sdpa_prefill
+        if shape not in self._sdpa_prefill_by_shape:
+            self._sdpa_prefill_by_shape[shape] = self._sdpa_prefill(shape)
+        return self._sdpa_prefill_by_shape[shape]
 
     def _use_paged_kernels(self, q: torch.Tensor) -> bool:
         if self._paged_kernels is None:
@@ -344,8 +396,8 @@ class TorchAttentionBackend:
     @staticmethod
     def _prefill(
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         k_buf: torch.Tensor,
@@ -354,7 +406,8 @@ class TorchAttentionBackend:
         scale: float,
         gqa: bool,
     ) -> torch.Tensor:
-        if chunk.mask is None:  # no cached context: this step's own K/V are the whole context
+        if chunk.mask is None and k is not None and v is not None:
+            # no cached context: this step's own K/V are the whole context
             keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:
             num_blocks = chunk.blocks.numel()

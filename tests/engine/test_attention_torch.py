@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_backend import PrefillShape, TorchAttentionBackend
 from engine.layers.rotary import RotaryEmbedding
 from kernels.cpu_ops import cpu_kernels_available
 
@@ -72,6 +72,7 @@ def _run_case(
     seed: int = 0,
     paged_kernels: bool | None = None,
     dtype: torch.dtype = torch.float32,
+    sdpa_prefill: bool = False,
 ):
     """Returns (backend output, oracle output, cache before, cache after, metadata)."""
     torch.manual_seed(seed)
@@ -85,7 +86,7 @@ def _run_case(
     v = torch.randn(total, hkv, case.head_dim).to(dtype)
     before = (k_cache.clone(), v_cache.clone())
     scale = case.head_dim**-0.5
-    backend = TorchAttentionBackend(paged_kernels)
+    backend = TorchAttentionBackend(paged_kernels, sdpa_prefill)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     expected = _dense_oracle(q, k, v, before, tables, case, scale)
     return out, expected, before, (k_cache, v_cache), slots
@@ -147,10 +148,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("paged_kernels", [False, None], ids=["gather", "cpu kernel"])
+PATHS = {
+    "gather": (False, False),
+    "cpu kernel": (None, False),
+    "kernel + sdpa prefill": (None, True),
+}
+
+
+@pytest.mark.parametrize(("paged_kernels", "sdpa_prefill"), PATHS.values(), ids=PATHS.keys())
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_matches_dense_attention(case: Case, paged_kernels: bool | None) -> None:
-    out, expected, *_ = _run_case(case, paged_kernels=paged_kernels)
+def test_matches_dense_attention(
+    case: Case, paged_kernels: bool | None, sdpa_prefill: bool
+) -> None:
+    out, expected, *_ = _run_case(case, paged_kernels=paged_kernels, sdpa_prefill=sdpa_prefill)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -175,10 +185,14 @@ def test_bfloat16_decodes_match_the_oracle(paged_kernels: bool | None, head_dim:
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("paged_kernels", [False, None], ids=["gather", "cpu kernel"])
-def test_bfloat16_prefill_chunks_match_the_oracle(paged_kernels: bool | None) -> None:
+@pytest.mark.parametrize(("paged_kernels", "sdpa_prefill"), PATHS.values(), ids=PATHS.keys())
+def test_bfloat16_prefill_chunks_match_the_oracle(
+    paged_kernels: bool | None, sdpa_prefill: bool
+) -> None:
     case = Case(contexts=[0, 37, 4], query_lens=[90, 30, 1], num_kv_heads=3, group=3)
-    out, expected, *_ = _run_case(case, paged_kernels=paged_kernels, dtype=torch.bfloat16)
+    out, expected, *_ = _run_case(
+        case, paged_kernels=paged_kernels, dtype=torch.bfloat16, sdpa_prefill=sdpa_prefill
+    )
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
@@ -210,10 +224,11 @@ def test_skipped_slots_leave_the_cache_unchanged() -> None:
     torch.testing.assert_close(out[1:4], expected[1:4], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sdpa_prefill", [False, True], ids=["kernel prefill", "sdpa prefill"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_a_step_from_the_fused_projection_matches_rotating_then_attending(
-    case: Case, dtype: torch.dtype
+    case: Case, dtype: torch.dtype, sdpa_prefill: bool
 ) -> None:
     # Every CPU step with the kernels rotates and stores in one kernel call (attend_from_qkv);
     # it must give what the portable path gives: rotate q and k, then forward.
@@ -229,7 +244,7 @@ def test_a_step_from_the_fused_projection_matches_rotating_then_attending(
 
     fused_caches = [c.clone() for c in caches]
     _, _, meta = _layout(case, random.Random(0))
-    fused = TorchAttentionBackend().attend_from_qkv(
+    fused = TorchAttentionBackend(sdpa_prefill=sdpa_prefill).attend_from_qkv(
         qkv, positions, rotary.cos_sin_cache, num_heads, *fused_caches, meta, scale
     )
     assert fused is not None
@@ -259,3 +274,46 @@ def test_without_the_kernels_a_step_from_the_fused_projection_is_declined() -> N
     )
     assert out is None
     assert not k_cache.any()  # nothing stored: the caller's forward will store
+
+
+def test_the_prefill_path_is_measured_once_per_machine_and_shape(monkeypatch, tmp_path) -> None:
+    from engine.attention import cpu_prefill_choice
+
+    monkeypatch.setenv("INFERQ_HOME", str(tmp_path / "home"))
+    shape = PrefillShape(torch.bfloat16, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16)
+    first = cpu_prefill_choice.sdpa_prefill_wins(shape)
+    stored = list((tmp_path / "home").rglob("*.json"))
+    assert len(stored) == 1 and cpu_prefill_choice.KIND in str(stored[0])
+
+    def measure_again(shape: PrefillShape) -> dict[str, float]:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cpu_prefill_choice, "_measure", measure_again)
+    assert cpu_prefill_choice.sdpa_prefill_wins(shape) == first
+
+
+@pytest.mark.parametrize("sdpa_wins", [False, True])
+def test_a_backend_asks_once_per_shape_and_attends_through_the_chosen_path(sdpa_wins) -> None:
+    asked = []
+
+    def choose(shape: PrefillShape) -> bool:
+        asked.append(shape)
+        return sdpa_wins
+
+    backend = TorchAttentionBackend(sdpa_prefill=choose)
+    case = Case(contexts=[0, 37, 4], query_lens=[90, 30, 1], group=3, head_dim=64, block_size=16)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        bs, hkv, num_heads = case.block_size, case.num_kv_heads, case.num_kv_heads * case.group
+        k_cache = torch.randn(NUM_BLOCKS, bs, hkv, case.head_dim)
+        v_cache = torch.randn(NUM_BLOCKS, bs, hkv, case.head_dim)
+        tables, _, meta = _layout(case, random.Random(seed))
+        total = sum(case.query_lens)
+        q = torch.randn(total, num_heads, case.head_dim)
+        k, v = torch.randn(2, total, hkv, case.head_dim)
+        before = (k_cache.clone(), v_cache.clone())
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, case.head_dim**-0.5)
+        assert (meta.backend_plan.paged_prefill is None) == sdpa_wins
+        expected = _dense_oracle(q, k, v, before, tables, case, case.head_dim**-0.5)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert asked == [PrefillShape(torch.float32, 6, 2, 64, 16)]
