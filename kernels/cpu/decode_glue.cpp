@@ -40,20 +40,24 @@ void dispatch_float_or_bf16(at::ScalarType dtype, const char* name, Body&& body)
 inline int64_t row_grain(int64_t row_size) { return std::max<int64_t>(1, 32768 / row_size); }
 
 template <typename scalar_t>
+inline void rms_norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t width,
+                         float eps) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < width; ++i) squares += as_float(x[i]) * as_float(x[i]);
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    out[i] = from_float<scalar_t>(as_float(x[i]) * inv * as_float(weight[i]));
+  }
+}
+
+template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t rows,
                    int64_t width, float eps) {
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x + r * width;
-      scalar_t* outr = out + r * width;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < width; ++i) squares += as_float(xr[i]) * as_float(xr[i]);
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) {
-        outr[i] = from_float<scalar_t>(as_float(xr[i]) * inv * as_float(weight[i]));
-      }
+      rms_norm_row(x + r * width, weight, out + r * width, width, eps);
     }
   });
 }
@@ -94,13 +98,19 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* rp = residual.data_ptr<scalar_t>();
     scalar_t* sp = summed.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    // one pass over each row while it is in L1: the sum, then its norm
     at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin * width; i < end * width; ++i) {
-        sp[i] = from_float<scalar_t>(as_float(xp[i]) + as_float(rp[i]));
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t row = r * width;
+#pragma omp simd
+        for (int64_t i = row; i < row + width; ++i) {
+          sp[i] = from_float<scalar_t>(as_float(xp[i]) + as_float(rp[i]));
+        }
+        rms_norm_row(sp + row, wp, op + row, width, static_cast<float>(eps));
       }
     });
-    rms_norm_rows(sp, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, width,
-                  static_cast<float>(eps));
   });
   return {out, summed};
 }
