@@ -158,10 +158,10 @@ def build_plan(
         seq_len = seq_lens[i]
         num_blocks = -(-seq_len // block_size)
         mask = None
-        if paged_kernels:  # the step's K/V are only in the cache
+        # read back from the cache: cached context, or any chunk when the kernels stored K/V
+        if paged_kernels or seq_len != n:
             max_gather_blocks = max(max_gather_blocks, num_blocks)
         if seq_len != n:  # cached context: query j sits at position seq_len - n + j
-            max_gather_blocks = max(max_gather_blocks, num_blocks)
             key_pos = torch.arange(seq_len, device=device)[None, :]
             query_pos = torch.arange(seq_len - n, seq_len, device=device)[:, None]
             mask = _additive(key_pos > query_pos, dtype)

@@ -48,39 +48,53 @@ inline float dot64_bf16(const c10::BFloat16* a, const c10::BFloat16* b) {
 }
 #endif
 
-// kHeadDim > 0 fixes the head size at compile time, so the per-row loops over it unroll into a
-// few full-width vector instructions (a runtime bound of 64 costs loop set-up per row).
-template <typename scalar_t, int64_t kHeadDim>
-void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                  const at::Tensor& value_cache, const at::Tensor& block_tables,
-                  const at::Tensor& seq_lens, double scale) {
+// One work item of a decode call: a sequence with the KV heads it covers (all of them, or one
+// when there are too few sequences to keep the threads busy), and the thread's scratch.
+template <typename scalar_t>
+struct DecodeItem {
+  const scalar_t* q;                // the item's query rows [q_heads, head_dim]
+  ContextRows<scalar_t> context;    // its rows of each cache, through the block table
+  const scalar_t* key_cache;
+  const scalar_t* value_cache;
+  int64_t len, q_heads, group, head_dim, token_stride;
+  float scale;
+  const float* q_scaled;  // q * scale in float32
+  float* scores;          // [q_heads, len]
+  float* acc;             // [q_heads, head_dim], zero: softmax(scores) v, unnormalised
+  float* inv_sums;        // [q_heads]: 1 / each row's softmax denominator
+};
+
+// Runs attend(item) for every work item of a decode call over the threads, then writes each
+// item's output rows acc * inv_sums.
+//
+// A work item is one sequence with all its KV heads, so each token's K and V rows are read as
+// one contiguous run of the cache; with fewer sequences than threads to keep busy, items split
+// a sequence by KV head instead.
+template <typename scalar_t, typename Attend>
+void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, int64_t head_dim, double scale,
+                          Attend&& attend) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
-  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1);
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t table_width = block_tables.size(1);
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
+  const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
+  const int64_t kv_per_item = num_kv_heads / splits;
+  const int64_t q_per_item = kv_per_item * group;
 
   const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* k_base = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = value_cache.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const float scale_f = static_cast<float>(scale);
 
-  // A work item is one sequence with all its KV heads, so each token's K and V rows are read
-  // as one contiguous run of the cache; with fewer sequences than threads to keep busy, items
-  // split a sequence by KV head instead.
-  const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
-  const int64_t kv_per_item = num_kv_heads / splits;
-  const int64_t q_per_item = kv_per_item * group;
-
   at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_rows(q_per_item * head_dim);
+    std::vector<float> q_scaled(q_per_item * head_dim);
     std::vector<float> acc(q_per_item * head_dim);
     std::vector<float> scores;
     std::vector<float> inv_sums(q_per_item);
@@ -88,62 +102,71 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
       const int64_t seq = item / splits;
       const int64_t first_kv = (item % splits) * kv_per_item;
       const int64_t len = lens[seq];
-      const int32_t* table = tables + seq * table_width;
-      const scalar_t* q_seq = q + (seq * num_heads + first_kv * group) * head_dim;
+      const int64_t first_row = (seq * num_heads + first_kv * group) * head_dim;
       for (int64_t i = 0; i < q_per_item * head_dim; ++i) {
-        q_rows[i] = as_float(q_seq[i]) * scale_f;
+        q_scaled[i] = as_float(q[first_row + i]) * scale_f;
       }
       scores.resize(q_per_item * len);
-
-      // Rows of this item's KV heads, token by token through the block table.
-      const ContextRows<scalar_t> rows{table, len, block_size, block_stride, token_stride,
-                                       first_kv * head_dim, kv_per_item * head_dim};
-      rows.visit(k_base, [&](const scalar_t* k_token, int64_t t) {
-#ifdef INFERQ_DECODE_BF16_DOT
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kHeadDim == 64) {
-          for (int64_t h = 0; h < q_per_item; ++h) {
-            const scalar_t* k_row = k_token + (h / group) * head_dim;
-            scores[h * len + t] = dot64_bf16(q_seq + h * head_dim, k_row) * scale_f;
-          }
-          return;
-        }
-#endif
-        for (int64_t h = 0; h < q_per_item; ++h) {
-          const scalar_t* k_row = k_token + (h / group) * head_dim;
-          const float* qh = q_rows.data() + h * head_dim;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * as_float(k_row[d]);
-          scores[h * len + t] = dot;
-        }
-      });
-      for (int64_t h = 0; h < q_per_item; ++h) {
-        float* row = scores.data() + h * len;
-        const float top = *std::max_element(row, row + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          row[t] = std::exp(row[t] - top);
-          sum += row[t];
-        }
-        inv_sums[h] = 1.f / sum;
-      }
-
       std::fill(acc.begin(), acc.end(), 0.f);
-      rows.visit(v_base, [&](const scalar_t* v_token, int64_t t) {
-        for (int64_t h = 0; h < q_per_item; ++h) {
-          const scalar_t* v_row = v_token + (h / group) * head_dim;
-          const float p = scores[h * len + t];
-          float* ah = acc.data() + h * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * as_float(v_row[d]);
-        }
-      });
-      scalar_t* o_seq = o + (seq * num_heads + first_kv * group) * head_dim;
+      attend(DecodeItem<scalar_t>{
+          q + first_row,
+          {tables + seq * table_width, len, block_size, block_stride, token_stride,
+           first_kv * head_dim, kv_per_item * head_dim},
+          key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(), len, q_per_item,
+          group, head_dim, token_stride, scale_f, q_scaled.data(), scores.data(), acc.data(),
+          inv_sums.data()});
       for (int64_t h = 0; h < q_per_item; ++h) {
         for (int64_t d = 0; d < head_dim; ++d) {
-          o_seq[h * head_dim + d] = from_float<scalar_t>(acc[h * head_dim + d] * inv_sums[h]);
+          o[first_row + h * head_dim + d] =
+              from_float<scalar_t>(acc[h * head_dim + d] * inv_sums[h]);
         }
       }
+    }
+  });
+}
+
+// kHeadDim > 0 fixes the head size at compile time, so the per-row loops over it unroll into a
+// few full-width vector instructions (a runtime bound of 64 costs loop set-up per row).
+template <typename scalar_t, int64_t kHeadDim>
+void attend_portable(const DecodeItem<scalar_t>& item) {
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : item.head_dim;
+  const int64_t len = item.len, group = item.group;
+  item.context.visit(item.key_cache, [&](const scalar_t* k_token, int64_t t) {
+#ifdef INFERQ_DECODE_BF16_DOT
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kHeadDim == 64) {
+      for (int64_t h = 0; h < item.q_heads; ++h) {
+        const scalar_t* k_row = k_token + (h / group) * head_dim;
+        item.scores[h * len + t] = dot64_bf16(item.q + h * head_dim, k_row) * item.scale;
+      }
+      return;
+    }
+#endif
+    for (int64_t h = 0; h < item.q_heads; ++h) {
+      const scalar_t* k_row = k_token + (h / group) * head_dim;
+      const float* qh = item.q_scaled + h * head_dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * as_float(k_row[d]);
+      item.scores[h * len + t] = dot;
+    }
+  });
+  for (int64_t h = 0; h < item.q_heads; ++h) {
+    float* row = item.scores + h * len;
+    const float top = *std::max_element(row, row + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = std::exp(row[t] - top);
+      sum += row[t];
+    }
+    item.inv_sums[h] = 1.f / sum;
+  }
+  item.context.visit(item.value_cache, [&](const scalar_t* v_token, int64_t t) {
+    for (int64_t h = 0; h < item.q_heads; ++h) {
+      const scalar_t* v_row = v_token + (h / group) * head_dim;
+      const float p = item.scores[h * len + t];
+      float* ah = item.acc + h * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * as_float(v_row[d]);
     }
   });
 }
@@ -216,14 +239,12 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t len, float* inv_s
   }
 }
 
-// The decode kernel for head sizes of 64 and 128 in AVX-512 registers, same work items and
-// passes as `paged_decode`, reshaped for the vector unit: scores are finished four tokens at a
-// time (`sum4`), and the weighted sum of V keeps each group of query heads' accumulators in
+// The decode work item for head sizes of 64 and 128 in AVX-512 registers, same passes as
+// `attend_portable`, reshaped for the vector unit: scores are finished four tokens at a time
+// (`sum4`), and the weighted sum of V keeps each group of query heads' accumulators in
 // registers over a block of tokens, widening each V row once for all the heads that share it.
 template <typename scalar_t, int64_t kHeadDim>
-void paged_decode_avx512(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                         const at::Tensor& value_cache, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, double scale) {
+void attend_avx512(const DecodeItem<scalar_t>& item) {
   constexpr int64_t kVecs = kHeadDim / 16;
   constexpr int64_t kHeadsInRegisters = 16 / kVecs;  // 16 accumulators
 #ifdef INFERQ_DECODE_BF16_DOT
@@ -231,120 +252,77 @@ void paged_decode_avx512(at::Tensor& out, const at::Tensor& query, const at::Ten
 #else
   constexpr bool kDotBf16 = false;
 #endif
-  const int64_t num_seqs = query.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t table_width = block_tables.size(1);
-  const int64_t token_stride = num_kv_heads * kHeadDim;
-  const int64_t block_stride = block_size * token_stride;
+  const int64_t len = item.len, group = item.group, token_stride = item.token_stride;
+  const int64_t row_size = item.context.row_size;
+  float* scores = item.scores;
+  // the query row of head h as dot_partial takes it; bf16 dot products scale afterwards
+  const auto query_of = [&](int64_t h) -> const void* {
+    if constexpr (kDotBf16) return item.q + h * kHeadDim;
+    return item.q_scaled + h * kHeadDim;
+  };
+  const __m128 after_dot = _mm_set1_ps(kDotBf16 ? item.scale : 1.f);
 
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* k_base = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = value_cache.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
-  const float scale_f = static_cast<float>(scale);
-
-  const int64_t splits = num_seqs >= 2 * at::get_num_threads() ? 1 : num_kv_heads;
-  const int64_t kv_per_item = num_kv_heads / splits;
-  const int64_t q_per_item = kv_per_item * group;
-  const int64_t row_size = kv_per_item * kHeadDim;
-
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_rows(q_per_item * kHeadDim);
-    std::vector<float> acc(q_per_item * kHeadDim);
-    std::vector<float> scores;
-    std::vector<float> inv_sums(q_per_item);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / splits;
-      const int64_t first_kv = (item % splits) * kv_per_item;
-      const int64_t len = lens[seq];
-      const scalar_t* q_seq = q + (seq * num_heads + first_kv * group) * kHeadDim;
-      for (int64_t i = 0; i < q_per_item * kHeadDim; ++i) {
-        q_rows[i] = as_float(q_seq[i]) * scale_f;
+  item.context.visit_blocks(item.key_cache, [&](const scalar_t* rows, const scalar_t* next,
+                                                int64_t first, int64_t count) {
+    int64_t i = 0;
+    for (; i + 4 <= count; i += 4) {
+      if (next != nullptr) {
+        for (int64_t j = i; j < i + 4; ++j) prefetch_row(next + j * token_stride, row_size);
       }
-      // the query row of head h as dot_partial takes it; bf16 dot products scale afterwards
-      const auto query_of = [&](int64_t h) -> const void* {
-        if constexpr (kDotBf16) return q_seq + h * kHeadDim;
-        return q_rows.data() + h * kHeadDim;
-      };
-      const __m128 after_dot = _mm_set1_ps(kDotBf16 ? scale_f : 1.f);
-      scores.resize(q_per_item * len);
-      const ContextRows<scalar_t> context{tables + seq * table_width, len, block_size,
-                                          block_stride, token_stride, first_kv * kHeadDim,
-                                          row_size};
+      const scalar_t* k0 = rows + i * token_stride;
+      for (int64_t h = 0; h < item.q_heads; ++h) {
+        const scalar_t* k = k0 + (h / group) * kHeadDim;
+        const void* qh = query_of(h);
+        const __m128 dots = sum4(dot_partial<kHeadDim, kDotBf16>(qh, k),
+                                 dot_partial<kHeadDim, kDotBf16>(qh, k + token_stride),
+                                 dot_partial<kHeadDim, kDotBf16>(qh, k + 2 * token_stride),
+                                 dot_partial<kHeadDim, kDotBf16>(qh, k + 3 * token_stride));
+        _mm_storeu_ps(scores + h * len + first + i, _mm_mul_ps(dots, after_dot));
+      }
+    }
+    for (; i < count; ++i) {
+      if (next != nullptr) prefetch_row(next + i * token_stride, row_size);
+      for (int64_t h = 0; h < item.q_heads; ++h) {
+        const scalar_t* k = rows + i * token_stride + (h / group) * kHeadDim;
+        scores[h * len + first + i] =
+            _mm512_reduce_add_ps(dot_partial<kHeadDim, kDotBf16>(query_of(h), k)) *
+            _mm_cvtss_f32(after_dot);
+      }
+    }
+  });
 
-      context.visit_blocks(k_base, [&](const scalar_t* rows, const scalar_t* next, int64_t first,
-                                       int64_t count) {
-        int64_t i = 0;
-        for (; i + 4 <= count; i += 4) {
-          if (next != nullptr) {
-            for (int64_t j = i; j < i + 4; ++j) prefetch_row(next + j * token_stride, row_size);
-          }
-          const scalar_t* k0 = rows + i * token_stride;
-          for (int64_t h = 0; h < q_per_item; ++h) {
-            const scalar_t* k = k0 + (h / group) * kHeadDim;
-            const void* qh = query_of(h);
-            const __m128 dots = sum4(dot_partial<kHeadDim, kDotBf16>(qh, k),
-                                     dot_partial<kHeadDim, kDotBf16>(qh, k + token_stride),
-                                     dot_partial<kHeadDim, kDotBf16>(qh, k + 2 * token_stride),
-                                     dot_partial<kHeadDim, kDotBf16>(qh, k + 3 * token_stride));
-            _mm_storeu_ps(scores.data() + h * len + first + i, _mm_mul_ps(dots, after_dot));
+  softmax_rows(scores, item.q_heads, len, item.inv_sums);
+
+  const int64_t kv_heads = item.q_heads / group;
+  item.context.visit_blocks(item.value_cache, [&](const scalar_t* rows, const scalar_t* next,
+                                                  int64_t first, int64_t count) {
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += kHeadsInRegisters) {
+        const int64_t heads = std::min(kHeadsInRegisters, (kv + 1) * group - h0);
+        float* acc = item.acc + h0 * kHeadDim;
+        __m512 a[kHeadsInRegisters][kVecs];
+        for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
+          for (int64_t v = 0; v < kVecs; ++v) {
+            a[h][v] = h < heads ? _mm512_loadu_ps(acc + h * kHeadDim + 16 * v)
+                                : _mm512_setzero_ps();
           }
         }
-        for (; i < count; ++i) {
-          if (next != nullptr) prefetch_row(next + i * token_stride, row_size);
-          for (int64_t h = 0; h < q_per_item; ++h) {
-            const scalar_t* k = rows + i * token_stride + (h / group) * kHeadDim;
-            scores[h * len + first + i] =
-                _mm512_reduce_add_ps(dot_partial<kHeadDim, kDotBf16>(query_of(h), k)) *
-                _mm_cvtss_f32(after_dot);
+        const bool first_sweep = kv == 0 && h0 == 0 && next != nullptr;
+        for (int64_t i = 0; i < count; ++i) {
+          if (first_sweep) prefetch_row(next + i * token_stride, row_size);
+          const scalar_t* v_row = rows + i * token_stride + kv * kHeadDim;
+          __m512 values[kVecs];
+          for (int64_t v = 0; v < kVecs; ++v) values[v] = load16(v_row + 16 * v);
+          for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
+            if (h >= heads) break;
+            const __m512 p = _mm512_set1_ps(scores[(h0 + h) * len + first + i]);
+            for (int64_t v = 0; v < kVecs; ++v) a[h][v] = _mm512_fmadd_ps(p, values[v], a[h][v]);
           }
         }
-      });
-
-      softmax_rows(scores.data(), q_per_item, len, inv_sums.data());
-
-      std::fill(acc.begin(), acc.end(), 0.f);
-      context.visit_blocks(v_base, [&](const scalar_t* rows, const scalar_t* next, int64_t first,
-                                       int64_t count) {
-        for (int64_t kv = 0; kv < kv_per_item; ++kv) {
-          for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += kHeadsInRegisters) {
-            const int64_t heads = std::min(kHeadsInRegisters, (kv + 1) * group - h0);
-            __m512 a[kHeadsInRegisters][kVecs];
-            for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
-              for (int64_t v = 0; v < kVecs; ++v) {
-                a[h][v] = h < heads ? _mm512_loadu_ps(acc.data() + (h0 + h) * kHeadDim + 16 * v)
-                                    : _mm512_setzero_ps();
-              }
-            }
-            const bool first_sweep = kv == 0 && h0 == 0 && next != nullptr;
-            for (int64_t i = 0; i < count; ++i) {
-              if (first_sweep) prefetch_row(next + i * token_stride, row_size);
-              const scalar_t* v_row = rows + i * token_stride + kv * kHeadDim;
-              __m512 values[kVecs];
-              for (int64_t v = 0; v < kVecs; ++v) values[v] = load16(v_row + 16 * v);
-              for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
-                if (h >= heads) break;
-                const __m512 p = _mm512_set1_ps(scores[(h0 + h) * len + first + i]);
-                for (int64_t v = 0; v < kVecs; ++v) a[h][v] = _mm512_fmadd_ps(p, values[v], a[h][v]);
-              }
-            }
-            for (int64_t h = 0; h < heads; ++h) {
-              for (int64_t v = 0; v < kVecs; ++v) {
-                _mm512_storeu_ps(acc.data() + (h0 + h) * kHeadDim + 16 * v, a[h][v]);
-              }
-            }
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t v = 0; v < kVecs; ++v) {
+            _mm512_storeu_ps(acc + h * kHeadDim + 16 * v, a[h][v]);
           }
-        }
-      });
-      scalar_t* o_seq = o + (seq * num_heads + first_kv * group) * kHeadDim;
-      for (int64_t h = 0; h < q_per_item; ++h) {
-        for (int64_t d = 0; d < kHeadDim; ++d) {
-          o_seq[h * kHeadDim + d] = from_float<scalar_t>(acc[h * kHeadDim + d] * inv_sums[h]);
         }
       }
     }
@@ -366,25 +344,23 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "paged_decode_attention supports float32 and bfloat16");
-  inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
+  const auto run = [&](auto zero, auto head_dim) {
+    using scalar_t = decltype(zero);
+    constexpr int64_t kHeadDim = decltype(head_dim)::value;
+    const auto attend = [](const DecodeItem<scalar_t>& item) {
 #ifdef INFERQ_DECODE_AVX512
-    if constexpr (head_dim > 0) {
-      if (query.scalar_type() == at::kFloat) {
-        paged_decode_avx512<float, head_dim>(out, query, key_cache, value_cache, block_tables,
-                                             seq_lens, scale);
-      } else {
-        paged_decode_avx512<c10::BFloat16, head_dim>(out, query, key_cache, value_cache,
-                                                     block_tables, seq_lens, scale);
-      }
-      return;
-    }
+      if constexpr (kHeadDim > 0) return attend_avx512<scalar_t, kHeadDim>(item);
 #endif
+      attend_portable<scalar_t, kHeadDim>(item);
+    };
+    for_each_decode_item<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                   query.size(2), scale, attend);
+  };
+  inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
     if (query.scalar_type() == at::kFloat) {
-      paged_decode<float, head_dim>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                    scale);
+      run(float{}, head_dim);
     } else {
-      paged_decode<c10::BFloat16, head_dim>(out, query, key_cache, value_cache, block_tables,
-                                            seq_lens, scale);
+      run(c10::BFloat16{}, head_dim);
     }
   });
 }
