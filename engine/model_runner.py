@@ -386,12 +386,16 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(inputs.input_ids, inputs.attn_meta):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
+            if inputs.sample_rows is not None:
+                hidden = hidden.index_select(0, inputs.sample_rows)
         else:
             hidden = self.model(
-                inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_cache.layers,
+                inputs.attn_meta,
+                inputs.sample_rows,
             )
-        if inputs.sample_rows is not None:
-            hidden = hidden.index_select(0, inputs.sample_rows)
         return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:

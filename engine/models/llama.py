@@ -112,7 +112,10 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention output after o_proj for every token, or only for `output_rows` (every
+        token's K/V is still computed and stored)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         out = self.backend.attend_from_qkv(
@@ -125,13 +128,15 @@ class LlamaAttention(nn.Module):
             meta,
             self.scale,
         )
-        if out is not None:
-            return self.o_proj(out.view(num_tokens, self.q_size))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k, cos_sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        if out is None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k = self.rotary_emb(positions, q, k, cos_sin)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = out.reshape(num_tokens, self.q_size)
+        if output_rows is not None:
+            out = out.index_select(0, output_rows)
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -160,14 +165,18 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream) for every token, or only for `output_rows`."""
         # The residual stream is carried separately so each norm can fuse the add.
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin, output_rows)
+        if output_rows is not None:
+            residual = residual.index_select(0, output_rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -233,18 +242,24 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: KVCaches,
         meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Final hidden states of every token, or only of `output_rows` (in their order)."""
         hidden = self.embed_tokens(input_ids)
         if self.cpu_decode_stack is not None:
             done = self.cpu_decode_stack.run(hidden, positions, kv_caches, meta)
             if done is not None:
                 hidden, _ = self.norm(*done)
-                return hidden
+                return hidden if output_rows is None else hidden.index_select(0, output_rows)
         # On the CPU the cos/sin rows of this step's positions are gathered once for all layers.
         cos_sin = None if hidden.is_cuda else self.rotary_emb.lookup(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, cos_sin)
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            # Past the last layer's attention only the wanted rows matter: the rest of a prompt
+            # needs its K/V stored, not its hidden states, so o_proj and the MLP skip them.
+            rows = output_rows if index == last else None
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, cos_sin, rows)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -291,9 +306,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: KVCaches,
         attn_meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, attn_meta)
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden], or [R, hidden]
+        for the rows `output_rows` [R] int64 names (every token's K/V is stored either way)."""
+        return self.model(input_ids, positions, kv_caches, attn_meta, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 logits [S, vocab]."""

@@ -130,3 +130,37 @@ def test_sliding_window_models_are_capped_to_their_window() -> None:
     assert unwindowed.max_model_len == TINY_SIZES["max_position_embeddings"]
     with pytest.raises(ValueError, match="max_model_len"):
         _dummy_runner(LlamaConfig(**TINY_SIZES), num_kv_blocks=4, max_model_len=10_000)
+
+
+def test_last_layer_skips_unsampled_rows_but_stores_their_kv(tiny_llama_dir) -> None:
+    """A prefill step's logits, and the decode after it, match a forward that kept every row:
+    the last layer leaves out the rows nobody samples, never their K/V."""
+
+    def runner() -> ModelRunner:
+        config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=16, block_size=4)
+        return ModelRunner(config, tiny_llama_dir)
+
+    def sequences() -> list[Sequence]:
+        return [
+            Sequence("a", [*range(20, 31), 7], 11, SamplingParams(), block_table=[0, 1, 2]),
+            Sequence("b", [*range(40, 46), 9], 6, SamplingParams(), block_table=[3, 4]),
+        ]
+
+    pruned, full = runner(), runner()
+    pruned_seqs, full_seqs = sequences(), sequences()
+    logits = pruned.execute([ScheduledSeq(s, s.num_prompt_tokens) for s in pruned_seqs])
+    inputs = full.prepare_inputs([ScheduledSeq(s, s.num_prompt_tokens) for s in full_seqs])
+    assert inputs.sample_rows is not None
+    with torch.inference_mode():
+        hidden = full.model(
+            inputs.input_ids, inputs.positions, full.kv_cache.layers, inputs.attn_meta
+        )
+        expected = full.model.compute_logits(hidden[inputs.sample_rows])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+    for seqs in (pruned_seqs, full_seqs):
+        for s in seqs:
+            s.num_computed_tokens = s.num_prompt_tokens
+    decoded = pruned.execute([ScheduledSeq(s, 1) for s in pruned_seqs])
+    reference = full.execute([ScheduledSeq(s, 1) for s in full_seqs])
+    torch.testing.assert_close(decoded, reference, atol=1e-5, rtol=1e-5)
