@@ -4,10 +4,10 @@ Freed multi-MB activation buffers must stay with the process: glibc malloc and j
 defaults hand (some of) them back to the OS and page-fault them in again every step (jemalloc:
 every page of each buffer over 8 MiB; 1M faults and ~15% of the time of a 24-prompt run).
 tcmalloc keeps them; jemalloc does once told never to purge. OpenMP threads that migrate
-between cores lose their caches. Large tensors (weights, the KV cache) go on transparent huge
-pages where the kernel allows them (torch's THP_MEM_ALLOC_ENABLE): a decode step reads KV blocks
-scattered over gigabytes, and on 4 KiB pages nearly every block costs a TLB miss (measured:
-decode attention ~10% faster, a whole mixed workload ~1.5%). All are environment settings that
+between cores lose their caches. Large tensors go on transparent huge pages where the kernel
+allows them (torch's THP_MEM_ALLOC_ENABLE for the weights and activations; the KV cache, mapped
+outside torch's allocator, asks for its own in engine.kv_cache): a decode step reads KV blocks
+scattered over gigabytes, and on 4 KiB pages nearly every block costs a TLB miss. All are environment settings that
 must be in place when the process starts, so the launcher re-executes itself once with them
 (`reexec_with_cpu_runtime`).
 """

@@ -6,6 +6,7 @@ k_cache / v_cache is a contiguous [num_blocks, block_size, num_kv_heads, head_di
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,8 +63,24 @@ class KVCache:
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    # calloc'd memory is zero pages mapped on first touch: a multi-GB cache costs nothing until
-    # its blocks are used, where torch.zeros would write every page up front (seconds).
-    numel = int(np.prod(shape))
-    raw = np.zeros(numel * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return _zero_pages(nbytes).view(dtype).view(shape)
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def _zero_pages(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] of private anonymous memory, on transparent huge pages where the kernel
+    allows them (THP "madvise" mode, the common default, needs this request).
+
+    Its pages are zero pages mapped on first touch: a multi-GB cache costs nothing until its
+    blocks are used, where torch.zeros would write every page up front (seconds). A decode
+    step reads KV blocks scattered over the cache, and on 4 KiB pages nearly every block costs
+    TLB misses; torch's allocator asks for huge pages for the tensors it makes, not for these."""
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds a reference to the region
+    start = -whole.data_ptr() % _HUGE_PAGE  # huge pages need 2 MiB-aligned addresses
+    return whole[start : start + nbytes]

@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.cpu_runtime import find_allocator
+from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = """
@@ -118,3 +120,24 @@ def test_binding_only_when_asked_and_opt_out(tmp_path: Path) -> None:
     assert _run_probe(tmp_path, bind=True)["bind"] == "close"
     untouched = _run_probe(tmp_path, bind=True, INFERQ_CPU_TUNE="0")
     assert untouched["tuned"] is None and untouched["preload"] == ""
+
+
+def _anon_huge_kib() -> int:
+    rollup = Path("/proc/self/smaps_rollup").read_text()
+    return int(rollup.split("AnonHugePages:")[1].split()[0])
+
+
+def test_the_kv_cache_lands_on_huge_pages_once_used() -> None:
+    # The cache is mapped lazily (a multi-GB cache costs nothing until used), outside torch's
+    # allocator, so it must ask for huge pages itself; a decode step reads its blocks scattered
+    # over the whole cache.
+    if not _huge_pages_allowed() or not Path("/proc/self/smaps_rollup").exists():
+        pytest.skip("transparent huge pages are off on this machine")
+    spec = KVCacheSpec(
+        num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32
+    )
+    cache = KVCache(spec, num_blocks=num_blocks_for_budget(spec, 64 << 20), device="cpu")
+    before = _anon_huge_kib()
+    assert float(cache.tensor.abs().sum()) == 0.0  # zeroed, as attention's padding needs
+    cache.tensor.fill_(1.0)
+    assert _anon_huge_kib() - before >= 32 << 10  # most of its 64 MiB
