@@ -46,18 +46,32 @@ struct ContextRows {
     }
   }
 
+  // The rows of the context's first block in `cache`.
+  const scalar_t* first_block(const scalar_t* cache) const {
+    return cache + table[0] * block_stride + row_offset;
+  }
+
   // visit_block(rows, next_rows, first, count) for every block in order: its `count` token
   // rows from `rows` (one every token_stride elements), tokens first .. first + count - 1;
-  // `next_rows` is the next block's (nullptr for the last), for the caller to prefetch row by
-  // row as it goes, as `visit` does.
+  // `next_rows` is the next block's, for the caller to prefetch row by row as it goes, as
+  // `visit` does. For the last block it is `after_last` (nullptr: nothing), the block the
+  // caller reads next, so that a sweep does not start on a cold block; its rows past a short
+  // last block's `count` are requested here.
   template <typename VisitBlock>
-  void visit_blocks(const scalar_t* cache, VisitBlock&& visit_block) const {
+  void visit_blocks(const scalar_t* cache, VisitBlock&& visit_block,
+                    const scalar_t* after_last = nullptr) const {
     for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
       const scalar_t* rows = cache + table[block] * block_stride + row_offset;
       const bool has_next = first + block_size < len;
       const scalar_t* next = has_next ? cache + table[block + 1] * block_stride + row_offset
-                                      : nullptr;
-      visit_block(rows, next, first, std::min(block_size, len - first));
+                                      : after_last;
+      const int64_t count = std::min(block_size, len - first);
+      visit_block(rows, next, first, count);
+      if (!has_next && after_last != nullptr) {
+        for (int64_t i = count; i < block_size; ++i) {
+          prefetch_row(after_last + i * token_stride, row_size);
+        }
+      }
     }
   }
 };

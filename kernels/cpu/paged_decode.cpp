@@ -56,6 +56,7 @@ struct DecodeItem {
   ContextRows<scalar_t> context;    // its rows of each cache, through the block table
   const scalar_t* key_cache;
   const scalar_t* value_cache;
+  const scalar_t* next_item_keys;  // the thread's next item's first K block (nullptr: none)
   int64_t len, q_heads, group, head_dim, token_stride;
   float scale;
   const float* q_scaled;  // q * scale in float32
@@ -93,12 +94,36 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
   scalar_t* o = out.data_ptr<scalar_t>();
   const float scale_f = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = num_seqs * splits;
+  // Each thread takes one run of items, the runs holding equal shares of the context to read
+  // (contexts differ in length, so equal counts of items leave one thread waiting on the other).
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), num_items);
+  std::vector<int64_t> part_start(parts + 1, num_items);
+  {
+    constexpr int64_t kItemCost = 16;  // tokens' worth of fixed work per item
+    int64_t total = 0;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) total += splits * (lens[seq] + kItemCost);
+    int64_t done = 0;
+    for (int64_t item = 0, part = 0; item < num_items; ++item) {
+      while (part < parts && done * parts >= total * part) part_start[part++] = item;
+      done += lens[item / splits] + kItemCost;
+    }
+  }
+  const scalar_t* k_data = key_cache.data_ptr<scalar_t>();
+  const auto item_context = [&](int64_t item) {
+    const int64_t seq = item / splits;
+    return ContextRows<scalar_t>{tables + seq * table_width, lens[seq], block_size,
+                                 block_stride, token_stride, (item % splits) * kv_per_item * head_dim,
+                                 kv_per_item * head_dim};
+  };
+
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     std::vector<float> q_scaled(q_per_item * head_dim);
     std::vector<float> acc(q_per_item * head_dim);
     std::vector<float> scores;
     std::vector<float> inv_sums(q_per_item);
-    for (int64_t item = begin; item < end; ++item) {
+    const int64_t end = part_start[part_end];
+    for (int64_t item = part_start[part_begin]; item < end; ++item) {
       const int64_t seq = item / splits;
       const int64_t first_kv = (item % splits) * kv_per_item;
       const int64_t len = lens[seq];
@@ -108,13 +133,14 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
       }
       scores.resize(q_per_item * len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      attend(DecodeItem<scalar_t>{
-          q + first_row,
-          {tables + seq * table_width, len, block_size, block_stride, token_stride,
-           first_kv * head_dim, kv_per_item * head_dim},
-          key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(), len, q_per_item,
-          group, head_dim, token_stride, scale_f, q_scaled.data(), scores.data(), acc.data(),
-          inv_sums.data()});
+      const scalar_t* next_keys =
+          item + 1 < end && lens[(item + 1) / splits] > 0
+              ? item_context(item + 1).first_block(k_data)
+              : nullptr;
+      attend(DecodeItem<scalar_t>{q + first_row, item_context(item), k_data,
+                                  value_cache.data_ptr<scalar_t>(), next_keys, len, q_per_item,
+                                  group, head_dim, token_stride, scale_f, q_scaled.data(),
+                                  scores.data(), acc.data(), inv_sums.data()});
       for (int64_t h = 0; h < q_per_item; ++h) {
         for (int64_t d = 0; d < head_dim; ++d) {
           o[first_row + h * head_dim + d] =
@@ -289,7 +315,7 @@ void attend_avx512(const DecodeItem<scalar_t>& item) {
             _mm_cvtss_f32(after_dot);
       }
     }
-  });
+  }, item.context.first_block(item.value_cache));
 
   softmax_rows(scores, item.q_heads, len, item.inv_sums);
 
@@ -326,7 +352,7 @@ void attend_avx512(const DecodeItem<scalar_t>& item) {
         }
       }
     }
-  });
+  }, item.next_item_keys);
 }
 #endif
 
