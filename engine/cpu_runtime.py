@@ -7,9 +7,9 @@ tcmalloc keeps them; jemalloc does once told never to purge. OpenMP threads that
 between cores lose their caches. Large tensors go on transparent huge pages where the kernel
 allows them (torch's THP_MEM_ALLOC_ENABLE for the weights and activations; the KV cache, mapped
 outside torch's allocator, asks for its own in engine.kv_cache): a decode step reads KV blocks
-scattered over gigabytes, and on 4 KiB pages nearly every block costs a TLB miss. All are environment settings that
-must be in place when the process starts, so the launcher re-executes itself once with them
-(`reexec_with_cpu_runtime`).
+scattered over gigabytes, and on 4 KiB pages nearly every block costs a TLB miss. All are
+environment settings that must be in place when the process starts, so the launcher
+re-executes itself once with them (`reexec_with_cpu_runtime`).
 """
 
 from __future__ import annotations
