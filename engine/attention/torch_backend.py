@@ -406,8 +406,10 @@ class TorchAttentionBackend:
         scale: float,
         gqa: bool,
     ) -> torch.Tensor:
+        """SDPA over one chunk's context: this step's own K/V rows (k, v) where the chunk has
+        no cached context, else its blocks gathered from the cache; k, v None: always the
+        cache (the kernels stored the step's K/V there)."""
         if chunk.mask is None and k is not None and v is not None:
-            # no cached context: this step's own K/V are the whole context
             keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:
             num_blocks = chunk.blocks.numel()
