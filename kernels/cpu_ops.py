@@ -216,6 +216,17 @@ def panel_gated_supported(dtype: torch.dtype) -> bool:
     return panel_matmul_supported(dtype) and bool(torch.ops.inferq_cpu.panel_gated_supported(dtype))
 
 
+# Inputs per AMX tile step: a bf16 panel matmul whose input count is a multiple of this runs on
+# AMX tiles where the CPU has them (kernels/cpu/panel_amx.h).
+AMX_INPUTS = 32
+
+
+def panel_amx_usable() -> bool:
+    """Whether bf16 panel matmuls of whole AMX steps run on AMX tiles here: the CPU has AMX,
+    the kernels were built for it and the OS lets this process use its tile state."""
+    return cpu_kernels_available() and bool(torch.ops.inferq_cpu.panel_amx_usable())
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] -> panels of PANEL_WIDTH output features, zero past `out`: fp32
     [panels, in, 16], each panel input by input; bf16 [panels, ceil(in / 2), 32, 2], each

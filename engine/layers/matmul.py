@@ -7,9 +7,9 @@ Five ways to compute x @ W.T + b on the CPU, four of them in torch 2.x:
 - onednn_packed: the weight reordered once, at load, into the blocked layout oneDNN's kernels
   want (what vLLM does on the CPU); no reorder per call, one (blocked) copy of the weight.
 - mkl_packed (fp32 only): MKL's packed sgemm; it also keeps the plain weight, so two copies.
-- panels (fp32 on AVX2 + FMA, bf16 on AVX512-BF16): our own register-tiled kernel
-  (kernels/cpu/panel_matmul.cpp) over the weight packed once into panels of 16 (fp32) or 32
-  (bf16) features; one copy.
+- panels (fp32 on AVX2 + FMA, bf16 on AVX512-BF16, on AMX tiles where the CPU has them): our
+  own register-tiled kernel (kernels/cpu/panel_matmul.cpp) over the weight packed once into
+  panels of 16 (fp32) or 32 (bf16) features; one copy.
 
 Which is fastest depends on the machine (AMD without AVX-512, AMD with AVX-512 and bf16, Intel
 with AMX) and on how many rows a call has: a decode step of a few sequences streams the weights

@@ -63,6 +63,8 @@ struct DecodeItem {
   float* scores;          // [q_heads, len]
   float* acc;             // [q_heads, head_dim], zero: softmax(scores) v, unnormalised
   float* inv_sums;        // [q_heads]: 1 / each row's softmax denominator
+  c10::BFloat16* probs;   // [q_heads, probs_stride] scratch (bf16 items only)
+  int64_t probs_stride;   // len rounded up to 32
 };
 
 // Runs attend(item) for every work item of a decode call over the threads, then writes each
@@ -122,6 +124,7 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
     std::vector<float> acc(q_per_item * head_dim);
     std::vector<float> scores;
     std::vector<float> inv_sums(q_per_item);
+    std::vector<c10::BFloat16> probs;
     const int64_t end = part_start[part_end];
     for (int64_t item = part_start[part_begin]; item < end; ++item) {
       const int64_t seq = item / splits;
@@ -132,6 +135,10 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
         q_scaled[i] = as_float(q[first_row + i]) * scale_f;
       }
       scores.resize(q_per_item * len);
+      const int64_t probs_stride = (len + 31) / 32 * 32;
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        probs.resize(q_per_item * probs_stride);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       const scalar_t* next_keys =
           item + 1 < end && lens[(item + 1) / splits] > 0
@@ -140,7 +147,8 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
       attend(DecodeItem<scalar_t>{q + first_row, item_context(item), k_data,
                                   value_cache.data_ptr<scalar_t>(), next_keys, len, q_per_item,
                                   group, head_dim, token_stride, scale_f, q_scaled.data(),
-                                  scores.data(), acc.data(), inv_sums.data()});
+                                  scores.data(), acc.data(), inv_sums.data(), probs.data(),
+                                  probs_stride});
       for (int64_t h = 0; h < q_per_item; ++h) {
         for (int64_t d = 0; d < head_dim; ++d) {
           o[first_row + h * head_dim + d] =
@@ -265,6 +273,124 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t len, float* inv_s
   }
 }
 
+// The V sweep of the AVX-512 items: for every block, each KV head and each group of its query
+// heads that fits in registers, the group's accumulators are loaded into `a`, then
+// weigh(a, heads, h0, v_rows, prefetch, first, count) adds the block's weighted V rows for query
+// heads h0 .. h0 + heads - 1, and `a` goes back to item.acc. v_rows is the KV head's part of the
+// block's first token row; prefetch is the rows of the block read next, for the first group of
+// the block to request as it goes (nullptr for the others).
+template <int64_t kHeadDim, typename scalar_t, typename Weigh>
+void sweep_values(const DecodeItem<scalar_t>& item, Weigh&& weigh) {
+  constexpr int64_t kVecs = kHeadDim / 16;
+  constexpr int64_t kHeadsInRegisters = 16 / kVecs;  // 16 accumulators
+  const int64_t group = item.group, kv_heads = item.q_heads / group;
+  item.context.visit_blocks(item.value_cache, [&](const scalar_t* rows, const scalar_t* next,
+                                                  int64_t first, int64_t count) {
+    for (int64_t kv = 0; kv < kv_heads; ++kv) {
+      for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += kHeadsInRegisters) {
+        const int64_t heads = std::min(kHeadsInRegisters, (kv + 1) * group - h0);
+        float* acc = item.acc + h0 * kHeadDim;
+        __m512 a[kHeadsInRegisters][kVecs];
+        for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
+          for (int64_t v = 0; v < kVecs; ++v) {
+            a[h][v] = h < heads ? _mm512_loadu_ps(acc + h * kHeadDim + 16 * v)
+                                : _mm512_setzero_ps();
+          }
+        }
+        const scalar_t* prefetch = kv == 0 && h0 == 0 ? next : nullptr;
+        weigh(a, heads, h0, rows + kv * kHeadDim, prefetch, first, count);
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t v = 0; v < kVecs; ++v) {
+            _mm512_storeu_ps(acc + h * kHeadDim + 16 * v, a[h][v]);
+          }
+        }
+      }
+    }
+  }, item.next_item_keys);
+}
+
+#ifdef INFERQ_DECODE_BF16_DOT
+// Each of `heads` rows of `len` float scores rounded to bf16, into rows of item.probs_stride
+// (zero past len). Tokens t and t + 1 of a row then sit side by side as the 32-bit pair that
+// vdpbf16ps multiplies a pair of V rows by; the padding zero pairs an odd last token.
+inline void scores_to_bf16(const float* scores, int64_t heads, int64_t len, int64_t stride,
+                           c10::BFloat16* probs) {
+  const auto mask_below = [](int64_t n) -> __mmask16 {
+    return n >= 16 ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+  };
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* row = scores + h * len;
+    for (int64_t t = 0; t < stride; t += 32) {
+      const __m512 low = _mm512_maskz_loadu_ps(mask_below(len - t), row + t);
+      const __m512 high = _mm512_maskz_loadu_ps(mask_below(len - t - 16), row + t + 16);
+      _mm512_storeu_si512(probs + h * stride + t, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+  }
+}
+
+// acc += softmax weights x V for a bf16 item, two tokens per vdpbf16ps: the V rows of tokens t
+// and t + 1 interleaved element by element (one unpack per 32 values) against the broadcast pair
+// of their weights rounded to bf16, as SDPA rounds them before its P @ V. Half the multiplies
+// of widening V and weighting it in float32, and no widening. Needs an even block size, so
+// that every block starts on a pair.
+//
+// The unpacks interleave within 128-bit lanes, so the accumulators hold a row's dimensions
+// permuted (the low unpack covers d = 8l .. 8l + 3 of each lane l, the high one 8l + 4 .. 8l + 7);
+// the permutation is undone once, after the last block.
+template <int64_t kHeadDim>
+void weigh_values_in_pairs(const DecodeItem<c10::BFloat16>& item) {
+  constexpr int64_t kVecs = kHeadDim / 16;      // accumulators per head
+  constexpr int64_t kRowVecs = kHeadDim / 32;   // vectors per bf16 row
+  constexpr int64_t kHeadsInRegisters = 16 / kVecs;
+  const int64_t token_stride = item.token_stride;
+  const int64_t row_size = item.context.row_size, stride = item.probs_stride;
+  scores_to_bf16(item.scores, item.q_heads, item.len, stride, item.probs);
+
+  sweep_values<kHeadDim>(item, [&](auto& a, int64_t heads, int64_t h0,
+                                   const c10::BFloat16* v_rows, const c10::BFloat16* prefetch,
+                                   int64_t first, int64_t count) {
+    for (int64_t i = 0; i < count; i += 2) {
+      const bool pair = i + 1 < count;
+      if (prefetch != nullptr) {
+        prefetch_row(prefetch + i * token_stride, row_size);
+        if (pair) prefetch_row(prefetch + (i + 1) * token_stride, row_size);
+      }
+      const c10::BFloat16* row = v_rows + i * token_stride;
+      __m512i low[kRowVecs], high[kRowVecs];
+      for (int64_t j = 0; j < kRowVecs; ++j) {
+        const __m512i x0 = _mm512_loadu_si512(row + 32 * j);
+        const __m512i x1 =
+            pair ? _mm512_loadu_si512(row + token_stride + 32 * j) : _mm512_setzero_si512();
+        low[j] = _mm512_unpacklo_epi16(x0, x1);
+        high[j] = _mm512_unpackhi_epi16(x0, x1);
+      }
+      for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
+        if (h >= heads) break;
+        const __m512i p = _mm512_broadcastd_epi32(
+            _mm_loadu_si32(item.probs + (h0 + h) * stride + first + i));
+        for (int64_t j = 0; j < kRowVecs; ++j) {
+          a[h][2 * j] = _mm512_dpbf16_ps(a[h][2 * j], (__m512bh)low[j], (__m512bh)p);
+          a[h][2 * j + 1] = _mm512_dpbf16_ps(a[h][2 * j + 1], (__m512bh)high[j], (__m512bh)p);
+        }
+      }
+    }
+  });
+
+  const __m512i first_half =
+      _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < item.q_heads; ++h) {
+    for (int64_t j = 0; j < kRowVecs; ++j) {
+      float* dims = item.acc + h * kHeadDim + 32 * j;
+      const __m512 low = _mm512_loadu_ps(dims), high = _mm512_loadu_ps(dims + 16);
+      _mm512_storeu_ps(dims, _mm512_permutex2var_ps(low, first_half, high));
+      _mm512_storeu_ps(dims + 16, _mm512_permutex2var_ps(low, second_half, high));
+    }
+  }
+}
+#endif
+
 // The decode work item for head sizes of 64 and 128 in AVX-512 registers, same passes as
 // `attend_portable`, reshaped for the vector unit: scores are finished four tokens at a time
 // (`sum4`), and the weighted sum of V keeps each group of query heads' accumulators in
@@ -319,40 +445,25 @@ void attend_avx512(const DecodeItem<scalar_t>& item) {
 
   softmax_rows(scores, item.q_heads, len, item.inv_sums);
 
-  const int64_t kv_heads = item.q_heads / group;
-  item.context.visit_blocks(item.value_cache, [&](const scalar_t* rows, const scalar_t* next,
-                                                  int64_t first, int64_t count) {
-    for (int64_t kv = 0; kv < kv_heads; ++kv) {
-      for (int64_t h0 = kv * group; h0 < (kv + 1) * group; h0 += kHeadsInRegisters) {
-        const int64_t heads = std::min(kHeadsInRegisters, (kv + 1) * group - h0);
-        float* acc = item.acc + h0 * kHeadDim;
-        __m512 a[kHeadsInRegisters][kVecs];
-        for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
-          for (int64_t v = 0; v < kVecs; ++v) {
-            a[h][v] = h < heads ? _mm512_loadu_ps(acc + h * kHeadDim + 16 * v)
-                                : _mm512_setzero_ps();
-          }
-        }
-        const bool first_sweep = kv == 0 && h0 == 0 && next != nullptr;
-        for (int64_t i = 0; i < count; ++i) {
-          if (first_sweep) prefetch_row(next + i * token_stride, row_size);
-          const scalar_t* v_row = rows + i * token_stride + kv * kHeadDim;
-          __m512 values[kVecs];
-          for (int64_t v = 0; v < kVecs; ++v) values[v] = load16(v_row + 16 * v);
-          for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
-            if (h >= heads) break;
-            const __m512 p = _mm512_set1_ps(scores[(h0 + h) * len + first + i]);
-            for (int64_t v = 0; v < kVecs; ++v) a[h][v] = _mm512_fmadd_ps(p, values[v], a[h][v]);
-          }
-        }
-        for (int64_t h = 0; h < heads; ++h) {
-          for (int64_t v = 0; v < kVecs; ++v) {
-            _mm512_storeu_ps(acc + h * kHeadDim + 16 * v, a[h][v]);
-          }
-        }
+#ifdef INFERQ_DECODE_BF16_DOT
+  if constexpr (kDotBf16) {
+    if (item.context.block_size % 2 == 0) return weigh_values_in_pairs<kHeadDim>(item);
+  }
+#endif
+  sweep_values<kHeadDim>(item, [&](auto& a, int64_t heads, int64_t h0, const scalar_t* v_rows,
+                                   const scalar_t* prefetch, int64_t first, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) {
+      if (prefetch != nullptr) prefetch_row(prefetch + i * token_stride, row_size);
+      const scalar_t* v_row = v_rows + i * token_stride;
+      __m512 values[kVecs];
+      for (int64_t v = 0; v < kVecs; ++v) values[v] = load16(v_row + 16 * v);
+      for (int64_t h = 0; h < kHeadsInRegisters; ++h) {
+        if (h >= heads) break;
+        const __m512 p = _mm512_set1_ps(scores[(h0 + h) * len + first + i]);
+        for (int64_t v = 0; v < kVecs; ++v) a[h][v] = _mm512_fmadd_ps(p, values[v], a[h][v]);
       }
     }
-  }, item.next_item_keys);
+  });
 }
 #endif
 

@@ -19,7 +19,8 @@
 // one fp32 lane. A tile of 12 rows x 32 outputs keeps 24 fp32 accumulators in AVX-512 registers
 // over all inputs (2 weight loads and 12 broadcast pairs of x feed 24 dot products), then adds the
 // bias and rounds to bf16 once, as oneDNN does. Rows go in blocks of kRowBlockBf16 so that a block
-// of x stays in L2 while the thread's panels stream past it.
+// of x stays in L2 while the thread's panels stream past it. On CPUs with AMX the same panels
+// feed AMX tiles instead (panel_amx.h).
 //
 // Gated (an MLP's [gate; up] projection followed by SiLU-and-mul): with the weight's gate and up
 // rows interleaved 16 at a time before packing, a tile's two 16-feature halves (the AVX-512 fp32
@@ -37,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include "panel_amx.h"
 #include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -254,6 +256,22 @@ void panel_range512(const float* x, int64_t M, int64_t K, const float* panels, c
 // x rounded to bf16 (to nearest, ties to even) and widened back to fp32.
 inline __m512 round_to_bf16(__m512 x) { return inferq_cpu::as_stored(x, c10::BFloat16{}); }
 
+// One row of a bf16 tile's 32 results (fp32, bias added) into out: 32 bf16, or gated (the first
+// 16 the gate, the rest the up of the same features) 16 bf16 of silu(gate) * up.
+template <bool Gated>
+inline void store_row_bf16(__m512 lo, __m512 hi, at::BFloat16* out) {
+  if constexpr (Gated) {
+    // Rounded where the unfused ops round: the projection's outputs, the SiLU, the product.
+    const __m512 silu = round_to_bf16(inferq_cpu::silu512(round_to_bf16(lo)));
+    const __m512 product = _mm512_mul_ps(silu, round_to_bf16(hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(product));
+  } else {
+    auto* row = reinterpret_cast<__m256i*>(out);
+    _mm256_storeu_si256(row, (__m256i)_mm512_cvtneps_pbh(lo));
+    _mm256_storeu_si256(row + 1, (__m256i)_mm512_cvtneps_pbh(hi));
+  }
+}
+
 constexpr int64_t kPanelBf16 = 32;     // output features per bf16 panel (two AVX-512 registers)
 constexpr int64_t kTileRowsBf16 = 12;  // rows per micro-kernel call: 24 accumulators
 constexpr int64_t kRowBlockBf16 = 96;  // rows of x per pass over the panels (~300 KiB of x)
@@ -281,23 +299,8 @@ inline void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t
       hi[r] = _mm512_dpbf16_ps(hi[r], pair, w_hi);
     }
   }
-  if constexpr (Gated) {
-    // Rounded where the unfused ops round: the projection's outputs, the SiLU, the product.
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      const __m512 silu = round_to_bf16(inferq_cpu::silu512(round_to_bf16(lo[r])));
-      const __m512 product = _mm512_mul_ps(silu, round_to_bf16(hi[r]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo),
-                          (__m256i)_mm512_cvtneps_pbh(product));
-    }
-  } else {
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      auto* row = reinterpret_cast<__m256i*>(out + r * ldo);
-      _mm256_storeu_si256(row, (__m256i)_mm512_cvtneps_pbh(lo[r]));
-      _mm256_storeu_si256(row + 1, (__m256i)_mm512_cvtneps_pbh(hi[r]));
-    }
-  }
+  for (int r = 0; r < R; ++r) store_row_bf16<Gated>(lo[r], hi[r], out + r * ldo);
 }
 
 using TileBf16Fn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, at::BFloat16*,
@@ -333,6 +336,47 @@ void panel_range_bf16(const uint32_t* x, int64_t M, int64_t pairs, const uint32_
   });
 }
 
+#ifdef INFERQ_PANEL_AMX
+// panel_range_bf16 on AMX tiles.
+template <bool Gated>
+void panel_range_amx(const inferq_cpu::AmxRowTiles& tiles, int64_t M, int64_t K,
+                     const uint32_t* panels, const float* bias, at::BFloat16* out, int64_t ldo,
+                     int64_t first, int64_t last) {
+  constexpr int64_t kOutputsPerPanel = Gated ? kGatedGroup : kPanelBf16;
+  inferq_cpu::amx_panel_range(
+      tiles, M, K, panels, first, last,
+      [&](const float* c, int64_t first_row, int64_t rows, int64_t p) {
+        const __m512 bias_lo =
+            bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + p * kPanelBf16);
+        const __m512 bias_hi =
+            bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + p * kPanelBf16 + 16);
+        for (int64_t r = 0; r < rows; ++r) {
+          store_row_bf16<Gated>(_mm512_add_ps(_mm512_loadu_ps(c + r * 32), bias_lo),
+                                _mm512_add_ps(_mm512_loadu_ps(c + r * 32 + 16), bias_hi),
+                                out + (first_row + r) * ldo + p * kOutputsPerPanel);
+        }
+      });
+}
+#endif
+
+// The bf16 panel matmul of x [M, K] on AMX tiles where the CPU has them, the OS lets this
+// process use them and K is whole tile steps; false (nothing done) elsewhere.
+bool panel_matmul_amx(const at::Tensor& x, const uint32_t* panels, const float* bias,
+                      at::BFloat16* out, int64_t ldo, int64_t num_panels, bool gated) {
+#ifdef INFERQ_PANEL_AMX
+  const int64_t M = x.size(0), K = x.size(1);
+  if (K % inferq_cpu::kAmxInputs != 0 || !inferq_cpu::amx_usable()) return false;
+  const inferq_cpu::AmxRowTiles tiles(x.data_ptr<at::BFloat16>(), M, K);
+  const auto range = gated ? panel_range_amx<true> : panel_range_amx<false>;
+  at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
+    range(tiles, M, K, panels, bias, out, ldo, first, last);
+  });
+  return true;
+#else
+  return false;
+#endif
+}
+
 #endif
 
 bool panel_matmul_supported(c10::ScalarType dtype) {
@@ -357,6 +401,15 @@ bool panel_gated_supported(c10::ScalarType dtype) {
 #endif
   }
   return dtype == at::kBFloat16 && panel_matmul_supported(dtype);
+}
+
+// Whether bf16 panel matmuls whose inputs come in whole AMX steps run on AMX tiles here.
+bool panel_amx_usable() {
+#ifdef INFERQ_PANEL_AMX
+  return inferq_cpu::amx_usable();
+#else
+  return false;
+#endif
 }
 
 int64_t panel_width(c10::ScalarType dtype) { return dtype == at::kBFloat16 ? 32 : 16; }
@@ -413,10 +466,12 @@ at::Tensor panel_matmul(const at::Tensor& x, const at::Tensor& panels,
     const float* b_data = has_bias ? padded_bias.data_ptr<float>() : nullptr;
     at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
     const int64_t pairs = (K + 1) / 2;
-    const auto range = gated ? panel_range_bf16<true> : panel_range_bf16<false>;
-    at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
-      range(x_data, M, pairs, w_data, b_data, out_data, padded, first, last);
-    });
+    if (!panel_matmul_amx(x2, w_data, b_data, out_data, padded, num_panels, gated)) {
+      const auto range = gated ? panel_range_bf16<true> : panel_range_bf16<false>;
+      at::parallel_for(0, num_panels, 1, [&](int64_t first, int64_t last) {
+        range(x_data, M, pairs, w_data, b_data, out_data, padded, first, last);
+      });
+    }
 #endif
   } else {
 #ifdef INFERQ_PANEL_GEMM
@@ -462,6 +517,7 @@ at::Tensor panel_gated_linear(const at::Tensor& x, const at::Tensor& panels,
 TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
   m.def("panel_matmul_supported(ScalarType dtype) -> bool", &panel_matmul_supported);
   m.def("panel_gated_supported(ScalarType dtype) -> bool", &panel_gated_supported);
+  m.def("panel_amx_usable() -> bool", &panel_amx_usable);
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("panel_gated_linear(Tensor x, Tensor panels, int out_features) -> Tensor");
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);

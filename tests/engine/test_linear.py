@@ -244,6 +244,58 @@ def test_the_gated_panel_kernel_is_the_projection_then_silu_and_mul(dtype, rows)
     torch.testing.assert_close(fused, (F.silu(gate) * up).to(dtype), **tolerance)
 
 
+def test_bf16_panels_run_on_amx_tiles_where_the_cpu_has_them():
+    # Elsewhere the AVX-512 tiles serve every shape; on an AMX CPU the tiles must be in use, or
+    # the tests below would only check the fallback.
+    from kernels import cpu_ops
+
+    if "amx_bf16" not in cpu_ops.cpu_flags().split() or not cpu_ops.cpu_kernels_available():
+        pytest.skip("no AMX on this CPU")
+    assert cpu_ops.panel_amx_usable()
+
+
+# Row counts around the AMX tiles: one row, a partial tile, one tile, a tile and a row (the
+# padded last tile), an odd count of tiles, and more rows than one block of 128 (8 tiles).
+AMX_ROWS = [1, 5, 16, 17, 48, 100, 300]
+
+
+@pytest.mark.parametrize("rows", AMX_ROWS)
+def test_bf16_panels_of_whole_amx_steps_match_the_projection(rows):
+    """Inputs a multiple of 32 (the AMX step; elsewhere the same shapes take the AVX-512
+    tiles), a bias, and an output count that leaves the last panel partial."""
+    from kernels import cpu_ops
+
+    if "panels" not in available_backends(torch.bfloat16):
+        pytest.skip("no bf16 panel kernel for this CPU")
+    generator = torch.Generator().manual_seed(rows)
+    in_features = 3 * cpu_ops.AMX_INPUTS
+    weight = (torch.randn(37, in_features, generator=generator) / 10).bfloat16()
+    bias = torch.randn(37, generator=generator).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    out = cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight), bias, 37)
+    expected = F.linear(x.double(), weight.double(), bias.double()).bfloat16()
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("rows", AMX_ROWS)
+def test_gated_bf16_panels_of_whole_amx_steps_are_the_projection_then_silu_and_mul(rows):
+    from kernels import cpu_ops
+
+    if not cpu_ops.panel_gated_supported(torch.bfloat16):
+        pytest.skip("no gated bf16 panel kernel for this CPU")
+    generator = torch.Generator().manual_seed(rows)
+    in_features = 2 * cpu_ops.AMX_INPUTS
+    weight = (torch.randn(2 * 48, in_features, generator=generator) / 10).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    fused = cpu_ops.panel_gated_linear(
+        x, cpu_ops.pack_panels(cpu_ops.interleave_gate_up(weight)), 48
+    )
+    projected = cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight), None, 2 * 48)
+    torch.testing.assert_close(fused, cpu_ops.silu_and_mul(projected))
+    gate, up = F.linear(x.double(), weight.double()).chunk(2, dim=-1)
+    torch.testing.assert_close(fused, (F.silu(gate) * up).bfloat16())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_gated_projection_activates_in_its_matmul_and_still_projects(dtype):
     if "panels" not in available_backends(dtype):
