@@ -86,11 +86,13 @@ inline void amx_panel_tile(const at::BFloat16* x0, const at::BFloat16* x1, int64
     }
     _tile_loadd(6, panel + pair * 32, kPanelRowBytes);
     _tile_loadd(7, panel + pair * 32 + 16, kPanelRowBytes);
-    _tile_loadd(4, x0 + 2 * pair, x_stride);
+    // x's tiles with the non-temporal hint: a pass reads as many bytes of x as of the panel,
+    // and the panel is what the next passes over it read again (from L1 where it fits).
+    _tile_stream_loadd(4, x0 + 2 * pair, x_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (R == 2) {
-      _tile_loadd(5, x1 + 2 * pair, x_stride);
+      _tile_stream_loadd(5, x1 + 2 * pair, x_stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
