@@ -7,12 +7,17 @@
 // features, the work of 32 vdpbf16ps, and a step over 32 inputs of a panel runs 2 or 4 of them
 // (one or two row tiles of x against its two halves) into 4 accumulator tiles of 16 x 16 fp32.
 //
+// Threads split the panels; a thread's panels go in groups that fit in L2, and each pair of row
+// tiles of x passes over a whole group before the next pair starts, so that the pair's rows of x
+// stay in L1 while the panels stream past them (with the non-temporal hint, so as not to push x
+// out).
+//
 // Measured on a 2-core Xeon over SmolLM2-135M's 30 layers (ms per pass, these tiles against
-// oneDNN's AMX GEMM on its own packed weights): 9.9 / 11.7 at 1 row, 10.0 / 11.9 at 16, 10.8 /
-// 14.0 at 32, 15.5 / 17.5 at 64; the AVX-512 panels lose to oneDNN from 16 rows on. oneDNN
-// stays ahead for prefill-sized calls (205 / 146 at 2,048 rows). Inputs must come in whole
-// steps of 32 (every model we serve has hidden and intermediate sizes that are multiples of
-// 32); other shapes take the AVX-512 tiles.
+// oneDNN's AMX GEMM on its own packed weights): 10.3 / 12.3 at 1 row, 10.4 / 13.0 at 16, 11.2 /
+// 14.8 at 32, 16.1 / 19.0 at 64; the AVX-512 panels lose to oneDNN from 16 rows on. At 2,048
+// rows the two are even for inputs of 576 (3.1 TFLOP/s), and oneDNN leads by 10% for 1,536.
+// Inputs must come in whole steps of 32 (every model we serve has hidden and intermediate
+// sizes that are multiples of 32); other shapes take the AVX-512 tiles.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -34,7 +39,7 @@ namespace inferq_cpu {
 
 constexpr int64_t kAmxRows = 16;    // rows of x per tile
 constexpr int64_t kAmxInputs = 32;  // inputs per tile step (16 pairs)
-constexpr int64_t kAmxRowBlock = 128;  // rows of x per pass over the panels (in L2)
+constexpr int64_t kAmxPanelGroupBytes = 512 << 10;  // a thread's panels per group (in L2)
 
 // Linux hands out AMX's 8 KiB of tile state per process only when asked for it.
 inline bool amx_usable() {
@@ -65,7 +70,7 @@ struct alignas(64) AmxTileConfig {
 
 // c [16 * R][32] fp32 = R row tiles of x (rows of `x_stride` bytes) @ a panel of `pairs` input
 // pairs (a multiple of 16). Spread over its steps, the tile also requests `prefetch_lines`
-// 64-byte lines from `prefetch` into L2: its share of the panel read next.
+// 64-byte lines from `prefetch` into L2 (the panel read next, or none).
 template <int R>
 inline void amx_panel_tile(const at::BFloat16* x0, const at::BFloat16* x1, int64_t x_stride,
                            const uint32_t* panel, int64_t pairs, float* c, const char* prefetch,
@@ -84,15 +89,15 @@ inline void amx_panel_tile(const at::BFloat16* x0, const at::BFloat16* x1, int64
     for (const int64_t end = std::min(prefetch_lines, line + lines_per_step); line < end; ++line) {
       _mm_prefetch(prefetch + 64 * line, _MM_HINT_T1);
     }
-    _tile_loadd(6, panel + pair * 32, kPanelRowBytes);
-    _tile_loadd(7, panel + pair * 32 + 16, kPanelRowBytes);
-    // x's tiles with the non-temporal hint: a pass reads as many bytes of x as of the panel,
-    // and the panel is what the next passes over it read again (from L1 where it fits).
-    _tile_stream_loadd(4, x0 + 2 * pair, x_stride);
+    // The panel with the non-temporal hint: the pair's rows of x are what the next panels read
+    // again (see amx_panel_range).
+    _tile_stream_loadd(6, panel + pair * 32, kPanelRowBytes);
+    _tile_stream_loadd(7, panel + pair * 32 + 16, kPanelRowBytes);
+    _tile_loadd(4, x0 + 2 * pair, x_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (R == 2) {
-      _tile_stream_loadd(5, x1 + 2 * pair, x_stride);
+      _tile_loadd(5, x1 + 2 * pair, x_stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -138,29 +143,28 @@ void amx_panel_range(const AmxRowTiles& tiles, int64_t M, int64_t K, const uint3
   alignas(64) float c[2 * kAmxRows * 32];
   const int64_t pairs = K / 2;
   const int64_t x_stride = K * static_cast<int64_t>(sizeof(at::BFloat16));
-  const int64_t tiles_per_block = kAmxRowBlock / kAmxRows;
-  for (int64_t block = 0; block < tiles.count(); block += tiles_per_block) {
-    const int64_t block_end = std::min(tiles.count(), block + tiles_per_block);
-    const int64_t passes = (block_end - block + 1) / 2;  // over each panel, two row tiles each
-    for (int64_t p = first; p < last; ++p) {
-      const uint32_t* panel = panels + p * pairs * 32;
-      // Each pass over this panel fetches its share of the next one, so that memory stays busy
-      // while the passes after the first read this panel from cache.
-      const char* next = reinterpret_cast<const char*>(panel + pairs * 32);
-      const int64_t next_lines = p + 1 < last ? pairs * 32 * sizeof(uint32_t) / 64 : 0;
-      for (int64_t t = block; t < block_end; t += 2) {
-        const int64_t pass = (t - block) / 2;
-        const int64_t from = next_lines * pass / passes;
-        const int64_t lines = next_lines * (pass + 1) / passes - from;
-        if (t + 1 < block_end) {
-          amx_panel_tile<2>(tiles.tile(t), tiles.tile(t + 1), x_stride, panel, pairs, c,
-                            next + 64 * from, lines);
-        } else {
-          amx_panel_tile<1>(tiles.tile(t), nullptr, x_stride, panel, pairs, c, next + 64 * from,
+  const int64_t panel_lines = pairs * 32 * static_cast<int64_t>(sizeof(uint32_t)) / 64;
+  // The thread's panels go in groups that fit in L2 with room to spare; every pair of row tiles
+  // passes over a group before the next pair does, so that the pair's rows of x stay in L1
+  // while the group's panels come from L2 (from memory, for the first pair).
+  const int64_t group = std::max<int64_t>(1, kAmxPanelGroupBytes / (panel_lines * 64));
+  for (int64_t g = first; g < last; g += group) {
+    const int64_t g_end = std::min(last, g + group);
+    for (int64_t t = 0; t < tiles.count(); t += 2) {
+      const bool two = t + 1 < tiles.count();
+      for (int64_t p = g; p < g_end; ++p) {
+        const uint32_t* panel = panels + p * pairs * 32;
+        // The first pass over a panel fetches the next one, so that memory stays busy.
+        const char* next = reinterpret_cast<const char*>(panel + pairs * 32);
+        const int64_t lines = t == 0 && p + 1 < last ? panel_lines : 0;
+        if (two) {
+          amx_panel_tile<2>(tiles.tile(t), tiles.tile(t + 1), x_stride, panel, pairs, c, next,
                             lines);
+        } else {
+          amx_panel_tile<1>(tiles.tile(t), nullptr, x_stride, panel, pairs, c, next, lines);
         }
         const int64_t row = t * kAmxRows;
-        store_rows(c, row, std::min<int64_t>(M - row, (t + 1 < block_end ? 2 : 1) * kAmxRows), p);
+        store_rows(c, row, std::min<int64_t>(M - row, (two ? 2 : 1) * kAmxRows), p);
       }
     }
   }
