@@ -320,10 +320,9 @@ inline void scores_to_bf16(const float* scores, int64_t heads, int64_t len, int6
   };
   for (int64_t h = 0; h < heads; ++h) {
     const float* row = scores + h * len;
-    for (int64_t t = 0; t < stride; t += 32) {
-      const __m512 low = _mm512_maskz_loadu_ps(mask_below(len - t), row + t);
-      const __m512 high = _mm512_maskz_loadu_ps(mask_below(len - t - 16), row + t + 16);
-      _mm512_storeu_si512(probs + h * stride + t, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    for (int64_t t = 0; t < stride; t += 16) {
+      inferq_cpu::store16(probs + h * stride + t,
+                          _mm512_maskz_loadu_ps(mask_below(len - t), row + t));
     }
   }
 }
