@@ -255,8 +255,24 @@ def test_bf16_panels_run_on_amx_tiles_where_the_cpu_has_them():
 
 
 # Row counts around the AMX tiles: one row, a partial tile, one tile, a tile and a row (the
-# padded last tile), an odd count of tiles, and more rows than one block of 128 (8 tiles).
+# padded last tile), an odd count of tiles, and many pairs of tiles.
 AMX_ROWS = [1, 5, 16, 17, 48, 100, 300]
+
+
+@pytest.mark.parametrize("rows", [17, 48])
+def test_bf16_panels_over_several_l2_groups_match_the_projection(rows):
+    """Panels of 1,024 inputs (64 KiB each), so that each thread's panels come in several
+    groups of the AMX tiles' L2-sized passes, and a partial last panel."""
+    from kernels import cpu_ops
+
+    if "panels" not in available_backends(torch.bfloat16):
+        pytest.skip("no bf16 panel kernel for this CPU")
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(600, 1024, generator=generator) / 30).bfloat16()
+    x = torch.randn(rows, 1024, generator=generator).bfloat16()
+    out = cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight), None, 600)
+    expected = F.linear(x.double(), weight.double()).bfloat16()
+    torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.parametrize("rows", AMX_ROWS)
