@@ -10,6 +10,13 @@ outside torch's allocator, asks for its own in engine.kv_cache): a decode step r
 scattered over gigabytes, and on 4 KiB pages nearly every block costs a TLB miss. All are
 environment settings that must be in place when the process starts, so the launcher
 re-executes itself once with them (`reexec_with_cpu_runtime`).
+
+A queue worker also runs an asyncio event loop that wakes between and during engine steps. With
+bound OpenMP threads, it would share the first core with the thread that steps the engine, and
+each step would wait for the loop to yield that core. So the worker moves its loop to the last
+core (`move_to_last_core`), whose OpenMP thread idles whenever the engine is not in a parallel
+region, and shortens OpenMP's spin-wait (libgomp's default spins for milliseconds), so that the
+idle OpenMP thread yields that core to the loop.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 TUNED_MARKER = "INFERQ_CPU_RUNTIME_TUNED"  # set in the re-executed process
 DISABLE_ENV = "INFERQ_CPU_TUNE"  # "0" keeps the process as it was started
+# libgomp spin iterations before an idle OpenMP thread sleeps: a fraction of a millisecond, long
+# enough to bridge the gaps between the parallel regions of one step
+EVENT_LOOP_SPIN_COUNT = "10000"
 
 _ALLOCATORS = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -37,11 +47,15 @@ def find_allocator() -> str | None:
     return next((path for path in _ALLOCATORS if Path(path).exists()), None)
 
 
-def cpu_runtime_env(threads: int | None, bind_threads: bool) -> dict[str, str]:
+def cpu_runtime_env(
+    threads: int | None, bind_threads: bool, event_loop: bool = False
+) -> dict[str, str]:
     """The environment of a tuned process (the current one plus allocator and OpenMP settings).
 
     Bind threads only for a process that owns the cores: two processes bound to the same first
-    cores would share them while the rest of the machine idles.
+    cores would share them while the rest of the machine idles. `event_loop`: the process also
+    runs an event loop beside the engine (a queue worker), which idle OpenMP threads must not
+    keep off its core by spinning.
     """
     env = dict(os.environ)
     env[TUNED_MARKER] = "1"
@@ -59,19 +73,24 @@ def cpu_runtime_env(threads: int | None, bind_threads: bool) -> dict[str, str]:
         env.setdefault("OMP_PROC_BIND", "close")
         env.setdefault("OMP_PLACES", "cores")
         env.setdefault("KMP_AFFINITY", "granularity=fine,compact,1,0")
+        if event_loop:
+            env.setdefault("GOMP_SPINCOUNT", EVENT_LOOP_SPIN_COUNT)
     return env
 
 
-def reexec_with_cpu_runtime(threads: int | None, bind_threads: bool) -> None:
+def reexec_with_cpu_runtime(
+    threads: int | None, bind_threads: bool, event_loop: bool = False
+) -> None:
     """Replace this process by itself (same command line) under `cpu_runtime_env`, once.
 
-    Returns without doing anything when already tuned or when INFERQ_CPU_TUNE=0."""
-    if os.environ.get(TUNED_MARKER):
-        logger.info("cpu runtime: %s", describe_cpu_runtime())
-        return
+    Returns without doing anything when INFERQ_CPU_TUNE=0, or when the environment is already
+    tuned as asked (a worker started by a tuned benchmark still gets its event-loop settings)."""
     if os.environ.get(DISABLE_ENV) == "0":
         return
-    env = cpu_runtime_env(threads, bind_threads)
+    env = cpu_runtime_env(threads, bind_threads, event_loop)
+    if os.environ.get(TUNED_MARKER) and all(os.environ.get(k) == v for k, v in env.items()):
+        logger.info("cpu runtime: %s", describe_cpu_runtime())
+        return
     logger.debug("re-executing with LD_PRELOAD=%s", env.get("LD_PRELOAD", ""))
     # orig_argv keeps `-m package` forms intact, which sys.argv has already rewritten.
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
@@ -87,7 +106,19 @@ def describe_cpu_runtime() -> str:
         described += f" MALLOC_CONF={os.environ['MALLOC_CONF']}"
     if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
         described += " huge pages"
+    if os.environ.get("GOMP_SPINCOUNT"):
+        described += f" GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}"
     return described
+
+
+def move_to_last_core(cores: set[int]) -> bool:
+    """Pin the calling thread to the last of `cores` (the cores the process may use, read
+    before OpenMP bound its first thread), when OpenMP threads are bound and there is more than
+    one core; True if it moved. The first core belongs to the thread that steps the engine."""
+    if len(cores) < 2 or not os.environ.get("OMP_PROC_BIND"):
+        return False
+    os.sched_setaffinity(0, {max(cores)})
+    return True
 
 
 def no_gpu_visible() -> bool:

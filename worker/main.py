@@ -15,6 +15,7 @@ from worker.settings import WorkerSettings
 
 def run_worker(settings: WorkerSettings) -> int:
     """Run a worker until SIGTERM / SIGINT (`inferq worker` parses the settings)."""
+    cores = os.sched_getaffinity(0)  # before importing torch, whose OpenMP binds this thread
     config = settings.engine_config()
     # Tensor-parallel ranks sharing a host run one thread each unless told otherwise.
     threads = config.num_threads or (1 if config.tensor_parallel_size > 1 else None)
@@ -25,7 +26,7 @@ def run_worker(settings: WorkerSettings) -> int:
         from engine.distributed.executor import run_executor
 
         return run_executor(config)  # torchrun started this rank: it only executes steps
-    return asyncio.run(serve(settings))
+    return asyncio.run(serve(settings, cores))
 
 
 def tune_cpu_process(device: str, num_threads: int | None) -> None:
@@ -36,11 +37,13 @@ def tune_cpu_process(device: str, num_threads: int | None) -> None:
 
     if device == "cpu" or (device == "auto" and no_gpu_visible()):
         owns_cores = num_threads is None or num_threads >= (os.cpu_count() or 1)
-        reexec_with_cpu_runtime(num_threads, bind_threads=owns_cores)
+        reexec_with_cpu_runtime(num_threads, bind_threads=owns_cores, event_loop=True)
 
 
-async def serve(settings: WorkerSettings) -> int:
-    """Load the engine, serve until SIGTERM / SIGINT, drain, hand back, return 0."""
+async def serve(settings: WorkerSettings, cores: set[int]) -> int:
+    """Load the engine, serve until SIGTERM / SIGINT, drain, hand back, return 0. `cores`: the
+    cores this process may use; the event loop moves to the last one once the engine is up."""
+    from engine.cpu_runtime import move_to_last_core
     from worker.worker import Worker
 
     workers: list[Worker] = []
@@ -53,5 +56,6 @@ async def serve(settings: WorkerSettings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop)  # a signal during the model load acts after it
     workers.append(Worker(settings))  # loads the model (blocking)
+    move_to_last_core(cores)
     await workers[0].run()
     return 0

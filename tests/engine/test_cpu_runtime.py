@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine.cpu_runtime import find_allocator
+from engine.cpu_runtime import EVENT_LOOP_SPIN_COUNT, find_allocator, move_to_last_core
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,8 +47,14 @@ print(json.dumps({{"argv": sys.argv[1:], "tuned": os.environ.get("INFERQ_CPU_RUN
 
 
 def _run_probe(tmp_path: Path, bind: bool, **env: str) -> dict:
-    (tmp_path / "probe.py").write_text(PROBE.format(bind=bind))
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "KMP_"))}
+    return _run_probe_source(tmp_path, PROBE.format(bind=bind), **env)
+
+
+def _run_probe_source(tmp_path: Path, source: str, **env: str) -> dict:
+    """Run `source` as `python -m probe one --two` in an untuned environment plus `env`; the
+    JSON object its last line prints."""
+    (tmp_path / "probe.py").write_text(source)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "KMP_", "GOMP_"))}
     clean.pop("LD_PRELOAD", None)
     clean.pop("MALLOC_CONF", None)
     clean.pop("INFERQ_CPU_RUNTIME_TUNED", None)
@@ -120,6 +127,58 @@ def test_binding_only_when_asked_and_opt_out(tmp_path: Path) -> None:
     assert _run_probe(tmp_path, bind=True)["bind"] == "close"
     untouched = _run_probe(tmp_path, bind=True, INFERQ_CPU_TUNE="0")
     assert untouched["tuned"] is None and untouched["preload"] == ""
+
+
+EVENT_LOOP_PROBE = """
+import json, os
+from engine.cpu_runtime import reexec_with_cpu_runtime
+reexec_with_cpu_runtime(2, bind_threads=True, event_loop=True)
+print(json.dumps({"spin": os.environ.get("GOMP_SPINCOUNT"), "bind": os.environ.get("OMP_PROC_BIND")}))
+"""
+
+
+def test_a_worker_process_gets_a_short_openmp_spin(tmp_path: Path) -> None:
+    # A worker's event loop needs the last core between engine steps; libgomp's default
+    # spin-wait would keep its idle OpenMP thread there for milliseconds.
+    seen = _run_probe_source(tmp_path, EVENT_LOOP_PROBE)
+    assert seen == {"spin": EVENT_LOOP_SPIN_COUNT, "bind": "close"}
+
+
+def test_a_worker_started_by_a_tuned_process_still_gets_its_spin(tmp_path: Path) -> None:
+    # A benchmark tunes itself, then starts a worker with its environment: the worker must
+    # not take the inherited marker for its own settings.
+    inherited = {"INFERQ_CPU_RUNTIME_TUNED": "1", "OMP_PROC_BIND": "close"}
+    assert (
+        _run_probe_source(tmp_path, EVENT_LOOP_PROBE, **inherited)["spin"] == EVENT_LOOP_SPIN_COUNT
+    )
+    chosen = _run_probe_source(tmp_path, EVENT_LOOP_PROBE, **inherited, GOMP_SPINCOUNT="500")
+    assert chosen["spin"] == "500"  # a value the user set is kept
+
+
+def _affinity_after_move(cores: set[int]) -> tuple[bool, set[int]]:
+    seen: list[tuple[bool, set[int]]] = []
+
+    def in_a_thread() -> None:  # affinity is per thread: leave the test's own thread alone
+        moved = move_to_last_core(cores)
+        seen.append((moved, os.sched_getaffinity(0)))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_the_event_loop_moves_to_the_last_core_only_when_threads_are_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        pytest.skip("one core: nowhere to move")
+    monkeypatch.delenv("OMP_PROC_BIND", raising=False)
+    assert _affinity_after_move(cores) == (False, cores)
+    monkeypatch.setenv("OMP_PROC_BIND", "close")
+    assert _affinity_after_move(cores) == (True, {max(cores)})
+    assert _affinity_after_move({min(cores)}) == (False, cores)
 
 
 def _anon_huge_kib() -> int:
