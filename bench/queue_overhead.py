@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from workload import (
     Request,
     add_workload_args,
     bench_redis,
+    free_port,
     load_llm,
     token_counts,
     tune_cpu_runtime,
@@ -92,6 +94,7 @@ class WorkerOptions:
     threads: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    metrics_port: int = 0  # 0: a free one, chosen when the worker starts
 
 
 def measure_queue_overhead(
@@ -113,6 +116,7 @@ def measure_queue_overhead(
         asyncio.run(wait_ready(redis_url, worker))
         asyncio.run(_queue_run(redis_url, options.model, warm, trace))
         inproc, queued, latencies, reference, tokens = [], [], [], [], []
+        handoffs: list[StepTimings] = []
         ratios: list[float] = []
         for repeat in range(repeats):
             # A fresh workload per repeat (same sizes), so no repeat profits from the prefix
@@ -124,10 +128,12 @@ def measure_queue_overhead(
                 if path == "in-process":
                     runs[path], reference = timed_generate(llm, batch)
                 else:
+                    before = step_timings(options.metrics_port)
                     runs[path], lat, tokens = asyncio.run(
                         _queue_run(redis_url, options.model, batch, trace)
                     )
                     latencies += lat
+                    handoffs.append(step_timings(options.metrics_port) - before)
             sizes = token_counts(batch)
             inproc.append(rates(runs["in-process"], *sizes))
             queued.append(rates(runs["queue"], *sizes))
@@ -135,13 +141,21 @@ def measure_queue_overhead(
             same = sum(a == b for a, b in zip(tokens, reference, strict=True))
             print(
                 f"  repeat {repeat}: in-process {runs['in-process']:.2f} s, queue {runs['queue']:.2f} s, "
-                f"ratio {ratios[-1]:.3f}, identical outputs {same}/{len(batch)}"
+                f"ratio {ratios[-1]:.3f}, identical outputs {same}/{len(batch)}; "
+                f"{handoffs[-1].describe()}"
             )
 
     results = {"in_process": median_rates(inproc), "queue": median_rates(queued)}
     # Paired: each repeat's two paths ran the same requests back to back, while repeats differ
     # in sizes and in what else the machine was doing.
     results["throughput_ratio"] = statistics.median(ratios)
+    # The worker's engine steps next to what it spent between them (the loop's handoff), from
+    # its own metrics: the queue's cost without the noise of comparing two separate runs.
+    results["worker_steps"] = {
+        "steps": statistics.median(h.steps for h in handoffs),
+        "step_s": statistics.median(h.step_s for h in handoffs),
+        "engine_wait_s": statistics.median(h.wait_s for h in handoffs),
+    }
     latencies.sort()
     results["chunk_latency_ms"] = {
         "p50": 1000 * quantile(latencies, 0.50),
@@ -153,6 +167,12 @@ def measure_queue_overhead(
     print_row("Redis + 1 worker (streaming)", results["queue"], 32)
     print(
         f"throughput ratio (queue / in-process, median of repeats): {results['throughput_ratio']:.3f}"
+    )
+    steps = results["worker_steps"]
+    print(
+        f"worker (median of repeats): {steps['steps']:.0f} steps taking {steps['step_s']:.2f} s, "
+        f"the engine waiting {1000 * steps['engine_wait_s']:.0f} ms between them "
+        f"({100 * steps['engine_wait_s'] / steps['step_s']:.1f}% of its step time)"
     )
     lat = results["chunk_latency_ms"]
     print(
@@ -228,7 +248,43 @@ def _read_trace(trace: Path) -> dict[tuple[str, int], float]:
     return out
 
 
+@dataclass(frozen=True)
+class StepTimings:
+    """Totals of a worker's step-duration and engine-wait histograms (or their growth)."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+
+    def __sub__(self, before: StepTimings) -> StepTimings:
+        return StepTimings(
+            self.steps - before.steps, self.step_s - before.step_s, self.wait_s - before.wait_s
+        )
+
+    def describe(self) -> str:
+        per_step = 1000 * self.wait_s / max(self.steps, 1)
+        return f"worker: {self.steps} steps, engine waits {per_step:.2f} ms a step"
+
+
+def step_timings(port: int) -> StepTimings:
+    """Scrape the worker's /metrics for its step and engine-wait totals."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return StepTimings(
+        steps=int(totals.get("inferq_worker_step_seconds_count", 0)),
+        step_s=totals.get("inferq_worker_step_seconds_sum", 0.0),
+        wait_s=totals.get("inferq_worker_engine_wait_seconds_sum", 0.0),
+    )
+
+
 def start_worker(system: System, options: WorkerOptions, redis_url: str, trace: Path) -> Child:
+    options.metrics_port = options.metrics_port or free_port()
     command = [
         sys.executable,
         "-m",
@@ -248,6 +304,10 @@ def start_worker(system: System, options: WorkerOptions, redis_url: str, trace: 
         str(options.chunk_tokens),
         "--chunk-trace-path",
         str(trace),
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-port",
+        str(options.metrics_port),
     ]
     for flag, value in (
         ("--num-threads", options.threads),

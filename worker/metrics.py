@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+_HANDOFF_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064)
 
 
 class WorkerMetrics:
@@ -61,6 +62,11 @@ class WorkerMetrics:
         self.e2e = histogram("inferq_worker_request_seconds", "Enqueue to result", _LATENCY_BUCKETS)
         self.step_time = histogram(
             "inferq_worker_step_seconds", "Engine step duration", _TOKEN_TIME_BUCKETS
+        )
+        self.engine_wait = histogram(
+            "inferq_worker_engine_wait_seconds",
+            "Engine idle between two steps of a running batch, waiting on the worker's loop",
+            _HANDOFF_BUCKETS,
         )
         self.flush_time = histogram(
             "inferq_worker_publish_seconds", "One outbox pipeline round trip", _TOKEN_TIME_BUCKETS

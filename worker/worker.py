@@ -114,6 +114,7 @@ class Worker:
         self._next_janitor = 0.0
         self._recover_pending = True  # read our own pending entries first
         self._master: tuple[str, int] | None = None  # where the last round went (Sentinels)
+        self._last_step_end: float | None = None  # engine thread's clock, while the batch runs
 
     def _connect(self, *, decode: bool) -> Redis:
         settings = self.settings
@@ -229,18 +230,29 @@ class Worker:
                 if not self._stop_requested and self.pacing.catch_up_after(turn_s):
                     await self._catch_up()
             else:  # idle: wait for work (the outbox goes out meanwhile)
+                self._last_step_end = None  # the wait for new jobs is no handoff
                 await self._redis_round(budget, block=True)
 
     async def _step(self) -> tuple[list[RequestDelta], BaseException | None, float]:
-        started = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
-            deltas = await loop.run_in_executor(self._engine_thread, self.engine.step)
+            timed = await loop.run_in_executor(self._engine_thread, self._timed_engine_step)
         except Exception as exc:  # an engine bug: the batch fails, the worker serves on
+            self._last_step_end = None
             return [], exc, time.time()
-        took = time.perf_counter() - started
-        self.metrics.step_time.labels(self.model).observe(took)
+        deltas, began, ended = timed
+        self.metrics.step_time.labels(self.model).observe(ended - began)
+        if self._last_step_end is not None:
+            self.metrics.engine_wait.labels(self.model).observe(began - self._last_step_end)
+        self._last_step_end = ended
         return deltas, None, time.time()
+
+    def _timed_engine_step(self) -> tuple[list[RequestDelta], float, float]:
+        """On the engine thread: a step's deltas, and when it began and ended there (the loop's
+        own timing would add the thread handoffs to the step)."""
+        began = time.perf_counter()
+        deltas = self.engine.step()
+        return deltas, began, time.perf_counter()
 
     async def _redis_round(self, budget: int, *, block: bool) -> None:
         """Send the outbox and read up to `budget` entries, concurrently. A lost connection

@@ -54,6 +54,32 @@ async def test_jobs_succeed_with_numbered_chunks_and_results(redis_url):
         assert await redis.ttl(KEYS.out_stream(jobs[0].id)) > 0
 
 
+async def test_step_time_and_the_engine_wait_between_steps_are_measured(redis_url):
+    # An operator compares the two: the engine's own step, and how long it then sits idle
+    # while the worker's loop collects, publishes and reads before the next step.
+    engine = FakeEngine(step_seconds=0.02)
+    async with (
+        AsyncRedisClient(redis_url) as client,
+        running_worker(redis_url, engine, model=MODEL) as worker,
+    ):
+        job = await client.enqueue(
+            model=MODEL, prompt_token_ids=[11] * 3, stream=True, sampling={"max_tokens": 8}
+        )
+        assert (await client.wait(job.id, timeout=20)).status is JobStatus.SUCCEEDED
+
+        def value(name: str) -> float:
+            sample = worker.metrics.registry.get_sample_value(name, {"model": MODEL})
+            assert sample is not None, name
+            return sample
+
+        steps = value("inferq_worker_step_seconds_count")
+        assert steps == engine.steps >= 8
+        assert value("inferq_worker_step_seconds_sum") >= 0.02 * steps  # the step's own time
+        # one wait before every step of the running batch but its first
+        assert value("inferq_worker_engine_wait_seconds_count") == steps - 1
+        assert value("inferq_worker_engine_wait_seconds_sum") >= 0
+
+
 async def test_heartbeat_reports_capacity(redis_url):
     engine = FakeEngine(num_kv_blocks=77)
     async with running_worker(redis_url, engine, model=MODEL, name="hb-worker") as worker:
