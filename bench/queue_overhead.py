@@ -6,8 +6,10 @@ Same random workload as bench/throughput.py (greedy, ignore_eos). In one run it 
 redis-server on a free port, measures `LLM.generate` in this process, then the same requests
 enqueued at once into Redis and served by an `inferq worker` subprocess (streaming jobs, one
 chunk per step unless --chunk-tokens says otherwise), timed from the first enqueue to the last
-final chunk seen by a live subscriber. Reports both throughputs, their ratio, and chunk delivery
-latency (the worker's engine step returned -> the subscriber received the chunk) p50 / p99.
+final chunk seen by a live subscriber. Reports both throughputs, their ratio, chunk delivery
+latency (the worker's engine step returned -> the subscriber received the chunk) p50 / p99, and,
+from the worker's own metrics, its steps' time next to the time its engine waited between them
+(the loop's handoff: the queue's cost per step, free of the noise between two separate runs).
 The two paths alternate for --repeats rounds (a fresh workload of the same sizes each round,
 so the prefix cache never helps) and medians are reported.
 """
