@@ -161,6 +161,26 @@ def chunks_call(
     return [w.out_stream for w in writes], [maxlen, ttl_s, entry_field, packed]
 
 
+# A worker's read of new jobs, interactive first: up to ARGV[3] entries of the jobs stream,
+# then of the bulk stream as many as are left, at most ARGV[4]; one round trip for both.
+# Never waits (a blocked read has to be the client's own XREADGROUP BLOCK).
+# KEYS[1] jobs stream, KEYS[2] bulk stream
+# ARGV[1] group, ARGV[2] consumer, ARGV[3] count (at least 1), ARGV[4] most bulk entries
+# returns {jobs-stream entries, bulk entries}, each entry {id, {field, value, ...}}
+READ_NEW_JOBS_SCRIPT = """
+local function read(stream, count)
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count,
+    'STREAMS', stream, '>')
+  if reply then return reply[1][2] end
+  return {}
+end
+local interactive = read(KEYS[1], ARGV[3])
+local room = math.min(tonumber(ARGV[3]) - #interactive, tonumber(ARGV[4]))
+local bulk = {}
+if room > 0 then bulk = read(KEYS[2], room) end
+return {interactive, bulk}
+"""
+
 # Hand a job back to its queue (worker shutdown), atomic per job: retire the old entry and queue
 # a fresh one for the same job, unless the job ended meanwhile. A graceful hand-back is no
 # failed attempt, so the attempt counted when the job was started is given back, and the start

@@ -292,6 +292,20 @@ def _entries(reply: StreamReply | None) -> list[Entry]:
     return out
 
 
+# READ_NEW_JOBS_SCRIPT's reply, undecoded: per stream, its entries as [id, [field, value, ...]].
+ScriptReply = list[list[list[bytes | list[bytes]]]]
+
+
+def script_entries(reply: ScriptReply, streams: tuple[str, ...]) -> list[Entry]:
+    """The entries of a script's per-stream reply (`streams`: the stream of each part)."""
+    out = []
+    for stream, items in zip(streams, reply, strict=True):
+        for entry_id, flat in items:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True)) if flat else None
+            out.append(_entry(entry_id, fields, stream))
+    return out
+
+
 def _entry(entry_id: bytes | str, fields: RawFields | None, stream: str) -> Entry:
     """Decode one entry on its own; text that is not UTF-8 makes it unreadable."""
     if not fields:

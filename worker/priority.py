@@ -1,7 +1,7 @@
 """Interactive before bulk: a worker reads its model's jobs stream first and the
-bulk stream (`RedisKeys.bulk_stream`) only with the room left, and reads the jobs stream once
-more between long steps so that an interactive job that arrives while a step runs joins the
-very next step."""
+bulk stream (`RedisKeys.bulk_stream`) only with the room left, and after a long step reads
+before the next one starts, so that a job that arrives while a step runs joins the very next
+step."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from datetime import datetime
 from redis.asyncio import Redis
 
 from schemas import RedisKeys
+from schemas.redis_scripts import READ_NEW_JOBS_SCRIPT
 from worker.crashes import CrashPolicy
 from worker.held import HeldJob
-from worker.intake import Entry, StreamReader, Verdict
+from worker.intake import Entry, StreamReader, Verdict, script_entries
 
-# Steps at least this long get a second, non-blocking read of the interactive stream before
-# the next step (a round trip is well under a millisecond; shorter steps cost a new job less).
-CATCH_UP_MIN_STEP_S = 0.02
+# After steps at least this long, new entries are read between steps rather than beside them (a
+# round trip is well under a millisecond; shorter steps cost a new job less).
+READ_BETWEEN_MIN_STEP_S = 0.02
 
 
 class PriorityReader:
@@ -31,6 +32,9 @@ class PriorityReader:
         self.bulk = StreamReader(redis, keys, keys.bulk_stream(model), consumer)
         self.stream = self.interactive.stream
         self.bulk_stream = self.bulk.stream
+        self.keys = keys
+        self.consumer = consumer
+        self._read_new_jobs = redis.register_script(READ_NEW_JOBS_SCRIPT)
 
     @property
     def readers(self) -> tuple[StreamReader, StreamReader]:
@@ -56,21 +60,20 @@ class PriorityReader:
         self, count: int, block_ms: int | None, bulk_room: int | None = None
     ) -> list[Entry]:
         """Up to `count` new entries, interactive ones first; at most `bulk_room` bulk ones
-        (None: no cap). Only the jobs stream is waited on, for `block_ms` when nothing was
-        found (an idle worker; a bulk job arriving then is picked up a block later at most)."""
-        entries = await self.interactive.read_new(count, None)
-        room = count - len(entries)
-        if bulk_room is not None:
-            room = min(room, bulk_room)
-        if room > 0:
-            entries += await self.bulk.read_new(room, None)
+        (None: no cap), in one round trip. Only the jobs stream is waited on, for `block_ms`
+        when nothing was found (an idle worker; a bulk job arriving then is picked up a block
+        later at most)."""
+        if count <= 0:
+            return []
+        most_bulk = count if bulk_room is None else min(count, bulk_room)
+        reply = await self._read_new_jobs(
+            keys=[self.stream, self.bulk_stream],
+            args=[self.keys.group, self.consumer, count, most_bulk],
+        )
+        entries = script_entries(reply, (self.stream, self.bulk_stream))
         if not entries and block_ms:
             entries = await self.interactive.read_new(count, block_ms)
         return entries
-
-    async def read_interactive(self, count: int) -> list[Entry]:
-        """New interactive entries only, without waiting."""
-        return await self.interactive.read_new(count, None)
 
     async def load(self, entries: list[Entry], policy: CrashPolicy, now: datetime) -> list[Verdict]:
         return await self.interactive.load(entries, policy, now)
@@ -78,8 +81,8 @@ class PriorityReader:
 
 class ReadPacing:
     """How much a worker reads beyond what KV admission allows: a cap on bulk jobs held at once
-    (keeps sequence slots free for interactive jobs), and whether to look for interactive jobs
-    once more between two steps."""
+    (keeps sequence slots free for interactive jobs), and whether to read between two steps or
+    beside the next."""
 
     def __init__(self, bulk_max_held: int | None, bulk_stream: str) -> None:
         self.bulk_max_held = bulk_max_held
@@ -93,10 +96,11 @@ class ReadPacing:
         return max(0, self.bulk_max_held - bulk)
 
     @staticmethod
-    def catch_up_after(turn_seconds: float) -> bool:
-        """Read the interactive stream again between two steps? The read made at the start
-        of a step misses jobs that arrive while it runs, which would then wait a whole extra
-        step; after a long step that is worth one more round trip. (A read that *waits* during
-        the step would not do: Redis answers a timed-out blocked read only at its next tick,
-        up to 100 ms late, and the engine would idle meanwhile.)"""
-        return turn_seconds >= CATCH_UP_MIN_STEP_S
+    def read_between_steps(turn_seconds: float) -> bool:
+        """Read new entries between this step and the next, rather than beside the next?
+        A read made beside a step misses jobs that arrive while it runs, which would then
+        wait a whole extra step; after a long step, reading with the engine idle lets them
+        join the very next one, and costs it one round trip. (A read that *waits* during the
+        step would not do: Redis answers a timed-out blocked read only at its next tick, up to
+        100 ms late, and the engine would idle meanwhile.)"""
+        return turn_seconds >= READ_BETWEEN_MIN_STEP_S

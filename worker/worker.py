@@ -6,7 +6,9 @@ One asyncio loop drives everything. Each turn of the main loop:
    turn to the engine, and compute how many more jobs the free KV blocks admit;
 2. run `engine.step()` in a thread while, on the loop, the outbox (chunks, status changes and
    acks of the previous step) goes out in one pipeline and up to that many entries are read;
-3. turn the step's deltas into chunks and results, queued in the outbox for the next turn.
+3. turn the step's deltas into chunks and results, queued in the outbox for the next turn;
+4. after a long step, read new entries now rather than beside the next step, so a job that
+   arrived meanwhile joins that very step (see ReadPacing).
 
 Side tasks: heartbeat, cancel listener, lease renewal, status checks. Redis being away never
 stops the engine: the outbox keeps every write in order and sends it once Redis is back.
@@ -115,6 +117,7 @@ class Worker:
         self._recover_pending = True  # read our own pending entries first
         self._master: tuple[str, int] | None = None  # where the last round went (Sentinels)
         self._last_step_end: float | None = None  # engine thread's clock, while the batch runs
+        self._read_between = False  # new entries were just read: the next round only sends
 
     def _connect(self, *, decode: bool) -> Redis:
         settings = self.settings
@@ -222,13 +225,16 @@ class Worker:
                 turn_started = time.perf_counter()
                 step = asyncio.create_task(self._step())
                 try:
-                    await self._redis_round(budget, block=False)
+                    await self._redis_round(budget, block=False, read_new=not self._read_between)
                 finally:
                     deltas, error, emitted_at = await step
                 self.batch.collect(deltas, error, emitted_at)
                 turn_s = time.perf_counter() - turn_started  # how long new jobs went unread
-                if not self._stop_requested and self.pacing.catch_up_after(turn_s):
-                    await self._catch_up()
+                self._read_between = not self._stop_requested and self.pacing.read_between_steps(
+                    turn_s
+                )
+                if self._read_between:
+                    await self._read_between_steps()
             else:  # idle: wait for work (the outbox goes out meanwhile)
                 self._last_step_end = None  # the wait for new jobs is no handoff
                 await self._redis_round(budget, block=True)
@@ -254,9 +260,10 @@ class Worker:
         deltas = self.engine.step()
         return deltas, began, time.perf_counter()
 
-    async def _redis_round(self, budget: int, *, block: bool) -> None:
-        """Send the outbox and read up to `budget` entries, concurrently. A lost connection
-        never raises here: the backoff decides when the next round tries again."""
+    async def _redis_round(self, budget: int, *, block: bool, read_new: bool = True) -> None:
+        """Send the outbox and read up to `budget` entries (new ones only with `read_new`),
+        concurrently. A lost connection never raises here: the backoff decides when the next
+        round tries again."""
         if not self._redis.ready():
             if block or not self.engine.has_unfinished():
                 await asyncio.sleep(min(self._redis.delay(), 0.5))
@@ -267,7 +274,7 @@ class Worker:
             await self._redis_failed(exc)
             return
         results = await asyncio.gather(
-            self._flush(), self._pull(budget, block), return_exceptions=True
+            self._flush(), self._pull(budget, block, read_new), return_exceptions=True
         )
         failures = [r for r in results if isinstance(r, BaseException)]
         for failure in failures:
@@ -328,7 +335,7 @@ class Worker:
         await self.outbox.flush(self.redis)
         self.metrics.flush_time.labels(self.model).observe(time.perf_counter() - started)
 
-    async def _pull(self, budget: int, block: bool) -> None:
+    async def _pull(self, budget: int, block: bool, read_new: bool) -> None:
         entries: list[Entry] = []
         if self._recover_pending and not self._stop_requested:
             entries = self._not_held(await self.reader.read_own_pending())
@@ -343,7 +350,7 @@ class Worker:
                     logger, logging.INFO, "entries_claimed", worker=self.name, count=len(claimed)
                 )
             entries += claimed
-        if budget - len(entries) > 0:
+        if read_new and budget - len(entries) > 0:
             wait_ms = self.settings.block_ms if block and not entries else None
             entries += await self.reader.read_new(
                 budget - len(entries),
@@ -368,14 +375,18 @@ class Worker:
         except Exception as exc:
             await self._redis_failed(exc)
 
-    async def _catch_up(self) -> None:
-        """Interactive jobs that arrived while the step ran, read now so they join the next
-        step (see ReadPacing.catch_up_after)."""
+    async def _read_between_steps(self) -> None:
+        """New entries, read with the engine idle between two long steps, so that jobs which
+        arrived during the last one join the next (see ReadPacing.read_between_steps)."""
         budget = self.batch.pull_budget(self.settings.max_pull)
         if budget <= 0 or not self._redis.ready():
             return
         try:
-            entries = self._not_held(await self.reader.read_interactive(budget))
+            entries = self._not_held(
+                await self.reader.read_new(
+                    budget, None, self.pacing.bulk_room(self.batch.all_jobs())
+                )
+            )
             if entries:
                 self._take(await self.reader.load(entries, self.crash_policy, utc_now()))
         except REDIS_DOWN as exc:

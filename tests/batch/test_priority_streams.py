@@ -13,7 +13,7 @@ from worker_harness import KEYS, running_worker, wait_for
 
 from producer_api import queue
 from schemas import PRIORITY_BULK, JobRequest, JobStatus
-from worker.priority import ReadPacing
+from worker.priority import PriorityReader, ReadPacing
 
 pytestmark = pytest.mark.anyio
 MODEL = "fake-model"
@@ -46,6 +46,31 @@ async def test_interactive_jobs_overtake_a_bulk_backlog_and_bulk_still_finishes(
         assert bulk_done <= 4  # at most the two held when the worker started, and their successors
         await wait_for(lambda: _all_done(redis, [j.id for j in bulk]), timeout=60)
     assert await redis.xlen(KEYS.bulk_stream(MODEL)) == 0
+    await redis.aclose()
+
+
+async def test_one_read_takes_interactive_entries_first_and_bulk_ones_with_the_room_left(
+    redis_url,
+):
+    redis = Redis.from_url(redis_url)
+    reader = PriorityReader(redis, KEYS, MODEL, "reader")
+    await reader.ensure_group()
+    bulk = [await redis.xadd(reader.bulk_stream, {"job": f"b{i}"}) for i in range(4)]
+    interactive = [await redis.xadd(reader.stream, {"job": f"i{i}"}) for i in range(2)]
+    await redis.xadd(reader.stream, {"job": b"\xff not text"})
+
+    first = await reader.read_new(4, None, bulk_room=1)
+    assert [(e.stream, e.fields) for e in first[:2]] == [
+        (reader.stream, {"job": "i0"}),
+        (reader.stream, {"job": "i1"}),
+    ]
+    assert first[2].stream == reader.stream and first[2].unreadable is not None
+    assert [(e.entry_id, e.stream) for e in first[3:]] == [(bulk[0].decode(), reader.bulk_stream)]
+    assert [e.entry_id for e in first[:2]] == [i.decode() for i in interactive]
+
+    rest = await reader.read_new(10, None)  # no cap: every bulk entry left
+    assert [e.fields for e in rest] == [{"job": f"b{i}"} for i in (1, 2, 3)]
+    assert await reader.read_new(10, None) == []
     await redis.aclose()
 
 
@@ -113,5 +138,5 @@ def test_only_long_steps_get_a_second_read_and_none_waits():
     """A job arriving mid-step is read right after a long step (so it joins the next one);
     nothing ever blocks on Redis while the engine could run: a timed-out blocked read comes
     back only at Redis' next tick, up to 100 ms late."""
-    assert not ReadPacing.catch_up_after(0.005)
-    assert ReadPacing.catch_up_after(0.250)
+    assert not ReadPacing.read_between_steps(0.005)
+    assert ReadPacing.read_between_steps(0.250)

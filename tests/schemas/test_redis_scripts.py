@@ -26,11 +26,13 @@ from schemas.transitions import UNKNOWN_STATUS_SOURCE
 # Redis commands and their keyword arguments the scripts call.
 REDIS_WORDS = frozenset(
     {
+        "COUNT",
         "DEL",
         "EX",
         "EXISTS",
         "EXPIRE",
         "GET",
+        "GROUP",
         "HGET",
         "HDEL",
         "HINCRBY",
@@ -39,16 +41,18 @@ REDIS_WORDS = frozenset(
         "PEXPIRE",
         "PUBLISH",
         "SET",
+        "STREAMS",
         "XACK",
         "XADD",
         "XDEL",
         "XLEN",
+        "XREADGROUP",
     }
 )
 # Literals that are Lua or Redis syntax, not names of the protocol: empty string, ARGV flags,
-# XADD's auto id and approximate trim, a gmatch pattern, a Lua type name, and the text of
-# Redis's refusal of a repeated stream id.
-SYNTAX = frozenset({"", "0", "1", "*", "~", "%S+", "table", "equal or smaller"})
+# XADD's auto id and approximate trim, XREADGROUP's never-delivered id, a gmatch pattern, a Lua
+# type name, and the text of Redis's refusal of a repeated stream id.
+SYNTAX = frozenset({"", "0", "1", "*", "~", ">", "%S+", "table", "equal or smaller"})
 PROTOCOL_NAMES = frozenset(
     {
         *(field.value for field in JobField),
