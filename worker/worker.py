@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,9 @@ from worker.settings import WorkerSettings
 from worker.tracing import ChunkTracer
 
 logger = logging.getLogger(__name__)
+
+# How long the loop waits, at most, for the engine thread to begin a step it was handed.
+STEP_START_WAIT_S = 0.005
 
 
 class Worker:
@@ -117,6 +121,7 @@ class Worker:
         self._recover_pending = True  # read our own pending entries first
         self._master: tuple[str, int] | None = None  # where the last round went (Sentinels)
         self._last_step_end: float | None = None  # engine thread's clock, while the batch runs
+        self._step_began = threading.Event()  # set by the engine thread as it begins a step
         self._read_between = False  # new entries were just read: the next round only sends
 
     def _connect(self, *, decode: bool) -> Redis:
@@ -242,7 +247,12 @@ class Worker:
     async def _step(self) -> tuple[list[RequestDelta], BaseException | None, float]:
         try:
             loop = asyncio.get_running_loop()
-            timed = await loop.run_in_executor(self._engine_thread, self._timed_engine_step)
+            self._step_began.clear()
+            running = loop.run_in_executor(self._engine_thread, self._timed_engine_step)
+            # Blocking the loop until the engine thread holds the GIL lets the step begin at
+            # once: otherwise it waits behind the Python of the Redis round that comes next.
+            self._step_began.wait(STEP_START_WAIT_S)
+            timed = await running
         except Exception as exc:  # an engine bug: the batch fails, the worker serves on
             self._last_step_end = None
             return [], exc, time.time()
@@ -257,6 +267,7 @@ class Worker:
         """On the engine thread: a step's deltas, and when it began and ended there (the loop's
         own timing would add the thread handoffs to the step)."""
         began = time.perf_counter()
+        self._step_began.set()
         deltas = self.engine.step()
         return deltas, began, time.perf_counter()
 
