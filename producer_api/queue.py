@@ -118,7 +118,13 @@ async def enqueue(
     script_keys = [keys.job(job.id), keys.queue_stream(request.model, request.priority)]
     if request.idempotency_key is not None:
         script_keys.append(keys.idempotency(request.idempotency_key, owner))
-    args: list[str | int] = [job.id, max_queue_len or 0, IDEMPOTENCY_TTL_S, keys.job_key_prefix()]
+    args: list[str | int] = [
+        job.id,
+        max_queue_len or 0,
+        IDEMPOTENCY_TTL_S,
+        keys.job_key_prefix(),
+        keys.arrivals_channel(request.model),
+    ]
     for name, value in job.to_redis_hash().items():
         args += [name, value]
     script = redis.register_script(ENQUEUE_SCRIPT)

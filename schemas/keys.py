@@ -14,6 +14,7 @@ Layout (prefix `p`, default "inferq"; one Redis instance, not Redis Cluster)
     {p}:dead:{model}                  stream            workers             operators, API
     {p}:worker:{name}                 hash, TTL         that worker         API (health)
     {p}:control                       pub/sub channel   cancel              workers
+    {p}:arrivals:{model}              pub/sub channel   enqueue, hand-back  workers
     {p}:idem:{owner}:{key}            string, TTL       enqueue             enqueue
     {p}:ttft:{model}                  sorted set, TTL   workers (heartbeat) status, dashboard
     {p}:tokens:{model}                sorted set, TTL   workers (heartbeat) status, dashboard
@@ -63,6 +64,12 @@ Worker heartbeat `{p}:worker:{name}`: see `schemas.workers.WorkerInfo`; refreshe
 HEARTBEAT_INTERVAL_S with TTL HEARTBEAT_TTL_S, so a dead worker's hash disappears.
 
 Control channel `{p}:control`: `schemas.events.ControlMessage` JSON (cancel broadcasts).
+
+Arrivals channel `{p}:arrivals:{model}`: the new entry's id, published in the same script as
+each XADD of a job entry to the model's jobs or bulk stream (enqueue, hand-back). A busy worker
+reads its streams between two steps only when something arrived, instead of at every step; it
+still reads now and then without a notice, so an entry added by a producer that does not
+publish waits a little longer but is never stranded.
 
 Bulk stream `{p}:bulk:{model}`: the same entries and group as the jobs stream, for jobs whose
 priority is PRIORITY_BULK or more (`RedisKeys.queue_stream` picks). Workers read it only with the
@@ -200,6 +207,9 @@ class RedisKeys:
 
     def control_channel(self) -> str:
         return f"{self.prefix}:control"
+
+    def arrivals_channel(self, model: str) -> str:
+        return f"{self.prefix}:arrivals:{encode_segment(model)}"
 
     # bulk work: priority streams, files and batches
     def bulk_stream(self, model: str) -> str:

@@ -95,7 +95,8 @@ return {1, current}
 # atomic step (the API's enqueue).
 # KEYS[1] job hash, KEYS[2] jobs stream, KEYS[3] idempotency key (only when one is given)
 # ARGV[1] job id, ARGV[2] backlog limit (0: none), ARGV[3] idempotency TTL seconds,
-# ARGV[4] job key prefix, ARGV[5..] job hash field, value pairs
+# ARGV[4] job key prefix, ARGV[5] the model's arrivals channel, ARGV[6..] job hash field, value
+# pairs
 # returns an EnqueueOutcome and its value: {existing, job id} | {full, backlog} |
 # {created, stream entry id}
 ENQUEUE_SCRIPT = _render(
@@ -115,9 +116,10 @@ local entry = redis.call('XADD', KEYS[2], '*', '$ENTRY_FIELD', ARGV[1])
 $SET_FIELDS
 redis.call('HSET', KEYS[1], '$JOB_ENTRY_ID', entry)
 if #KEYS >= 3 then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[3]) end
+redis.call('PUBLISH', ARGV[5], entry)
 return {'$ENQUEUE_CREATED', entry}
 """,
-    SET_FIELDS=_hset_argv_pairs("5"),
+    SET_FIELDS=_hset_argv_pairs("6"),
 )
 
 # A run of token chunks in one command, in order: per chunk XADD to its replay stream (a
@@ -186,7 +188,8 @@ return {interactive, bulk}
 # failed attempt, so the attempt counted when the job was started is given back, and the start
 # is marked ended (no `run_state`: nobody takes it for a start cut off by a crash).
 # KEYS[1] jobs stream, KEYS[2] job hash
-# ARGV[1] group, ARGV[2] entry id held, ARGV[3] job id, ARGV[4] '1': return our attempt
+# ARGV[1] group, ARGV[2] entry id held, ARGV[3] job id, ARGV[4] '1': return our attempt,
+# ARGV[5] the model's arrivals channel
 # returns the new entry id, or false when the job is over (entry just retired)
 HANDBACK_SCRIPT = _render(
     """
@@ -202,6 +205,7 @@ if ARGV[4] == '1' then
   end
   redis.call('HDEL', KEYS[2], '$JOB_RUN_STATE')
 end
+redis.call('PUBLISH', ARGV[5], entry)
 return entry
 """
 )

@@ -1,5 +1,6 @@
-"""Finding out that a held job was ended elsewhere: cancel broadcasts on the control channel,
-and a periodic look at the held jobs' statuses (in case a broadcast was missed)."""
+"""What a worker hears from elsewhere: cancel broadcasts on the control channel (with a periodic
+look at the held jobs' statuses, in case a broadcast was missed), and notices of new entries on
+its model's arrivals channel."""
 
 from __future__ import annotations
 
@@ -31,26 +32,34 @@ REDIS_DOWN = (
 )
 
 
-async def listen_for_cancels(
+async def listen(
     redis: Redis,
     keys: RedisKeys,
+    model: str,
     on_cancel: Callable[[str], None],
+    on_arrival: Callable[[], None],
     backoff: Backoff,
     closing: asyncio.Event,
 ) -> None:
-    """Call `on_cancel(job_id)` for every cancel broadcast until `closing` is set; re-subscribes
-    after Redis comes back (broadcasts sent meanwhile are caught by `ended_jobs`). Ends on the
-    event rather than relying on task cancellation, which a timeout firing at the same moment
-    can swallow."""
+    """Call `on_cancel(job_id)` for every cancel broadcast and `on_arrival()` for every new
+    entry of `model`'s streams until `closing` is set; re-subscribes after Redis comes back
+    (broadcasts sent meanwhile are caught by `ended_jobs`; for arrivals, `on_arrival()` is called
+    on every subscribe). Ends on the event rather than relying on task cancellation, which a
+    timeout firing at the same moment can swallow."""
     channel = keys.control_channel()
+    arrivals = keys.arrivals_channel(model)
     while not closing.is_set():
         pubsub = redis.pubsub(ignore_subscribe_messages=True)
         try:
-            await pubsub.subscribe(channel)
+            await pubsub.subscribe(channel, arrivals)
             backoff.succeeded()
+            on_arrival()  # whatever was published while unsubscribed went unheard
             while not closing.is_set():
                 message = await pubsub.get_message(timeout=0.5)
                 if message is None or message.get("type") != "message":
+                    continue
+                if message["channel"] == arrivals:
+                    on_arrival()
                     continue
                 try:
                     control = ControlMessage.from_json(message["data"])

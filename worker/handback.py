@@ -11,7 +11,7 @@ from worker.held import HeldJob
 
 
 async def hand_back(
-    redis: Redis, keys: RedisKeys, jobs_stream: str, jobs: list[HeldJob]
+    redis: Redis, keys: RedisKeys, model: str, jobs_stream: str, jobs: list[HeldJob]
 ) -> dict[str, str | None]:
     """Re-queue `jobs` in one round trip; returns job id -> new entry id (None: job was over).
     Their published chunks stay, so whoever takes them next continues the numbering."""
@@ -28,6 +28,7 @@ async def hand_back(
                 held.entry_id,
                 held.job_id,
                 "1" if held.start_confirmed else "0",
+                keys.arrivals_channel(model),
             )
         replies = await pipe.execute()
     return {held.job_id: reply for held, reply in zip(jobs, replies, strict=True)}

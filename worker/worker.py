@@ -10,6 +10,10 @@ One asyncio loop drives everything. Each turn of the main loop:
 4. after a long step, read new entries now rather than beside the next step, so a job that
    arrived meanwhile joins that very step (see ReadPacing).
 
+A busy worker reads new entries only when its model's arrivals channel said something came (or
+its last read filled the budget), and otherwise every UNPROMPTED_READ_S, for producers that
+do not publish: with nothing new, a step costs no read at all.
+
 Side tasks: heartbeat, cancel listener, lease renewal, status checks. Redis being away never
 stops the engine: the outbox keeps every write in order and sends it once Redis is back.
 """
@@ -42,7 +46,7 @@ from schemas.chunks import REPLAY_FIELD
 from worker.backoff import Backoff
 from worker.batch import AbortReason, Batch
 from worker.chunking import ChunkPolicy
-from worker.control import REDIS_DOWN, ended_jobs, listen_for_cancels
+from worker.control import REDIS_DOWN, ended_jobs, listen
 from worker.crashes import CrashPolicy
 from worker.engine_api import EngineLike, build_engine
 from worker.handback import hand_back
@@ -63,6 +67,9 @@ logger = logging.getLogger(__name__)
 
 # How long the loop waits, at most, for the engine thread to begin a step it was handed.
 STEP_START_WAIT_S = 0.005
+# A busy worker with no notice of new entries still reads this often: an entry whose notice was
+# lost (or that a producer added without one) waits at most this much longer.
+UNPROMPTED_READ_S = 0.25
 
 
 class Worker:
@@ -122,7 +129,8 @@ class Worker:
         self._master: tuple[str, int] | None = None  # where the last round went (Sentinels)
         self._last_step_end: float | None = None  # engine thread's clock, while the batch runs
         self._step_began = threading.Event()  # set by the engine thread as it begins a step
-        self._read_between = False  # new entries were just read: the next round only sends
+        self._arrivals = True  # new entries may be waiting (a notice, or the last read was full)
+        self._next_unprompted_read = 0.0  # monotonic
 
     def _connect(self, *, decode: bool) -> Redis:
         settings = self.settings
@@ -164,7 +172,15 @@ class Worker:
             settings = self.settings
             side_tasks = [
                 self._every(settings.heartbeat_interval_s, self._beat, closing),
-                listen_for_cancels(self.redis, self.keys, self._on_cancel, self._control, closing),
+                listen(
+                    self.redis,
+                    self.keys,
+                    self.model,
+                    self._on_cancel,
+                    self._on_arrival,
+                    self._control,
+                    closing,
+                ),
                 self._every(settings.lease_interval_s, self._renew_leases, closing),
                 self._every(settings.status_check_interval_s, self._check_statuses, closing),
             ]
@@ -230,15 +246,16 @@ class Worker:
                 turn_started = time.perf_counter()
                 step = asyncio.create_task(self._step())
                 try:
-                    await self._redis_round(budget, block=False, read_new=not self._read_between)
+                    await self._redis_round(budget, block=False, read_new=self._may_have_new())
                 finally:
                     deltas, error, emitted_at = await step
                 self.batch.collect(deltas, error, emitted_at)
                 turn_s = time.perf_counter() - turn_started  # how long new jobs went unread
-                self._read_between = not self._stop_requested and self.pacing.read_between_steps(
-                    turn_s
-                )
-                if self._read_between:
+                if (
+                    not self._stop_requested
+                    and self.pacing.read_between_steps(turn_s)
+                    and self._may_have_new()
+                ):
                     await self._read_between_steps()
             else:  # idle: wait for work (the outbox goes out meanwhile)
                 self._last_step_end = None  # the wait for new jobs is no handoff
@@ -363,11 +380,7 @@ class Worker:
             entries += claimed
         if read_new and budget - len(entries) > 0:
             wait_ms = self.settings.block_ms if block and not entries else None
-            entries += await self.reader.read_new(
-                budget - len(entries),
-                wait_ms,
-                self.pacing.bulk_room(self.batch.all_jobs()),
-            )
+            entries += await self._read_new(budget - len(entries), wait_ms)
         elif block and not entries:
             await asyncio.sleep(self.settings.block_ms / 1000)
         if entries:
@@ -393,17 +406,32 @@ class Worker:
         if budget <= 0 or not self._redis.ready():
             return
         try:
-            entries = self._not_held(
-                await self.reader.read_new(
-                    budget, None, self.pacing.bulk_room(self.batch.all_jobs())
-                )
-            )
+            entries = self._not_held(await self._read_new(budget, None))
             if entries:
                 self._take(await self.reader.load(entries, self.crash_policy, utc_now()))
         except REDIS_DOWN as exc:
             await self._redis_failed(exc)
         except ResponseError as exc:  # a new master without our group: the next round fixes it
             await self._redis_failed(exc)
+
+    def _may_have_new(self) -> bool:
+        return self._arrivals or time.monotonic() >= self._next_unprompted_read
+
+    async def _read_new(self, count: int, wait_ms: int | None) -> list[Entry]:
+        """Up to `count` new entries (see PriorityReader.read_new); notices that come while it
+        runs count for the next read."""
+        self._arrivals = False
+        self._next_unprompted_read = time.monotonic() + UNPROMPTED_READ_S
+        try:
+            entries = await self.reader.read_new(
+                count, wait_ms, self.pacing.bulk_room(self.batch.all_jobs())
+            )
+        except BaseException:
+            self._arrivals = True
+            raise
+        if len(entries) >= count:
+            self._arrivals = True  # more may be waiting
+        return entries
 
     def _not_held(self, entries: list[Entry]) -> list[Entry]:
         mine = {h.entry_id for h in self.batch.all_jobs()} | self.outbox.entries_being_acked()
@@ -442,6 +470,9 @@ class Worker:
 
     def _on_cancel(self, job_id: str) -> None:
         self.batch.request_abort(job_id, AbortReason.ENDED)
+
+    def _on_arrival(self) -> None:
+        self._arrivals = True
 
     async def _every(
         self, interval_s: float, action: Callable[[], Awaitable[None]], closing: asyncio.Event
@@ -507,7 +538,9 @@ class Worker:
             try:
                 await self._refill_after_failover()
                 await self.outbox.flush(self.redis)
-                requeued = await hand_back(self.redis, self.keys, self.jobs_stream, jobs)
+                requeued = await hand_back(
+                    self.redis, self.keys, self.model, self.jobs_stream, jobs
+                )
                 break
             except REDIS_DOWN as exc:
                 if time.monotonic() >= give_up:  # the janitors take them after the lease ends
