@@ -292,8 +292,9 @@ def _entries(reply: StreamReply | None) -> list[Entry]:
     return out
 
 
-# READ_NEW_JOBS_SCRIPT's reply, undecoded: per stream, its entries as [id, [field, value, ...]].
-ScriptReply = list[list[list[bytes | list[bytes]]]]
+# READ_NEW_JOBS_SCRIPT's reply, undecoded: per stream, its entries as [id, [field, value, ...]]
+# (each a two-item list on the wire; None for the fields of a deleted entry).
+ScriptReply = list[list[tuple[bytes, list[bytes] | None]]]
 
 
 def script_entries(reply: ScriptReply, streams: tuple[str, ...]) -> list[Entry]:
