@@ -11,12 +11,14 @@ from worker.held import HeldJob
 
 
 async def hand_back(
-    redis: Redis, keys: RedisKeys, model: str, jobs_stream: str, jobs: list[HeldJob]
+    redis: Redis, keys: RedisKeys, model: str, jobs: list[HeldJob]
 ) -> dict[str, str | None]:
-    """Re-queue `jobs` in one round trip; returns job id -> new entry id (None: job was over).
-    Their published chunks stay, so whoever takes them next continues the numbering."""
+    """Re-queue `model`'s `jobs` in one round trip; returns job id -> new entry id (None: job
+    was over). Their published chunks stay, so whoever takes them next continues the
+    numbering."""
     if not jobs:
         return {}
+    jobs_stream = keys.jobs_stream(model)
     async with redis.pipeline(transaction=False) as pipe:
         for held in jobs:
             pipe.eval(

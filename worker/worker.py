@@ -14,7 +14,7 @@ A busy worker reads new entries only when its model's arrivals channel said some
 its last read filled the budget), and otherwise every UNPROMPTED_READ_S, for producers that
 do not publish: with nothing new, a step costs no read at all.
 
-Side tasks: heartbeat, cancel listener, lease renewal, status checks. Redis being away never
+Side tasks: heartbeat, cancel and arrivals listener, lease renewal, status checks. Redis being away never
 stops the engine: the outbox keeps every write in order and sends it once Redis is back.
 """
 
@@ -538,9 +538,7 @@ class Worker:
             try:
                 await self._refill_after_failover()
                 await self.outbox.flush(self.redis)
-                requeued = await hand_back(
-                    self.redis, self.keys, self.model, self.jobs_stream, jobs
-                )
+                requeued = await hand_back(self.redis, self.keys, self.model, jobs)
                 break
             except REDIS_DOWN as exc:
                 if time.monotonic() >= give_up:  # the janitors take them after the lease ends
