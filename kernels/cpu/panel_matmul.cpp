@@ -11,13 +11,13 @@
 //
 // Threads split the panels. Inside a thread the inputs go in slices of kDepth, so that a panel's
 // slice (16 KiB) stays in L1 while every row of a block of x passes over it. On CPUs with
-// AVX-512 one register holds a panel, and a tile of 12 rows x 2 panels accumulates over all
+// AVX-512 one register holds a panel, and a tile of 8 rows x 2 panels accumulates over all
 // inputs in registers instead (tile512).
 //
 // bf16 (CPUs with AVX512-BF16): a panel holds 32 output features as [in / 2][32][2] bf16, each
 // feature's two consecutive inputs side by side, the pairs `vdpbf16ps` multiplies and adds into
-// one fp32 lane. A tile of 12 rows x 32 outputs keeps 24 fp32 accumulators in AVX-512 registers
-// over all inputs (2 weight loads and 12 broadcast pairs of x feed 24 dot products), then adds the
+// one fp32 lane. A tile of 8 rows x 32 outputs keeps 16 fp32 accumulators in AVX-512 registers
+// over all inputs (2 weight loads and 8 broadcast pairs of x feed 16 dot products), then adds the
 // bias and rounds to bf16 once, as oneDNN does. Rows go in blocks of kRowBlockBf16 so that a block
 // of x stays in L2 while the thread's panels stream past it. On CPUs with AMX the same panels
 // feed AMX tiles instead (panel_amx.h).
@@ -161,12 +161,15 @@ inline PrefetchShare prefetch_share(const void* next, int64_t next_lines, int64_
 
 #ifdef INFERQ_PANEL_GEMM_512
 
-// With AVX-512 one register holds a whole 16-feature panel: a tile covers 12 rows x 2 panels in
-// 24 accumulators over all inputs at once (2 weight loads and 12 broadcasts per 24 FMAs), and the
+// With AVX-512 one register holds a whole 16-feature panel: a tile covers 8 rows x 2 panels in
+// 16 accumulators over all inputs at once (2 weight loads and 8 broadcasts per 16 FMAs), and the
 // rows go in blocks that keep their part of x in L2 while the thread's panels stream past. The
 // blocks are as even as possible: every block streams all the thread's weights once more, so a
 // decode step of 64 rows must not become 48 + 16 (measured: 15% slower than one block of 64).
-constexpr int64_t kTileRows512 = 12;
+// Eight rows, not the twelve that registers allow: on a Zen 4, tiles of 12 rows ran 8-10% below
+// tiles of 6-8 at every row count from 36 to 2,048 (197 against 217 GFLOP/s at 2,048 rows, fp32,
+// bench/cpu_matmul.py; bf16 401 against 422-444), although both keep the FMA pipes fed on paper.
+constexpr int64_t kTileRows512 = 8;
 constexpr int64_t kRowBlock512 = 96;
 
 // out[R, 16 * NP] (row stride ldo) = x[R, K] (row stride ldx) @ panels w, w + panel_stride, ...
@@ -273,7 +276,7 @@ inline void store_row_bf16(__m512 lo, __m512 hi, at::BFloat16* out) {
 }
 
 constexpr int64_t kPanelBf16 = 32;     // output features per bf16 panel (two AVX-512 registers)
-constexpr int64_t kTileRowsBf16 = 12;  // rows per micro-kernel call: 24 accumulators
+constexpr int64_t kTileRowsBf16 = 8;  // rows per micro-kernel call (see kTileRows512)
 constexpr int64_t kRowBlockBf16 = 96;  // rows of x per pass over the panels (~300 KiB of x)
 
 // out[R, 32] (row stride ldo, bf16) = x[R, 2 * pairs] (row stride ldx pairs) @ w + bias, for a
