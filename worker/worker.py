@@ -14,8 +14,9 @@ A busy worker reads new entries only when its model's arrivals channel said some
 its last read filled the budget), and otherwise every UNPROMPTED_READ_S, for producers that
 do not publish: with nothing new, a step costs no read at all.
 
-Side tasks: heartbeat, cancel and arrivals listener, lease renewal, status checks. Redis being away never
-stops the engine: the outbox keeps every write in order and sends it once Redis is back.
+Side tasks: heartbeat, cancel and arrivals listener, lease renewal, status checks. Redis being
+away never stops the engine: the outbox keeps every write in order and sends it once Redis is
+back.
 """
 
 from __future__ import annotations

@@ -276,7 +276,7 @@ inline void store_row_bf16(__m512 lo, __m512 hi, at::BFloat16* out) {
 }
 
 constexpr int64_t kPanelBf16 = 32;     // output features per bf16 panel (two AVX-512 registers)
-constexpr int64_t kTileRowsBf16 = 8;  // rows per micro-kernel call (see kTileRows512)
+constexpr int64_t kTileRowsBf16 = 8;   // rows per micro-kernel call (see kTileRows512)
 constexpr int64_t kRowBlockBf16 = 96;  // rows of x per pass over the panels (~300 KiB of x)
 
 // out[R, 32] (row stride ldo, bf16) = x[R, 2 * pairs] (row stride ldx pairs) @ w + bias, for a

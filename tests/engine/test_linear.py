@@ -204,10 +204,10 @@ def test_fp32_and_bf16_are_measured_alternately_once_per_machine(monkeypatch, tm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 6, 7, 13, 37, 100])
+@pytest.mark.parametrize("rows", [1, 6, 7, 8, 9, 13, 37, 100])
 def test_the_panel_kernel_covers_long_inputs_and_partial_panels(dtype, rows):
     """Inputs beyond one pass of the AVX2 fp32 kernel (it accumulates pass after pass) and an
-    odd count (bf16 multiplies inputs in pairs), row counts around the tiles (6 rows on AVX2, 12
+    odd count (bf16 multiplies inputs in pairs), row counts around the tiles (6 rows on AVX2, 8
     on AVX-512) and the 96-row blocks, and an output count that leaves the last panel partial."""
     if "panels" not in available_backends(dtype):
         pytest.skip(f"no {dtype} panel kernel for this CPU")
