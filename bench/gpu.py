@@ -7,7 +7,8 @@
 (a) unified_attention vs torch SDPA on pre-gathered K/V (decode and prefill shapes); needs
     only torch + triton. (b) batch-1 decode ms/token of a dummy-weight Llama-3-8B through
     `engine.LLM` vs the weight-bandwidth floor. (c) offline throughput of the same model vs
-    transformers' generate and the compute roofline. (b) and (c) need the engine's deps.
+    transformers' generate and the compute roofline. (d) the GPU's idle share of decode steps.
+    (b), (c) and (d) need the engine's deps.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gpu_report import (  # noqa: E402
 )
 
 logger = logging.getLogger("bench.gpu")
-PARTS = ("a", "b", "c")
+PARTS = ("a", "b", "c", "d")
 C = TypeVar("C")
 
 
@@ -43,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--parts", default="a,b,c", help="comma list of a (attention), b (decode), c (throughput)"
+        "--parts",
+        default="a,b,c,d",
+        help="comma list of a (attention), b (decode), c (throughput), d (step overhead)",
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="append the results as a markdown section"
@@ -77,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-num-batched-tokens", type=int, default=8192)
     engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument(
+        "--step-batches", default="1,64,256", help="(d) sequences per decode-heavy run"
+    )
     engine.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -87,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.decode_batches = parse_int_list(args.decode_batches)
         args.decode_contexts = parse_int_list(args.decode_contexts)
         args.prefill_shapes = parse_prefill_shapes(args.prefill_shapes)
+        args.step_batches = parse_int_list(args.step_batches)
     except ValueError as error:
         parser.error(str(error))
     if args.decode_tokens < 2:
@@ -161,6 +168,9 @@ def _run_engine(args: argparse.Namespace, parts: list[str]) -> list[tuple[str, s
             blocks.append(
                 ("(c) offline throughput", gpu_engine.bench_throughput(cfg, llm, hf_rates))
             )
+        if "d" in parts:
+            overhead = gpu_engine.bench_step_overhead(cfg, llm, args.step_batches)
+            blocks.append(("(d) time outside the GPU per step", overhead))
         return blocks
 
 
@@ -185,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = []
     if "a" in args.parts:
         blocks += _run_attention(args)
-    engine_parts = [p for p in args.parts if p in ("b", "c")]
+    engine_parts = [p for p in args.parts if p in ("b", "c", "d")]
     if engine_parts:
         try:
             import engine  # noqa: F401  (pydantic and the rest of the engine's deps)

@@ -191,6 +191,34 @@ def bench_throughput(cfg: EngineBenchConfig, llm, hf_rates: dict | None) -> str:
     )
 
 
+def bench_step_overhead(cfg: EngineBenchConfig, llm, batch_sizes: list[int]) -> str:
+    """How much of a decode-heavy step the GPU sits idle: wall time per engine step against the
+    kernel time the profiler records in it (one stream, so kernel times do not overlap)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = cfg.model_config["vocab_size"]
+    new_tokens = 32
+    rows = []
+    for index, batch in enumerate(batch_sizes):
+        prompts = random_prompts(batch, cfg.decode_prompt_len, vocab, cfg.seed + 10 + index)
+        _timed_generate(llm, prompts[:2], 4, cfg.device)  # warm-up
+        steps_before = llm.engine.stats().num_steps
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            seconds, _ = _timed_generate(llm, prompts, new_tokens, cfg.device)
+        steps = llm.engine.stats().num_steps - steps_before
+        busy_s = sum(e.self_device_time_total for e in prof.key_averages()) * 1e-6
+        rows.append([
+            batch, steps, seconds / steps * 1e3, busy_s / steps * 1e3, 1 - busy_s / seconds,
+        ])  # fmt: skip
+    headers = ["sequences", "steps", "wall ms/step", "GPU busy ms/step", "GPU idle fraction"]
+    return (
+        f"Decode-heavy steps: prompt {cfg.decode_prompt_len}, {new_tokens} new tokens each, "
+        "bf16 dummy weights, under torch.profiler (CUDA activity only). Idle = 1 - kernel time "
+        "/ wall time: the host's share of a step that the GPU does not hide.\n\n"
+        + markdown_table(headers, rows)
+    )
+
+
 def bench_transformers(cfg: EngineBenchConfig) -> dict:
     """transformers generate on the same config (random weights), static batches, then freed."""
     from transformers import AutoConfig, AutoModelForCausalLM

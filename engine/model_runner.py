@@ -23,6 +23,7 @@ from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.distributed import tensor_parallel
+from engine.distributed.step_channel import StepSender
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.layers import cpu_glue, matmul_tuning
 from engine.machine_cache import cached, machine_key
@@ -117,15 +118,18 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=self.dtype,
         )
+        # Sizing the KV cache on CUDA runs a profiling step, on every rank at once: the driver
+        # sends steps to its executors only after it.
+        self.step_sender: StepSender | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        # Steps of at least this many tokens run the compiled glue; None: never.
+        self.compiled_glue_min_tokens: int | None = None
         self.num_kv_blocks = tensor_parallel.agree_on_blocks(
             self.tp, self._decide_num_kv_blocks(), self.device
         )
         self.kv_cache = KVCache(self.kv_spec, self.num_kv_blocks, self.device)
-        self.decode_graphs: DecodeGraphs | None = None
         if self._wants_cuda_graphs():
             self.decode_graphs = self._capture_decode_graphs()
-        # Steps of at least this many tokens run the compiled glue; None: never.
-        self.compiled_glue_min_tokens: int | None = None
         if self.device.type == "cpu" and not config.enforce_eager:
             self._compile_cpu_forward()
         self.step_sender = tensor_parallel.driver_sender(self.tp, self.tp_ranks)

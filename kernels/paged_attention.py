@@ -70,6 +70,7 @@ def _unified_attention_kernel(
 
     if DECODE_ONLY:
         seq = q_block_id  # one query token per sequence: program i is sequence i
+        q_block = 0
     else:
         # Sequence i owns q-block ids from query_start_loc[i] // BLOCK_Q + i on: the `+ i`
         # leaves room for the partial block each sequence may end with, so ids never collide.
@@ -84,9 +85,9 @@ def _unified_attention_kernel(
             else:
                 hi = mid
         seq = lo - 1
+        q_block = q_block_id - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block = q_block_id - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return  # a spare id (the grid covers the worst case), or a sequence with no query
     seq_len = tl.load(seq_lens_ptr + seq)

@@ -65,6 +65,30 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides:
     return path
 
 
+def transformers_greedy(
+    model_path: Path, prompts: list[list[int]], new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt in float32, run one at a time (no
+    padding), exactly new_tokens long."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=model.config.eos_token_id or 0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
 @pytest.fixture
 def tiny_model_factory(tmp_path: Path) -> Callable[..., Path]:
     """make(kind="llama", **config overrides) -> a folder holding a random tiny HF model."""

@@ -16,7 +16,7 @@ import torch
 
 from engine.cuda_graphs import StepFn, capture_sizes
 from engine.model_runner import ModelRunner
-from tests.engine.test_model_parity import _make_runner, _run_schedule
+from tests.engine.test_model_parity import TRITON_DEVICE, _make_runner, _run_schedule
 
 # Prefills of 7, 13, 1 and 5 tokens, then decode-only steps of 4 sequences (exact size), of 3
 # (padded to 4: the padding row still holds sequence 3's inputs and must not write its cache),
@@ -62,11 +62,11 @@ def test_graph_decode_steps_match_eager_steps(tiny_model_factory, kind: str) -> 
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENGTHS]
 
-    eager_runner = _make_runner(model_path, backend="triton")
+    eager_runner = _make_runner(model_path, backend="triton", device=TRITON_DEVICE)
     eager_prompts = [list(p) for p in prompts]
     eager = _run_schedule(eager_runner, eager_prompts, SCHEDULE)
 
-    graph_runner: ModelRunner = _make_runner(model_path, backend="triton")
+    graph_runner: ModelRunner = _make_runner(model_path, backend="triton", device=TRITON_DEVICE)
     graph_runner.config.max_num_seqs = 8
     graph_runner.decode_graphs = graph_runner.make_decode_graphs()
     capture = RerunCapture()
@@ -95,7 +95,7 @@ def test_a_failed_capture_leaves_the_runner_eager(tiny_model_factory, monkeypatc
     monkeypatch.setattr(model_runner.ModelRunner, "_wants_cuda_graphs", lambda self: True)
     monkeypatch.setattr(model_runner, "cuda_graph_capture", failing_capture)
     monkeypatch.setattr(model_runner.torch.cuda, "graph_pool_handle", lambda: None)
-    runner = _make_runner(tiny_model_factory("llama"), backend="triton")
+    runner = _make_runner(tiny_model_factory("llama"), backend="triton", device=TRITON_DEVICE)
     assert runner.decode_graphs is None
     assert "CUDA graph capture failed" in caplog.text
     prompts = [[3, 4, 5], [6]]

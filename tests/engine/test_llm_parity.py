@@ -6,10 +6,10 @@ native bf16, whose tokens drift from float32's after a few dozen)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.model_files import DEFAULT_MODEL, resolve_model_path
+from tests.engine.conftest import transformers_greedy
 
 NEW_TOKENS = 48
 PROMPT_LENGTHS = [1, 7, 16, 33, 64, 150, 257, 400]
@@ -37,24 +37,7 @@ def prompts(model_path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(model_path, prompts) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, run one at a time (no padding)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=model.config.eos_token_id,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return transformers_greedy(model_path, prompts, NEW_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

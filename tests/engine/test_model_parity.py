@@ -22,6 +22,8 @@ from tests.engine.conftest import LLAMA3_ROPE
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
+# The Triton kernels compile for a GPU where there is one; on the CPU they run interpreted.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _reference_logits(model_path: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -34,11 +36,15 @@ def _reference_logits(model_path: Path, sequences: list[list[int]]) -> list[torc
 
 
 def _make_runner(
-    model_path: Path, num_blocks: int = 96, backend: str = "torch", dtype: str = "float32"
+    model_path: Path,
+    num_blocks: int = 96,
+    backend: str = "torch",
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> ModelRunner:
     config = EngineConfig(
         model=str(model_path),
-        device="cpu",
+        device=device,  # type: ignore[arg-type]
         dtype=dtype,  # type: ignore[arg-type]
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_blocks,
@@ -95,9 +101,13 @@ SCHEDULE = [
 
 
 def _check_parity(
-    model_path: Path, backend: str = "torch", dtype: str = "float32", atol: float = ATOL
+    model_path: Path,
+    backend: str = "torch",
+    dtype: str = "float32",
+    atol: float = ATOL,
+    device: str = "cpu",
 ) -> None:
-    runner = _make_runner(model_path, backend=backend, dtype=dtype)
+    runner = _make_runner(model_path, backend=backend, dtype=dtype, device=device)
     rng = random.Random(1)
     prompts = [[rng.randrange(runner.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
     logits_at = _run_schedule(runner, prompts, SCHEDULE)
@@ -105,7 +115,7 @@ def _check_parity(
     for index, reference in enumerate(_reference_logits(model_path, prompts)):
         assert reference.std() > 0.3  # logits that vary, so the comparison means something
         positions = sorted(p for i, p in logits_at if i == index)
-        ours = torch.stack([logits_at[(index, p)] for p in positions])
+        ours = torch.stack([logits_at[(index, p)] for p in positions]).cpu()
         torch.testing.assert_close(ours, reference[positions], atol=atol, rtol=0)
 
 
@@ -139,7 +149,9 @@ def test_triton_backend_matches_transformers(tiny_model_factory, kind: str) -> N
     """The Triton kernels (interpreted on the CPU) run the same batches to the same logits."""
     pytest.importorskip("triton")  # on CPU-only machines tests/conftest.py selects the interpreter
     model_kind, overrides = CONFIGS[kind]
-    _check_parity(tiny_model_factory(model_kind, **overrides), backend="triton")
+    _check_parity(
+        tiny_model_factory(model_kind, **overrides), backend="triton", device=TRITON_DEVICE
+    )
 
 
 @pytest.mark.slow

@@ -77,6 +77,19 @@ def test_small_and_non_power_of_two_head_dims(head_dim, device):
     _assert_close(_run_kernel(batch, 0.3), _run_reference(batch, 0.3), torch.float32)
 
 
+@pytest.mark.parametrize("queries_per_kv", [1, 3, 4])
+def test_decode_batch_wider_than_a_query_block(queries_per_kv, device):
+    """A decode-only batch of 20 sequences: more than one query block's worth of rows (16 // 3
+    = 5 sequences with 3 query heads per KV head), each sequence in its own program."""
+    rng = torch.Generator().manual_seed(queries_per_kv)
+    seq_lens = torch.randint(1, 90, (20,), generator=rng).tolist()
+    batch = make_paged_batch(
+        [1] * 20, seq_lens, num_q_heads=2 * queries_per_kv, num_kv_heads=2, head_dim=64,
+        block_size=16, dtype=torch.float32, device=device, seed=queries_per_kv,
+    )  # fmt: skip
+    _assert_close(_run_kernel(batch, 0.125), _run_reference(batch, 0.125), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype, device):
     batch = make_paged_batch(

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The CUDA checks and benchmark, for a machine with an NVIDIA GPU (torch + triton installed).
+#   bash scripts/gpu_check.sh tests            # kernel tests and the CUDA engine tests
+#   bash scripts/gpu_check.sh bench [FLAGS]    # bench/gpu.py FLAGS, results appended to $OUT/gpu.md
+# Wheels in .whl/ (packages the machine lacks, e.g. pydantic) are installed to /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/inferq-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+stage=${1:-tests}
+shift || true
+case "$stage" in
+  tests)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -m pytest -q -p no:cacheprovider --timeout 300 -o addopts="" -m "not slow" \
+      tests/kernels tests/engine/test_cuda_path.py tests/engine/test_sampler.py "$@" 2>&1 |
+      tee "$OUT/pytest.log"
+    ;;
+  bench)
+    python3 bench/gpu.py --out "$OUT/gpu.md" "$@" 2>&1 | tee "$OUT/bench.log"
+    ;;
+  *)
+    echo "usage: $0 tests|bench [args]" >&2
+    exit 2
+    ;;
+esac
