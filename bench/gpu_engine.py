@@ -200,8 +200,10 @@ def bench_step_overhead(cfg: EngineBenchConfig, llm, batch_sizes: list[int]) -> 
     new_tokens = 32
     rows = []
     for index, batch in enumerate(batch_sizes):
-        prompts = random_prompts(batch, cfg.decode_prompt_len, vocab, cfg.seed + 10 + index)
-        _timed_generate(llm, prompts[:2], 4, cfg.device)  # warm-up
+        seed = cfg.seed + 10 + 2 * index
+        warm_up = random_prompts(2, cfg.decode_prompt_len, vocab, seed)  # no prefix hits later
+        _timed_generate(llm, warm_up, 4, cfg.device)
+        prompts = random_prompts(batch, cfg.decode_prompt_len, vocab, seed + 1)
         steps_before = llm.engine.stats().num_steps
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             seconds, _ = _timed_generate(llm, prompts, new_tokens, cfg.device)

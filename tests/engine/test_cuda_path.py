@@ -2,7 +2,8 @@
 
 Skipped without a GPU. On the CPU the same code runs under the Triton interpreter and a graph
 stand-in (test_model_parity.py, test_cuda_graphs.py); these tests are what shows it on CUDA.
-References come from transformers in float32 on the CPU, or from the same engine on the CPU.
+References come from transformers in float32 on the CPU, or from the engine's own eager,
+non-speculative decoding on CUDA.
 """
 
 from __future__ import annotations
