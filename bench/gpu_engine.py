@@ -193,22 +193,28 @@ def bench_throughput(cfg: EngineBenchConfig, llm, hf_rates: dict | None) -> str:
 
 def bench_step_overhead(cfg: EngineBenchConfig, llm, batch_sizes: list[int]) -> str:
     """How much of a decode-heavy step the GPU sits idle: wall time per engine step against the
-    kernel time the profiler records in it (one stream, so kernel times do not overlap)."""
+    kernel time the profiler records in it (one stream, so kernel times do not overlap). On
+    the CPU (smoke tests) operator time stands in for kernel time."""
     from torch.profiler import ProfilerActivity, profile
 
+    on_cuda = _is_cuda(cfg.device)
+    activity = ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU
     vocab = cfg.model_config["vocab_size"]
     new_tokens = 32
     rows = []
+    kernel_tables = []
     for index, batch in enumerate(batch_sizes):
         seed = cfg.seed + 10 + 2 * index
         warm_up = random_prompts(2, cfg.decode_prompt_len, vocab, seed)  # no prefix hits later
         _timed_generate(llm, warm_up, 4, cfg.device)
         prompts = random_prompts(batch, cfg.decode_prompt_len, vocab, seed + 1)
         steps_before = llm.engine.stats().num_steps
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[activity]) as prof:
             seconds, _ = _timed_generate(llm, prompts, new_tokens, cfg.device)
         steps = llm.engine.stats().num_steps - steps_before
-        busy_s = sum(e.self_device_time_total for e in prof.key_averages()) * 1e-6
+        events = [e for e in prof.key_averages() if _busy_us(e, on_cuda) > 0]
+        busy_s = sum(_busy_us(e, on_cuda) for e in events) * 1e-6
+        kernel_tables.append(_top_kernels(events, batch, steps, on_cuda))
         rows.append([
             batch, steps, seconds / steps * 1e3, busy_s / steps * 1e3, 1 - busy_s / seconds,
         ])  # fmt: skip
@@ -218,6 +224,23 @@ def bench_step_overhead(cfg: EngineBenchConfig, llm, batch_sizes: list[int]) -> 
         "bf16 dummy weights, under torch.profiler (CUDA activity only). Idle = 1 - kernel time "
         "/ wall time: the host's share of a step that the GPU does not hide.\n\n"
         + markdown_table(headers, rows)
+        + "\n\n"
+        + "\n\n".join(kernel_tables)
+    )
+
+
+def _busy_us(event, on_cuda: bool) -> float:
+    return event.self_device_time_total if on_cuda else event.self_cpu_time_total
+
+
+def _top_kernels(events: list, batch: int, steps: int, on_cuda: bool, count: int = 8) -> str:
+    """The kernels that took the most device time, per step: where a step's busy time goes."""
+    top = sorted(events, key=lambda e: _busy_us(e, on_cuda), reverse=True)[:count]
+    rows = [
+        [e.key[:60], e.count / steps, _busy_us(e, on_cuda) / steps / 1e3] for e in top
+    ]  # fmt: skip
+    return f"Top kernels at {batch} sequences:\n\n" + markdown_table(
+        ["kernel", "launches/step", "ms/step"], rows
     )
 
 

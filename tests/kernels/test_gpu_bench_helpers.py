@@ -130,7 +130,7 @@ def _table_rows(block: str) -> list[list[str]]:
 
 
 def test_engine_bench_parts_run_on_cpu_with_a_tiny_llama(tmp_path, caplog):
-    """Parts (b) and (c) end to end on the CPU: engine args, transformers API, both tables."""
+    """Parts (b), (c) and (d) end to end on the CPU: engine args, transformers API, the tables."""
     import logging
     import math
 
@@ -160,6 +160,7 @@ def test_engine_bench_parts_run_on_cpu_with_a_tiny_llama(tmp_path, caplog):
         llm = gpu_engine.make_llm(cfg)
         decode = gpu_engine.bench_decode(cfg, llm)
         throughput = gpu_engine.bench_throughput(cfg, llm, hf_rates)
+        overhead = gpu_engine.bench_step_overhead(cfg, llm, [1, 3])
     assert not [r for r in caplog.records if "expected" in r.getMessage()]  # all tokens produced
 
     decode_rows = _table_rows(decode)
@@ -175,3 +176,8 @@ def test_engine_bench_parts_run_on_cpu_with_a_tiny_llama(tmp_path, caplog):
     assert ours[0].startswith("inferq") and theirs[0].startswith("transformers")
     assert all(math.isfinite(float(v)) and float(v) > 0 for v in ours[1:5] + theirs[1:])
     assert all(math.isfinite(v) and v > 0 for v in hf_rates.values())
+
+    overhead_rows = _table_rows(overhead)
+    assert overhead_rows[0][0] == "sequences" and [r[0] for r in overhead_rows[1:3]] == ["1", "3"]
+    assert all(int(r[1]) >= 4 for r in overhead_rows[1:3])  # a step per new token at least
+    assert "Top kernels at 3 sequences" in overhead
