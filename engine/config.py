@@ -106,6 +106,15 @@ class EngineConfig:
             "start-up over the model's shapes (cached per CPU), per decode/prefill row count"
         ),
     ] = "auto"
+    cpu_greedy_screen: Annotated[
+        Literal["auto", "on", "off"],
+        Field(
+            description="float32 on the CPU: greedy tokens from a bfloat16 pass of the LM head, "
+            "only the near-best tokens recomputed in float32 (the same tokens); auto: where "
+            "the CPU has bfloat16 panel kernels and the screen measures faster at start-up "
+            "(cached per CPU); on: wherever the CPU has them"
+        ),
+    ] = "auto"
     tensor_parallel_size: Annotated[
         int,
         Field(

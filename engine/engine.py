@@ -29,7 +29,7 @@ from engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.sampler import Sampler
+from engine.sampler import Sampler, takes_only_argmax
 from engine.sampling.logit_bias import apply_logit_bias
 from engine.scheduler import Scheduler
 from engine.sequence import ScheduledSeq, Sequence
@@ -319,7 +319,11 @@ class Engine:
         if not output.scheduled:
             return deltas
         entries = [item for item in output.scheduled if item.samples]
-        logits = self.runner.execute(output.scheduled, output.block_copies)
+        greedy = self._screens_greedy(entries, output.preempted)
+        if greedy:
+            greedy_token_ids = self.runner.execute_greedy(output.scheduled, output.block_copies)
+        else:
+            logits = self.runner.execute(output.scheduled, output.block_copies)
         self.scheduler.update_after_step(output)
         self._num_steps += 1
         now = time.monotonic()
@@ -333,18 +337,23 @@ class Engine:
                 request.metrics.num_cached_prompt_tokens = item.seq.num_cached_tokens
         if not entries:
             return deltas
-        beams, sampled = split_beam_rows(logits, entries)
-        preempted_beams = [s for s in output.preempted if s.params.use_beam_search]
-        if beams.entries or preempted_beams:
-            deltas += self._advance_beams(beams.entries, beams.logits, preempted_beams, now)
-        entries = sampled.entries
-        if not entries:
-            return deltas
-        # One logits row per sampled token position: 1 + k for a sequence verifying k drafts.
-        row_seqs = [e.seq for e in entries for _ in range(1 + len(e.draft_token_ids))]
-        apply_logit_bias(sampled.logits, row_seqs, self.vocab_size)
-        self.structured.mask_logits(sampled.logits, row_seqs)
-        picks = self._pick(sampled.logits, entries)
+        if greedy:
+            picks = [
+                Verified([token_id], [None], [None], 0, 0) for token_id in greedy_token_ids.tolist()
+            ]
+        else:
+            beams, sampled = split_beam_rows(logits, entries)
+            preempted_beams = [s for s in output.preempted if s.params.use_beam_search]
+            if beams.entries or preempted_beams:
+                deltas += self._advance_beams(beams.entries, beams.logits, preempted_beams, now)
+            entries = sampled.entries
+            if not entries:
+                return deltas
+            # One logits row per sampled token position: 1 + k for a sequence verifying k drafts.
+            row_seqs = [e.seq for e in entries for _ in range(1 + len(e.draft_token_ids))]
+            apply_logit_bias(sampled.logits, row_seqs, self.vocab_size)
+            self.structured.mask_logits(sampled.logits, row_seqs)
+            picks = self._pick(sampled.logits, entries)
         for entry in entries:  # before the sampled token may finish (and free) the parent
             request = self._requests[entry.seq.request_id]
             if not request.forked:
@@ -363,6 +372,17 @@ class Engine:
                 if self.speculator is not None:
                     self.speculator.record(seq, pick.num_draft_tokens, pick.num_accepted_tokens)
         return deltas
+
+    def _screens_greedy(self, entries: list[ScheduledSeq], preempted: list[Sequence]) -> bool:
+        """Whether the step's tokens are all plain argmaxes, which the runner's greedy screen
+        finds for less than the full logits cost (ModelRunner.execute_greedy); beams lost to
+        preemption still need their search advanced from logits."""
+        return (
+            self.runner.greedy_screen is not None
+            and bool(entries)
+            and all(_argmax_only(entry) for entry in entries)
+            and not any(seq.params.use_beam_search for seq in preempted)
+        )
 
     def _advance_beams(
         self,
@@ -564,6 +584,20 @@ class Engine:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
         )
+
+
+def _argmax_only(entry: ScheduledSeq) -> bool:
+    """Whether the entry's one token is its raw logits' argmax and nothing else is asked of
+    them: no drafts to verify, no beams, no bias or grammar on the logits, and a sampler that
+    takes the plain argmax (greedy, no penalties, no logprobs, min_tokens reached)."""
+    params = entry.seq.params
+    return (
+        not entry.draft_token_ids
+        and not params.use_beam_search
+        and not params.logit_bias
+        and params.structured_output is None
+        and takes_only_argmax(entry.seq)
+    )
 
 
 def _may_speculate(params: SamplingParams) -> bool:

@@ -25,7 +25,8 @@ from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.distributed import tensor_parallel
 from engine.distributed.step_channel import StepSender
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
-from engine.layers import cpu_glue, matmul_tuning
+from engine.layers import cpu_glue, matmul_tuning, screened_lm_head
+from engine.layers.screened_lm_head import ScreenedLMHead
 from engine.machine_cache import cached, machine_key
 from engine.models import sliding_window_limit
 from engine.models.llama import head_dim_of
@@ -109,8 +110,13 @@ class ModelRunner:
             tp=self.tp,
         )
         self.weight_bytes = weight_bytes(self.model)
+        self.greedy_screen: ScreenedLMHead | None = None
         if self.device.type == "cpu":
             matmul_tuning.tune_model(self.model, shapes, self.dtype, config.cpu_matmul)
+            if self.tp is None and self.dtype == torch.float32:
+                self.greedy_screen = screened_lm_head.build(
+                    self.model.lm_head, self.vocab_size, config.cpu_greedy_screen
+                )
         self.kv_spec = KVCacheSpec(
             num_layers=hf_config.num_hidden_layers,
             num_kv_heads=tensor_parallel.local_sizes(hf_config, self.tp).num_kv_heads,
@@ -382,25 +388,51 @@ class ModelRunner:
             parts.append(logits.log_softmax(-1).gather(-1, picked).squeeze(-1))
         return torch.cat(parts)
 
+    @torch.inference_mode()
+    def execute_greedy(
+        self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """`execute` for a batch whose every sampling entry takes the plain argmax of its one
+        logits row: those tokens, [rows] int64 in batch order, through the greedy screen where
+        the runner has one (`greedy_screen`), else the argmax of the full logits."""
+        screen = self.greedy_screen
+        if screen is None or self.step_sender is not None:
+            return self.execute(batch, block_copies)[:, : self.vocab_size].argmax(dim=-1)
+        self.kv_cache.copy_blocks(block_copies)
+        if not batch:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        inputs = self.prepare_inputs(batch)
+        with cpu_glue.using(self._glue_for_step(inputs)):
+            hidden = self._final_hidden(inputs)
+        if hidden is None:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        return screen.argmax(hidden)
+
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
-        if inputs.sample_rows is not None and inputs.sample_rows.numel() == 0:
-            # Only partial prefill chunks: their K/V matter, no logits are needed.
-            self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta)
+        hidden = self._final_hidden(inputs)
+        if hidden is None:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(hidden)
+
+    def _final_hidden(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The final hidden states of the rows that sample; None where none does (only partial
+        prefill chunks: their K/V matter, no logits are needed)."""
+        if inputs.sample_rows is not None and inputs.sample_rows.numel() == 0:
+            self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta)
+            return None
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(inputs.input_ids, inputs.attn_meta):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
             if inputs.sample_rows is not None:
                 hidden = hidden.index_select(0, inputs.sample_rows)
-        else:
-            hidden = self.model(
-                inputs.input_ids,
-                inputs.positions,
-                self.kv_cache.layers,
-                inputs.attn_meta,
-                inputs.sample_rows,
-            )
-        return self.model.compute_logits(hidden)
+            return hidden
+        return self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_cache.layers,
+            inputs.attn_meta,
+            inputs.sample_rows,
+        )
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """Flatten a step's sequences into model inputs and attention metadata (no mutation)."""

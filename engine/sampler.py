@@ -47,7 +47,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _only_argmax(seq: Sequence) -> bool:
+def takes_only_argmax(seq: Sequence) -> bool:
     """Whether the row's token is the raw logits' argmax and nothing else is asked of them."""
     params = seq.params
     return (
@@ -81,7 +81,7 @@ class Sampler:
         if not seqs:
             return SamplerOutput([], [], [])
         # Columns past vocab_size are padding of the LM head, never valid tokens.
-        if all(_only_argmax(seq) for seq in seqs):
+        if all(takes_only_argmax(seq) for seq in seqs):
             token_ids = argmax(logits[:, : self.vocab_size]).tolist()
             return SamplerOutput(token_ids, [None] * len(seqs), [None] * len(seqs))
         raw = logits[:, : self.vocab_size].float()

@@ -150,6 +150,24 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.inferq_cpu.argmax_rows(logits)
 
 
+def screened_argmax(
+    approx: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    row_norms: torch.Tensor,
+    vocab_size: int,
+    max_candidates: int,
+) -> torch.Tensor:
+    """[rows] int64: the first maximum of each row of (hidden @ weight.T)[:, :vocab_size] in
+    float32, found from approx, the same product in bf16 (bf16 inputs, fp32 accumulation, bf16
+    out), and row_norms, the L2 norm of each weight row: only the tokens whose screened logit
+    may, within its rounding bound, be the maximum get an exact fp32 logit. -1 marks a row it
+    could not settle (not finite, or more than max_candidates such tokens)."""
+    return torch.ops.inferq_cpu.screened_argmax(
+        approx, hidden, weight, row_norms, vocab_size, max_candidates
+    )
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2 * d] holding gate then up -> silu(gate) * up [..., d]."""
     return torch.ops.inferq_cpu.silu_and_mul(x)
