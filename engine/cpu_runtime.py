@@ -16,7 +16,12 @@ bound OpenMP threads, it would share the first core with the thread that steps t
 each step would wait for the loop to yield that core. So the worker moves its loop to the last
 core (`move_to_last_core`), whose OpenMP thread idles whenever the engine is not in a parallel
 region, and shortens OpenMP's spin-wait (libgomp's default spins for milliseconds), so that the
-idle OpenMP thread yields that core to the loop.
+idle OpenMP thread yields that core to the loop. The loop also runs at a lower priority than the
+engine's threads (`lower_event_loop_priority`): a step's threads split its work evenly, so the
+loop (sending chunks, reading jobs) taking the last core in the middle of a parallel region
+stalls every thread at its end, while at a lower priority it runs in the gaps between regions
+(measured on 2 cores: a side load of 10% of one core cost the engine 10% of its throughput at
+equal priority, 2% at nice 19).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -33,6 +39,8 @@ DISABLE_ENV = "INFERQ_CPU_TUNE"  # "0" keeps the process as it was started
 # libgomp spin iterations before an idle OpenMP thread sleeps: a fraction of a millisecond, long
 # enough to bridge the gaps between the parallel regions of one step
 EVENT_LOOP_SPIN_COUNT = "10000"
+# How much nicer than the engine's threads a worker's event loop runs (Linux: per thread)
+EVENT_LOOP_NICENESS = 10
 
 _ALLOCATORS = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -118,6 +126,19 @@ def move_to_last_core(cores: set[int]) -> bool:
     if len(cores) < 2 or not os.environ.get("OMP_PROC_BIND"):
         return False
     os.sched_setaffinity(0, {max(cores)})
+    return True
+
+
+def lower_event_loop_priority() -> bool:
+    """Make the calling thread (a CPU worker's event loop) EVENT_LOOP_NICENESS nicer than it is,
+    on Linux, in a process running under the tuned CPU runtime; True if it did. Threads it
+    starts later inherit that, so the engine's thread must exist already (it also starts the
+    OpenMP threads of every step)."""
+    if sys.platform != "linux" or not os.environ.get(TUNED_MARKER):
+        return False
+    thread = threading.get_native_id()  # on Linux the niceness of one thread
+    current = os.getpriority(os.PRIO_PROCESS, thread)
+    os.setpriority(os.PRIO_PROCESS, thread, min(19, current + EVENT_LOOP_NICENESS))
     return True
 
 

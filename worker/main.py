@@ -42,8 +42,9 @@ def tune_cpu_process(device: str, num_threads: int | None) -> None:
 
 async def serve(settings: WorkerSettings, cores: set[int]) -> int:
     """Load the engine, serve until SIGTERM / SIGINT, drain, hand back, return 0. `cores`: the
-    cores this process may use; the event loop moves to the last one once the engine is up."""
-    from engine.cpu_runtime import move_to_last_core
+    cores this process may use; once the engine is up the event loop moves to the last one, at a
+    lower priority than the engine's threads."""
+    from engine.cpu_runtime import lower_event_loop_priority, move_to_last_core
     from worker.worker import Worker
 
     workers: list[Worker] = []
@@ -55,7 +56,8 @@ async def serve(settings: WorkerSettings, cores: set[int]) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop)  # a signal during the model load acts after it
-    workers.append(Worker(settings))  # loads the model (blocking)
+    workers.append(Worker(settings))  # loads the model (blocking), on the engine's thread
     move_to_last_core(cores)
+    lower_event_loop_priority()
     await workers[0].run()
     return 0

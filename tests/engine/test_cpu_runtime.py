@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu_runtime import EVENT_LOOP_SPIN_COUNT, find_allocator, move_to_last_core
+from engine.cpu_runtime import (
+    EVENT_LOOP_NICENESS,
+    EVENT_LOOP_SPIN_COUNT,
+    find_allocator,
+    lower_event_loop_priority,
+    move_to_last_core,
+)
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,6 +185,33 @@ def test_the_event_loop_moves_to_the_last_core_only_when_threads_are_bound(
     monkeypatch.setenv("OMP_PROC_BIND", "close")
     assert _affinity_after_move(cores) == (True, {max(cores)})
     assert _affinity_after_move({min(cores)}) == (False, cores)
+
+
+def _niceness_after_lowering() -> tuple[bool, int]:
+    seen: list[tuple[bool, int]] = []
+
+    def in_a_thread() -> None:  # niceness is per thread on Linux: leave the test's own alone
+        lowered = lower_event_loop_priority()
+        seen.append((lowered, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+def test_the_event_loop_yields_to_the_engine_threads_only_in_a_tuned_cpu_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tuned CPU worker's loop runs nicer than the engine's threads; the rest of the process
+    (here, the test's own thread, standing for the engine's) keeps its priority."""
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    monkeypatch.delenv("INFERQ_CPU_RUNTIME_TUNED", raising=False)
+    assert _niceness_after_lowering() == (False, own)
+    monkeypatch.setenv("INFERQ_CPU_RUNTIME_TUNED", "1")
+    assert _niceness_after_lowering() == (True, min(19, own + EVENT_LOOP_NICENESS))
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
 def _anon_huge_kib() -> int:
