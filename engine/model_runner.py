@@ -117,6 +117,8 @@ class ModelRunner:
                 self.greedy_screen = screened_lm_head.build(
                     self.model.lm_head, self.vocab_size, config.cpu_greedy_screen
                 )
+            if self.greedy_screen is not None:  # its bf16 copy counts against memory_budget
+                self.weight_bytes += self.greedy_screen.nbytes
         self.kv_spec = KVCacheSpec(
             num_layers=hf_config.num_hidden_layers,
             num_kv_heads=tensor_parallel.local_sizes(hf_config, self.tp).num_kv_heads,

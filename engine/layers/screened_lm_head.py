@@ -50,6 +50,11 @@ class ScreenedLMHead:
             self.row_norms = weight.double().norm(dim=1).float()
             self.panels = cpu_ops.pack_panels(weight.bfloat16())
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the screen adds to the model's: its bf16 copy and the row norms."""
+        return sum(t.numel() * t.element_size() for t in (self.panels, self.row_norms))
+
     @torch.inference_mode()
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows] int64 greedy tokens of float32 hidden states [rows, in_features]."""

@@ -195,3 +195,29 @@ def test_rows_that_need_their_logits_bypass_the_screen(tiny_model_factory, monke
         assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
     assert got[1].outputs[0].token_ids == [42] * 6
     assert got[0].outputs[0].logprobs is not None
+
+
+def test_the_screens_copy_counts_against_the_memory_budget(tiny_model_factory):
+    """Under memory_budget the KV cache gets what the weights leave, the screen's copy included."""
+    from engine import LLM
+
+    model_dir = tiny_model_factory("llama", tie_word_embeddings=True)
+
+    def runner(screen: str):
+        llm = LLM(
+            str(model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            cpu_greedy_screen=screen,
+            memory_budget=8 << 20,
+        )
+        return llm.engine.runner
+
+    with_screen, without = runner("on"), runner("off")
+    assert with_screen.greedy_screen is not None
+    extra = with_screen.greedy_screen.nbytes
+    assert extra > 0
+    assert with_screen.weight_bytes == without.weight_bytes + extra
+    per_block = without.kv_spec.bytes_per_block
+    assert with_screen.num_kv_blocks * per_block <= (8 << 20) - with_screen.weight_bytes
+    assert with_screen.num_kv_blocks < without.num_kv_blocks
