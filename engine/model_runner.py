@@ -350,12 +350,34 @@ class ModelRunner:
             with tensor_parallel.fatal_step_errors(self.tp_ranks):
                 self.step_sender.send(tensor_parallel.message_of(inputs, block_copies))
                 return self.execute_inputs(inputs, block_copies)
+        return self._logits(self._local_hidden(batch, block_copies))
+
+    @torch.inference_mode()
+    def execute_greedy(
+        self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]] = ()
+    ) -> torch.Tensor:
+        """`execute` for a batch whose every sampling entry takes the plain argmax of its one
+        logits row: those tokens, [rows] int64 in batch order, through the greedy screen where
+        the runner has one (`greedy_screen`), else the argmax of the full logits."""
+        screen = self.greedy_screen
+        if screen is None or self.step_sender is not None:
+            return self.execute(batch, block_copies)[:, : self.vocab_size].argmax(dim=-1)
+        hidden = self._local_hidden(batch, block_copies)
+        if hidden is None:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        return screen.argmax(hidden)
+
+    def _local_hidden(
+        self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]]
+    ) -> torch.Tensor | None:
+        """Run a step on this rank alone: the final hidden states of its sampling rows (None
+        where none samples)."""
         self.kv_cache.copy_blocks(block_copies)
         if not batch:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            return None
         inputs = self.prepare_inputs(batch)
         with cpu_glue.using(self._glue_for_step(inputs)):
-            return self._run_model(inputs)
+            return self._final_hidden(inputs)
 
     @torch.inference_mode()
     def execute_inputs(
@@ -364,9 +386,9 @@ class ModelRunner:
         """`execute` from prepared inputs (None: no sequences); executor ranks run this."""
         self.kv_cache.copy_blocks(block_copies)
         if inputs is None:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            return self._logits(None)
         with cpu_glue.using(self._glue_for_step(inputs)):
-            return self._run_model(inputs)
+            return self._logits(self._final_hidden(inputs))
 
     def execute_message(self, message: tensor_parallel.StepMessage) -> None:
         """Run the step a driver sent (on an executor rank)."""
@@ -390,28 +412,8 @@ class ModelRunner:
             parts.append(logits.log_softmax(-1).gather(-1, picked).squeeze(-1))
         return torch.cat(parts)
 
-    @torch.inference_mode()
-    def execute_greedy(
-        self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]] = ()
-    ) -> torch.Tensor:
-        """`execute` for a batch whose every sampling entry takes the plain argmax of its one
-        logits row: those tokens, [rows] int64 in batch order, through the greedy screen where
-        the runner has one (`greedy_screen`), else the argmax of the full logits."""
-        screen = self.greedy_screen
-        if screen is None or self.step_sender is not None:
-            return self.execute(batch, block_copies)[:, : self.vocab_size].argmax(dim=-1)
-        self.kv_cache.copy_blocks(block_copies)
-        if not batch:
-            return torch.empty(0, dtype=torch.long, device=self.device)
-        inputs = self.prepare_inputs(batch)
-        with cpu_glue.using(self._glue_for_step(inputs)):
-            hidden = self._final_hidden(inputs)
-        if hidden is None:
-            return torch.empty(0, dtype=torch.long, device=self.device)
-        return screen.argmax(hidden)
-
-    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
-        hidden = self._final_hidden(inputs)
+    def _logits(self, hidden: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits of the sampling rows' hidden states; [0, vocab] for none."""
         if hidden is None:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden)
