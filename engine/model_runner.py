@@ -357,11 +357,10 @@ class ModelRunner:
         self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]] = ()
     ) -> torch.Tensor:
         """`execute` for a batch whose every sampling entry takes the plain argmax of its one
-        logits row: those tokens, [rows] int64 in batch order, through the greedy screen where
-        the runner has one (`greedy_screen`), else the argmax of the full logits."""
+        logits row: those tokens, [rows] int64 in batch order, through the greedy screen (only
+        a runner with one, which is never a tensor-parallel one)."""
         screen = self.greedy_screen
-        if screen is None or self.step_sender is not None:
-            return self.execute(batch, block_copies)[:, : self.vocab_size].argmax(dim=-1)
+        assert screen is not None, "execute_greedy needs the runner's greedy screen"
         hidden = self._local_hidden(batch, block_copies)
         if hidden is None:
             return torch.empty(0, dtype=torch.long, device=self.device)

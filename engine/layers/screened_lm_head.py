@@ -65,9 +65,13 @@ class ScreenedLMHead:
         )
         unsettled = (tokens < 0).nonzero().squeeze(1)
         if unsettled.numel():
-            logits = self.lm_head(hidden.index_select(0, unsettled)).float()
-            tokens[unsettled] = logits[:, : self.vocab_size].argmax(dim=-1)
+            tokens[unsettled] = self.full_argmax(hidden.index_select(0, unsettled))
         return tokens
+
+    def full_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy tokens through the full fp32 head, as the sampler takes them."""
+        logits = self.lm_head(hidden).float()
+        return cpu_ops.argmax_rows(logits[:, : self.vocab_size])
 
 
 def screen_supported(lm_head: Linear) -> bool:
@@ -130,13 +134,10 @@ def measure_share(
         )
         inputs[rows] = near * (_HIDDEN_NORM / near.norm(dim=1, keepdim=True))
 
-    def full(hidden: torch.Tensor) -> torch.Tensor:
-        return screened.lm_head(hidden).float()[:, :vocab].argmax(dim=-1)
-
     best = {(name, rows): float("inf") for name in ("fp32", "screen") for rows in _MEASURE_ROWS}
     with torch.inference_mode():
         for repeat in range(_REPEATS + 1):
-            for name, run in (("fp32", full), ("screen", screened.argmax)):
+            for name, run in (("fp32", screened.full_argmax), ("screen", screened.argmax)):
                 for rows, hidden in inputs.items():
                     began = clock()
                     run(hidden)

@@ -141,15 +141,11 @@ inline bool is_finite(float x) {
   return (bits & 0x7F800000u) != 0x7F800000u;
 }
 
+// A screened logit s~_v is within per_norm ||w_v|| + per_logit |s~_v| + kScreenAbsolute of
+// the fp32 one.
 struct ScreenBound {
-  float per_norm;  // times ||w_v||: the products' and sums' share
-  float per_logit; // times |s~_v|: the final rounding's share
-  float lower(float approx, float norm) const {
-    return approx - (per_norm * norm + per_logit * std::fabs(approx) + kScreenAbsolute);
-  }
-  float upper(float approx, float norm) const {
-    return approx + (per_norm * norm + per_logit * std::fabs(approx) + kScreenAbsolute);
-  }
+  float per_norm;   // the products' and sums' share
+  float per_logit;  // the final rounding's share
 };
 
 ScreenBound screen_bound(float hidden_norm, int64_t K) {
@@ -170,10 +166,11 @@ float dot(const float* a, const float* b, int64_t n) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // The screen's two passes over a row, 16 tokens at a time: the best lower bound, then every
-// token whose upper bound reaches it. False where a screened logit is not finite.
-bool screen_pass(const c10::BFloat16* approx, const float* norms, int64_t V,
-                 const ScreenBound& bound, int64_t max_candidates, std::vector<int32_t>& out,
-                 bool& overflow) {
+// token whose upper bound reaches it, into `out` in vocabulary order. False where it cannot
+// settle the row: a screened logit not finite, or more than max_candidates candidates.
+bool screen_candidates(const c10::BFloat16* approx, const float* norms, int64_t V,
+                       const ScreenBound& bound, int64_t max_candidates,
+                       std::vector<int32_t>& out) {
   const __m512 per_norm = _mm512_set1_ps(bound.per_norm);
   const __m512 per_logit = _mm512_set1_ps(bound.per_logit);
   const __m512 absolute = _mm512_set1_ps(kScreenAbsolute);
@@ -196,44 +193,24 @@ bool screen_pass(const c10::BFloat16* approx, const float* norms, int64_t V,
   if (not_finite) return false;
   const __m512 best_lower = _mm512_set1_ps(_mm512_reduce_max_ps(best));
   out.clear();
-  overflow = false;
   for (int64_t v = 0; v < V; v += 16) {
     const __mmask16 valid = V - v >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (V - v)) - 1);
     __m512 s, err;
     load(v, valid, s, err);
     uint32_t hits = _mm512_mask_cmp_ps_mask(valid, _mm512_add_ps(s, err), best_lower, _CMP_GE_OQ);
     for (; hits != 0; hits &= hits - 1) {
-      if (static_cast<int64_t>(out.size()) == max_candidates) {
-        overflow = true;
-        return true;
-      }
+      if (static_cast<int64_t>(out.size()) == max_candidates) return false;
       out.push_back(static_cast<int32_t>(v + __builtin_ctz(hits)));
     }
   }
   return true;
 }
 #else
-bool screen_pass(const c10::BFloat16* approx, const float* norms, int64_t V,
-                 const ScreenBound& bound, int64_t max_candidates, std::vector<int32_t>& out,
-                 bool& overflow) {
-  float best_lower = std::numeric_limits<float>::lowest();
-  for (int64_t v = 0; v < V; ++v) {
-    const float s = as_float(approx[v]);
-    if (!is_finite(s)) return false;
-    best_lower = std::max(best_lower, bound.lower(s, norms[v]));
-  }
-  out.clear();
-  overflow = false;
-  for (int64_t v = 0; v < V; ++v) {
-    if (bound.upper(as_float(approx[v]), norms[v]) >= best_lower) {
-      if (static_cast<int64_t>(out.size()) == max_candidates) {
-        overflow = true;
-        return true;
-      }
-      out.push_back(static_cast<int32_t>(v));
-    }
-  }
-  return true;
+// The screen serves only CPUs with bf16 panels, all of which have AVX-512: elsewhere every row
+// is left to the caller's full fp32 head.
+bool screen_candidates(const c10::BFloat16*, const float*, int64_t, const ScreenBound&, int64_t,
+                       std::vector<int32_t>&) {
+  return false;
 }
 #endif
 
@@ -246,10 +223,8 @@ int64_t screened_row(const c10::BFloat16* approx, const float* h, const float* w
   for (int64_t i = 0; i < K; ++i) squares += static_cast<double>(h[i]) * h[i];
   const float hidden_norm = static_cast<float>(std::sqrt(squares));
   if (!is_finite(hidden_norm)) return -1;
-  bool overflow = false;
-  if (!screen_pass(approx, norms, V, screen_bound(hidden_norm, K), max_candidates, candidates,
-                   overflow) ||
-      overflow) {
+  if (!screen_candidates(approx, norms, V, screen_bound(hidden_norm, K), max_candidates,
+                         candidates)) {
     return -1;
   }
   // Candidates are in vocabulary order: a strictly greater logit wins, so ties keep the first.

@@ -108,17 +108,21 @@ def test_padding_columns_past_the_vocabulary_never_win():
     assert torch.equal(got, _fp32_argmax(hidden, weight))
 
 
-def test_rows_the_screen_cannot_settle_are_computed_in_full():
+def test_rows_the_screen_cannot_settle_are_computed_in_full(monkeypatch):
+    """Rows over the candidate cap (a tie across most of the vocabulary) and a NaN row: the
+    kernel leaves them unsettled, and the head computes them through the full fp32 head."""
     weight = _weight(5)
-    weight[10:] = weight[9]  # tokens 9.. all tie: far more candidates than the cap
-    hidden = torch.cat([_hidden_near(weight, 2, seed=8), torch.full((1, HIDDEN), torch.nan)])
+    weight[10:] = weight[9]  # tokens 9.. all tie
+    toward_the_tie = weight[9].repeat(2, 1) * (50.0 / float(weight[9].norm()))
+    hidden = torch.cat([toward_the_tie, torch.full((1, HIDDEN), torch.nan)])
+    monkeypatch.setattr(screened_lm_head, "MAX_CANDIDATES", 4)
     head = ScreenedLMHead(_head(weight), VOCAB)
     approx = cpu_ops.panel_linear(hidden.bfloat16(), head.panels, None, VOCAB)
     settled = cpu_ops.screened_argmax(approx, hidden, head.weight, head.row_norms, VOCAB, 4)
-    assert settled[-1] == -1  # NaN hidden state
+    assert settled.tolist() == [-1, -1, -1]
     tokens = head.argmax(hidden)
-    expected = (hidden @ weight.T).argmax(dim=-1)
-    assert torch.equal(tokens, expected)
+    assert torch.equal(tokens, (hidden @ weight.T).argmax(dim=-1))
+    assert tokens[:2].tolist() == [9, 9]  # the first of the tied tokens
 
 
 def test_off_builds_nothing_and_on_needs_a_plain_fp32_weight():
