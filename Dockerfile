@@ -42,6 +42,7 @@ COPY --chown=inferq:inferq scripts/env.sh scripts/env.sh
 COPY --chown=inferq:inferq schemas schemas
 COPY --chown=inferq:inferq kernels kernels
 COPY --chown=inferq:inferq engine engine
+COPY --chown=inferq:inferq redis_io redis_io
 COPY --chown=inferq:inferq worker worker
 COPY --chown=inferq:inferq producer_api producer_api
 COPY --chown=inferq:inferq cli cli

@@ -31,10 +31,10 @@ from redis.exceptions import RedisError
 
 from cli.addresses import redacted
 from cli.flags import SettingsFlags, add_settings_arguments, same_setting
-from producer_api.redis_connect import redis_client
 from producer_api.settings import ApiSettings
 from producer_api.status import StatusSnapshot, TtftStats, read_snapshot
 from producer_api.workers import parse_heartbeat
+from redis_io.clients import redis_client
 from schemas import RedisKeys
 from schemas.redis_connection import RedisConnectionSettings
 

@@ -20,7 +20,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer_api.redis_connect import replicated
+from redis_io.replica_wait import replicated, wait_command
+from redis_io.scripts import run_script
 from schemas import (
     IDEMPOTENCY_TTL_S,
     TRANSITION_SCRIPT,
@@ -127,14 +128,14 @@ async def enqueue(
     ]
     for name, value in job.to_redis_hash().items():
         args += [name, value]
-    script = redis.register_script(ENQUEUE_SCRIPT)
     if replicas is None:
-        outcome, value = await script(keys=script_keys, args=args)
+        outcome, value = await run_script(redis, ENQUEUE_SCRIPT, script_keys, args)
     else:
         # One pipeline, so the WAIT runs on the connection that wrote the job.
         async with redis.pipeline(transaction=False) as pipe:
+            script = redis.register_script(ENQUEUE_SCRIPT)  # loaded before the pipeline runs
             await script(keys=script_keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", replicas.replicas, replicas.timeout_ms)
+            pipe.execute_command(*wait_command(replicas))
             (outcome, value), reached = await pipe.execute()
         replicated(reached, replicas, f"job {job.id}")
     outcome, value = EnqueueOutcome(as_text(outcome)), as_text(value)
@@ -179,7 +180,7 @@ async def cancel_job(
         JobField.ERROR: ErrorBody.of(ErrorCode.CANCELLED, reason),
     }
     script_keys, args = transition_call(keys, job_id, JobStatus.CANCELLED, fields)
-    reply = await redis.register_script(TRANSITION_SCRIPT)(keys=script_keys, args=args)
+    reply = await run_script(redis, TRANSITION_SCRIPT, script_keys, args)
     applied, previous = transition_applied(reply)
     if applied:
         async with redis.pipeline(transaction=False) as pipe:

@@ -12,18 +12,21 @@ from redis.asyncio import Redis
 from producer_api.deps import ApiState
 from producer_api.metrics import ApiMetrics
 from producer_api.prompt_tokens import TokenizerCache
-from producer_api.redis_connect import redis_client
-from producer_api.redis_memory import warn_about_redis_memory
 from producer_api.settings import ApiSettings
 from producer_api.workers import WorkerDirectory
+from redis_io.clients import redis_client
+from redis_io.memory_check import warn_about_redis_memory
 from schemas import RedisKeys
 
 log = logging.getLogger(__name__)
 
+# Start-up must not wait on a Redis that is not there yet: the memory check is advice, not a gate.
+MEMORY_CHECK_TIMEOUT_S = 2.0
+
 
 def connect_redis(settings: ApiSettings) -> Redis:
     """The one way a producer process makes its Redis client (a connection pool): the URL's
-    server, or the master the Sentinels name (see producer_api.redis_connect)."""
+    server, or the master the Sentinels name (see redis_io.clients)."""
     return redis_client(settings)
 
 
@@ -41,7 +44,12 @@ async def open_state(settings: ApiSettings, metrics: ApiMetrics) -> AsyncIterato
         metrics=metrics,
         tokenizers=TokenizerCache(),
     )
-    await warn_about_redis_memory(redis)
+    await warn_about_redis_memory(
+        redis,
+        on_unsafe=log.warning,
+        on_unchecked=lambda exc: log.info("could not check Redis's maxmemory settings: %s", exc),
+        timeout_s=MEMORY_CHECK_TIMEOUT_S,
+    )
     if settings.auth_disabled:
         log.warning(
             "AUTHENTICATION IS DISABLED: anyone who can reach this port can use the API "

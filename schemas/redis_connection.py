@@ -4,8 +4,7 @@ would lose a job if it were lost (enqueue, a result before its ack).
 
 The settings classes of the API, the worker, the batch controller and the CLI inherit these
 fields, so `INFERQ_REDIS_SENTINELS`, `--redis-sentinels` and friends mean the same everywhere.
-Clients are built from them by `producer_api.redis_connect` and `worker.redis_connect` (this
-package knows no Redis client)."""
+Clients are built from them by `redis_io.clients` (this package knows no Redis client)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ from schemas.defaults import DEFAULT_REDIS_URL, REDIS_URL_HELP
 
 DEFAULT_MASTER_NAME = "inferq"
 DEFAULT_WAIT_TIMEOUT_MS = 1000
-# How long one Sentinel may take to answer "who is the master?" before the next one is asked.
-SENTINEL_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ fi
 source "$ROOT/scripts/env.sh"
 ruff check --quiet .
 ruff format --check --quiet .
-mypy engine/outputs.py worker/ schemas/
+mypy engine/outputs.py redis_io/ worker/ schemas/
 inferq model pull >/dev/null
 # Tests run the engine in several processes at once (pytest, worker subprocesses) on few cores:
 # spinning OpenMP threads then starve each other, passive waiting keeps every step fast.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("schemas", "kernels", "engine", "worker", "producer_api", "cli")
+PACKAGES = ("schemas", "kernels", "engine", "redis_io", "worker", "producer_api", "cli")
 HTTP = frozenset({"fastapi", "starlette", "uvicorn", "httpx"})
 MODEL_RUNTIME = frozenset({"torch", "triton", "transformers", "safetensors", "numpy"})
 
@@ -31,11 +31,13 @@ RULES = {
     "kernels": Rule(frozenset(), only_libraries=frozenset({"torch", "triton", "numpy"})),
     # the engine: no Redis, no HTTP
     "engine": Rule(frozenset({"schemas", "kernels"}), HTTP | {"redis", "arq"}),
+    # Redis I/O shared by the worker, the API and the CLI: the contract and a Redis client only
+    "redis_io": Rule(frozenset({"schemas"}), only_libraries=frozenset({"redis"})),
     # the worker joins Redis to the engine and knows nothing of HTTP
-    "worker": Rule(frozenset({"schemas", "engine"}), HTTP),
+    "worker": Rule(frozenset({"schemas", "engine", "redis_io"}), HTTP),
     # the API and the client backend apps import: never the engine or its runtime
-    "producer_api": Rule(frozenset({"schemas"}), MODEL_RUNTIME),
-    # the command line sits above the five and may import them all
+    "producer_api": Rule(frozenset({"schemas", "redis_io"}), MODEL_RUNTIME),
+    # the command line sits above the others and may import them all
     "cli": Rule(frozenset(PACKAGES)),
 }
 
@@ -125,7 +127,8 @@ def test_the_checker_names_file_line_and_import_of_a_violation() -> None:
     )
     problems = import_violations("worker", "worker/bad.py", source)
     assert problems == [
-        "worker/bad.py:6: imports producer_api.settings (worker may import only engine, schemas)",
+        "worker/bad.py:6: imports producer_api.settings (worker may import only engine, redis_io, "
+        "schemas)",
         "worker/bad.py:7: imports fastapi (worker must not know about fastapi)",
     ]
 
@@ -141,4 +144,10 @@ def test_the_checker_sees_lazy_and_dynamic_imports_in_every_package() -> None:
         "engine", "e.py", "import importlib\nimportlib.import_module('cli.main')\n"
     )
     assert import_violations("producer_api", "p.py", "from engine.llm import LLM\n")
+    assert import_violations("redis_io", "r.py", "from worker.logs import log_event\n") == [
+        "r.py:1: imports worker.logs (redis_io may import only schemas)"
+    ]
+    assert import_violations("redis_io", "r.py", "import httpx\n") == [
+        "r.py:1: imports httpx (redis_io may use only redis)"
+    ]
     assert not import_violations("cli", "c.py", "import engine, worker, producer_api, torch\n")

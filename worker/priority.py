@@ -10,6 +10,7 @@ from datetime import datetime
 
 from redis.asyncio import Redis
 
+from redis_io.scripts import run_script
 from schemas import RedisKeys
 from schemas.redis_scripts import READ_NEW_JOBS_SCRIPT
 from worker.crashes import CrashPolicy
@@ -34,7 +35,7 @@ class PriorityReader:
         self.bulk_stream = self.bulk.stream
         self.keys = keys
         self.consumer = consumer
-        self._read_new_jobs = redis.register_script(READ_NEW_JOBS_SCRIPT)
+        self.redis = redis
 
     @property
     def readers(self) -> tuple[StreamReader, StreamReader]:
@@ -66,9 +67,11 @@ class PriorityReader:
         if count <= 0:
             return []
         most_bulk = count if bulk_room is None else min(count, bulk_room)
-        reply = await self._read_new_jobs(
-            keys=[self.stream, self.bulk_stream],
-            args=[self.keys.group, self.consumer, count, most_bulk],
+        reply = await run_script(
+            self.redis,
+            READ_NEW_JOBS_SCRIPT,
+            [self.stream, self.bulk_stream],
+            [self.keys.group, self.consumer, count, most_bulk],
         )
         entries = script_entries(reply, (self.stream, self.bulk_stream))
         if not entries and block_ms:

@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from redis_io.replica_wait import fell_short, wait_command
 from schemas import (
     OUT_STREAM_MAXLEN,
     OUT_STREAM_TTL_S,
@@ -217,7 +218,7 @@ class Outbox:
 
         def check(replies: list[Any]) -> None:
             reached = replies[0]
-            if isinstance(reached, Exception) or int(reached) < wait.replicas:
+            if fell_short(reached, wait):
                 log_event(
                     logger,
                     logging.WARNING,
@@ -227,7 +228,7 @@ class Outbox:
                     timeout_ms=wait.timeout_ms,
                 )
 
-        op = _Op([("WAIT", wait.replicas, wait.timeout_ms)], check)
+        op = _Op([wait_command(wait)], check)
         return [*batch[:first_ack], op, *batch[first_ack:]]
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from redis.asyncio import Redis
 
+from redis_io.scripts import run_script
 from schemas import chunk_index_from_stream_id
 from schemas.chunks import ChunkWrite
 from schemas.redis_scripts import CHUNKS_SCRIPT, chunks_call
@@ -72,5 +73,5 @@ async def refill(redis: Redis, log: ReplayLog, maxlen: int, ttl_s: int, field_na
     jobs = len({write.job_id for write in missing})
     log_event(logger, logging.WARNING, "replay_streams_refilled", jobs=jobs, chunks=len(missing))
     keys, args = chunks_call([replace(w, set_ttl=True) for w in missing], maxlen, ttl_s, field_name)
-    await redis.execute_command("EVAL", CHUNKS_SCRIPT, len(keys), *keys, *args)
+    await run_script(redis, CHUNKS_SCRIPT, keys, args)
     return len(missing)

@@ -33,6 +33,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from engine.outputs import EngineStats, RequestDelta
+from redis_io.clients import master_address, redis_client
+from redis_io.memory_check import warn_about_redis_memory
 from schemas import (
     OUT_STREAM_MAXLEN,
     OUT_STREAM_TTL_S,
@@ -58,8 +60,6 @@ from worker.logs import log_event
 from worker.metrics import WorkerMetrics
 from worker.priority import PriorityReader, ReadPacing
 from worker.publisher import Outbox
-from worker.redis_connect import master_address, redis_client
-from worker.redis_memory import warn_about_redis_memory
 from worker.replay_log import refill
 from worker.settings import WorkerSettings
 from worker.tracing import ChunkTracer
@@ -169,7 +169,15 @@ class Worker:
         try:
             if not await self._create_group():
                 return
-            await warn_about_redis_memory(self.redis)
+            await warn_about_redis_memory(
+                self.redis,
+                on_unsafe=lambda problem: log_event(
+                    logger, logging.WARNING, "redis_memory_unsafe", problem=problem
+                ),
+                on_unchecked=lambda exc: log_event(
+                    logger, logging.INFO, "redis_memory_unchecked", error=exc
+                ),
+            )
             settings = self.settings
             side_tasks = [
                 self._every(settings.heartbeat_interval_s, self._beat, closing),

@@ -25,7 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from producer_api.batches.runner import BatchRunner, Lease
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.prompt_tokens import TokenizerCache
-from producer_api.redis_connect import redis_client
+from redis_io.clients import redis_client
 from schemas import RedisKeys
 from schemas.redis_connection import RedisConnectionSettings
 

@@ -42,6 +42,7 @@ from producer_api.errors import ApiError
 from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
 from producer_api.prompt_tokens import TokenizerCache
 from producer_api.workers import WorkerDirectory
+from redis_io.scripts import run_script
 from schemas import TERMINAL_STATUSES, BatchField, BatchStatus, ErrorCode, Job, JobField, RedisKeys
 from schemas.batches import BATCH_ID_PREFIX
 from schemas.redis_scripts import LEASE_RELEASE_SCRIPT, LEASE_RENEW_SCRIPT
@@ -67,10 +68,13 @@ class Lease:
         return bool(await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms))
 
     async def renew(self) -> bool:
-        return bool(await self.redis.eval(LEASE_RENEW_SCRIPT, 1, self.key, self.token, self.ttl_ms))
+        renewed = await run_script(
+            self.redis, LEASE_RENEW_SCRIPT, [self.key], [self.token, self.ttl_ms]
+        )
+        return bool(renewed)
 
     async def release(self) -> None:
-        await self.redis.eval(LEASE_RELEASE_SCRIPT, 1, self.key, self.token)
+        await run_script(self.redis, LEASE_RELEASE_SCRIPT, [self.key], [self.token])
 
 
 def output_file_ids(batch_id: str) -> tuple[str, str]:

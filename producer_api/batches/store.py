@@ -7,6 +7,7 @@ import time
 
 from redis.asyncio import Redis
 
+from redis_io.scripts import run_script
 from schemas import BatchField, BatchObject, BatchStatus, RedisKeys
 from schemas.batches import STATUS_TIME_FIELD, is_valid_batch_id, new_batch_id
 from schemas.redis_scripts import BATCH_SET_STATUS_SCRIPT, BATCH_STATUS_ARGS_END
@@ -95,8 +96,8 @@ class BatchStore:
         args += [s.value for s in allowed_from] + [BATCH_STATUS_ARGS_END]
         for name, value in extra.items():
             args += [name, value]
-        script = self.redis.register_script(BATCH_SET_STATUS_SCRIPT)
-        applied, seen = await script(keys=[self.keys.batch(batch_id)], args=args)
+        batch_key = self.keys.batch(batch_id)
+        applied, seen = await run_script(self.redis, BATCH_SET_STATUS_SCRIPT, [batch_key], args)
         return bool(applied), BatchStatus(seen) if seen else None
 
     async def list(

@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from producer_api import queue
 from producer_api.client.base import AsyncJobClient, as_request
 from producer_api.client.blocking import BlockingClient
-from producer_api.redis_connect import redis_client
+from redis_io.clients import redis_client
 from schemas import DEFAULT_PREFIX, Job, JobRequest, RedisKeys, TokenChunk
 from schemas.redis_connection import RedisConnectionSettings, ReplicaWait
 

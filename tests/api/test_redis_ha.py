@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.asyncio.sentinel import SentinelConnectionPool
 
 from producer_api.client import AsyncClient
-from producer_api.redis_connect import redis_client
+from redis_io.clients import redis_client
 from schemas import DEFAULT_PREFIX, RedisKeys
 from schemas.redis_connection import RedisConnectionSettings
 from tests.api.conftest import MODEL, auth

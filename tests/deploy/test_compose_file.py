@@ -14,8 +14,8 @@ import yaml
 from cli.main import build_parser
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.settings import ApiSettings
+from redis_io.memory_check import redis_memory_warning
 from schemas.redis_connection import RedisConnectionSettings
-from schemas.redis_memory import redis_memory_warning
 from worker.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[2]

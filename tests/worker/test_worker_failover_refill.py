@@ -16,11 +16,11 @@ from worker_fakes import FakeEngine, expected_output
 from worker_harness import KEYS, check_delivery, replay_chunks, running_worker, wait_for
 
 from producer_api.client import AsyncClient
+from redis_io.clients import master_address, redis_client
 from schemas import Job, JobStatus, TokenChunk
 from schemas.chunks import REPLAY_FIELD
 from schemas.redis_connection import ReplicaWait
 from worker.publisher import Outbox
-from worker.redis_connect import master_address, redis_client
 from worker.replay_log import refill
 from worker.settings import WorkerSettings
 

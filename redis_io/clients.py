@@ -1,25 +1,23 @@
-"""The one way the API, the batch controller, the Python client and the CLI get a Redis client:
-from `RedisConnectionSettings`, a plain URL or the master a set of Sentinels names.
+"""The one way every inferq process gets a Redis client: from `RedisConnectionSettings`, a
+plain URL or the master a set of Sentinels names.
 
 A Sentinel client follows failovers by itself: its pool asks the Sentinels for the master's
 address on every new connection, drops the connections to a master that moved, and turns the
 READONLY answer of a demoted master into a ConnectionError. While no master is known each
-command raises ConnectionError (MasterNotFoundError), which the API answers with 503 and
-Retry-After. (`worker.redis_connect` is this module's twin on the worker side.)"""
+command raises ConnectionError (MasterNotFoundError): the API answers it with 503 and
+Retry-After, the worker's loop treats it as Redis being away (backoff, then carry on)."""
 
 from __future__ import annotations
 
-import logging
-
 from redis.asyncio import Redis
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
-from schemas.redis_connection import SENTINEL_TIMEOUT_S, RedisConnectionSettings, ReplicaWait
-
-log = logging.getLogger(__name__)
+from schemas.redis_connection import RedisConnectionSettings
 
 # A connection to a master that died without closing its socket must not hang a request.
 CONNECT_TIMEOUT_S = 5.0
+# How long one Sentinel may take to answer "who is the master?" before the next one is asked.
+SENTINEL_TIMEOUT_S = 1.0
 
 
 def redis_client(
@@ -58,20 +56,11 @@ def redis_client(
     return master
 
 
-def replicated(reply: object, wait: ReplicaWait, what: str) -> bool:
-    """Whether a WAIT `reply` reached `wait.replicas`; logs one line when it did not (the
-    write stands on the master alone: a failover now could lose it)."""
-    if isinstance(reply, Exception):
-        log.warning("%s: WAIT for replicas failed: %s", what, reply)
-        return False
-    reached = reply if isinstance(reply, int) else 0
-    if reached < wait.replicas:
-        log.warning(
-            "%s: only %d of %d replicas acknowledged within %d ms",
-            what,
-            reached,
-            wait.replicas,
-            wait.timeout_ms,
-        )
-        return False
-    return True
+def master_address(client: Redis) -> tuple[str, int] | None:
+    """The master a Sentinel client last connected to (None for a plain client, or before its
+    first connection): a change means a failover happened, even one no command noticed."""
+    pool = client.connection_pool
+    if isinstance(pool, SentinelConnectionPool) and pool.master_address is not None:
+        host, port = pool.master_address
+        return str(host), int(port)
+    return None

@@ -1,4 +1,5 @@
-"""Which Redis memory settings keep inferq's keys safe, judged from `INFO memory`.
+"""The start-up look at Redis's memory settings: which keep inferq's keys safe, judged from
+`INFO memory`, and the check the API and the worker run once as they start.
 
 Queued work lives in keys without a TTL (the job streams, queued and running job hashes, dead
 letters); what a job leaves behind has one (its result hash, its replay stream), and so do
@@ -14,11 +15,17 @@ worker heartbeats and idempotency keys. When Redis reaches `maxmemory` it applie
 - `allkeys-*`: evicts any key, queued jobs' hashes and whole job streams included.
 
 Without `maxmemory` (0) Redis grows until the host runs out of memory and the kernel kills it.
+The check is advice, not a gate: a Redis that does not answer, or an ACL user without INFO
+(`-@dangerous`), only gets a line saying it could not be checked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Callable, Mapping
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 SAFE_EVICTION_POLICY = "noeviction"
 NEARLY_FULL = 0.9  # of maxmemory: worth a warning at start-up
@@ -56,3 +63,23 @@ def redis_memory_warning(info: Mapping[str, object]) -> str | None:
             f"it refuses new jobs and results until old ones expire; raise maxmemory ({SIZING_HINT})"
         )
     return None
+
+
+async def warn_about_redis_memory(
+    redis: Redis,
+    *,
+    on_unsafe: Callable[[str], None],
+    on_unchecked: Callable[[Exception], None],
+    timeout_s: float | None = None,
+) -> None:
+    """Read `INFO memory` (waiting `timeout_s` at most; None: as long as the client's own socket
+    timeout) and pass what is unsafe about it to `on_unsafe`, as one line; `on_unchecked` gets
+    the error when Redis did not answer (or refused INFO). Each caller logs in its own style."""
+    try:
+        info = await asyncio.wait_for(redis.info("memory"), timeout_s)
+    except (RedisError, OSError) as exc:  # TimeoutError is an OSError
+        on_unchecked(exc)
+        return
+    warning = redis_memory_warning(info)
+    if warning is not None:
+        on_unsafe(warning)

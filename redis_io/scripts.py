@@ -1,0 +1,36 @@
+"""Running one of `schemas.redis_scripts`' Lua scripts by EVALSHA: Redis is sent the script's
+SHA1, not its text, and loads the text only when it does not know it (after a restart, or on a
+master a failover just promoted), through EVAL, which also caches it for the next call.
+
+Scripts queued in a pipeline go as EVAL (the worker's outbox, its hand-back) or as redis-py's
+registered script, which loads them before the pipeline runs (an enqueue with a replica WAIT):
+a NOSCRIPT reply inside a pipeline could not be retried without re-sending the writes around
+it."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+ScriptArg = str | int | float | bytes
+
+
+@cache
+def script_sha(script: str) -> str:
+    """The SHA1 Redis names `script` by (computed once per script text)."""
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
+async def run_script(
+    redis: Redis, script: str, keys: Sequence[str], args: Sequence[ScriptArg] = ()
+) -> Any:  # a Lua reply: the script decides its shape, and its caller decodes it
+    """Run `script` on `keys` and `args` by EVALSHA; on NOSCRIPT, by EVAL (once)."""
+    try:
+        return await redis.execute_command("EVALSHA", script_sha(script), len(keys), *keys, *args)
+    except NoScriptError:
+        return await redis.execute_command("EVAL", script, len(keys), *keys, *args)
