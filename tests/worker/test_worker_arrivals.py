@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from worker_fakes import FakeEngine
 from worker_harness import KEYS, running_worker, wait_for
 
-import worker.worker as worker_module
+import worker.pulling as pulling_module
 from producer_api.client.redis_client import AsyncRedisClient
 from schemas import Job, JobField, JobRequest, JobStatus
 from schemas.keys import JOB_ENTRY_FIELD
@@ -56,7 +56,7 @@ async def _running(client: AsyncRedisClient, first_token: int, max_tokens: int) 
 
 async def test_a_job_enqueued_mid_batch_joins_the_next_step(redis_url, monkeypatch):
     # Without the notice, this worker would not look for new entries for a minute.
-    monkeypatch.setattr(worker_module, "UNPROMPTED_READ_S", 60.0)
+    monkeypatch.setattr(pulling_module, "UNPROMPTED_READ_S", 60.0)
     async with _serving(redis_url, 0.05) as (client, engine):
         long = await _running(client, 11, 200)
         steps_before = engine.steps
@@ -78,7 +78,7 @@ async def test_a_busy_worker_with_nothing_new_does_not_read_at_every_step(redis_
         reads = (await client.redis.info("commandstats")).get("cmdstat_xreadgroup", {})
     assert steps >= 40
     # a read (of both streams) every UNPROMPTED_READ_S, not one per step
-    assert reads.get("calls", 0) <= 2 * (seconds / worker_module.UNPROMPTED_READ_S + 2)
+    assert reads.get("calls", 0) <= 2 * (seconds / pulling_module.UNPROMPTED_READ_S + 2)
 
 
 async def test_an_entry_added_without_a_notice_is_served_while_the_worker_is_busy(redis_url):

@@ -1,0 +1,131 @@
+"""The tasks a worker runs beside its loop: the heartbeat, the cancel and arrivals listener,
+lease renewal of the held entries, and a periodic look at the held jobs' statuses. A side task
+never dies of an error, and Redis being away only makes it try again next time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import datetime
+
+from redis.asyncio import Redis
+
+from engine.outputs import EngineStats
+from schemas import RedisKeys
+from worker.backoff import Backoff
+from worker.batch import AbortReason, Batch
+from worker.control import REDIS_DOWN, ended_jobs, listen
+from worker.engine_api import EngineLike
+from worker.heartbeat import beat
+from worker.janitor import renew_leases
+from worker.logs import log_event
+from worker.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class SideTasks:
+    """A worker's side tasks (`all`), on `redis`, about the jobs `batch` holds."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        redis: Redis,
+        engine: EngineLike,
+        batch: Batch,
+        current_stats: Callable[[], EngineStats],
+        on_arrival: Callable[[], None],
+        started_at: datetime,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.model = settings.queue_model
+        self.keys = RedisKeys(settings.prefix)
+        self.jobs_stream = self.keys.jobs_stream(self.model)
+        self.redis = redis
+        self.engine = engine
+        self.batch = batch
+        self.current_stats = current_stats
+        self.on_arrival = on_arrival
+        self.started_at = started_at
+        self._control = Backoff(settings.reconnect_min_s, settings.reconnect_max_s)
+
+    def all(self, closing: asyncio.Event) -> list[Coroutine[None, None, None]]:
+        """The side tasks to run until `closing`."""
+        settings = self.settings
+        return [
+            every(settings.heartbeat_interval_s, self._beat, closing),
+            listen(
+                self.redis,
+                self.keys,
+                self.model,
+                self._on_cancel,
+                self.on_arrival,
+                self._control,
+                closing,
+            ),
+            every(settings.lease_interval_s, self._renew_leases, closing),
+            every(settings.status_check_interval_s, self._check_statuses, closing),
+        ]
+
+    def _on_cancel(self, job_id: str) -> None:
+        self.batch.request_abort(job_id, AbortReason.ENDED)
+
+    async def _beat(self) -> None:
+        ttfts = self.batch.ttfts.take()
+        try:
+            await beat(
+                self.redis,
+                self.keys,
+                name=self.name,
+                model=self.model,
+                stats=self.current_stats(),
+                started_at=self.started_at,
+                ttl_s=self.settings.heartbeat_ttl_s,
+                max_model_len=self.engine.max_model_len,
+                vocab_size=self.engine.vocab_size,
+                tokenizer_file=self.engine.tokenizer_file,
+                quantization=self.engine.quantization,
+                weight_bytes=self.engine.weight_bytes,
+                ttfts=ttfts,
+            )
+        except BaseException:
+            self.batch.ttfts.put_back(ttfts)  # written with the next beat
+            raise
+
+    async def _renew_leases(self) -> None:
+        by_stream: dict[str, dict[str, str]] = {}
+        for h in self.batch.all_jobs():
+            by_stream.setdefault(h.queue_stream or self.jobs_stream, {})[h.entry_id] = h.job_id
+        for stream, entries in by_stream.items():
+            lost = await renew_leases(self.redis, self.keys, stream, self.name, set(entries))
+            for entry_id in lost:
+                held = self.batch.held.get(entries[entry_id])
+                if held is not None and held.entry_id == entry_id:
+                    log_event(
+                        logger, logging.WARNING, "lease_lost", job=held.job_id, entry=entry_id
+                    )
+                    self.batch.request_abort(held.job_id, AbortReason.LOST)
+
+    async def _check_statuses(self) -> None:
+        """Catch cancels whose broadcast this worker missed (e.g. while Redis was away)."""
+        job_ids = [h.job_id for h in self.batch.all_jobs()]
+        for job_id in await ended_jobs(self.redis, self.keys, job_ids):
+            self.batch.request_abort(job_id, AbortReason.ENDED)
+
+
+async def every(
+    interval_s: float, action: Callable[[], Awaitable[None]], closing: asyncio.Event
+) -> None:
+    """Run `action` every `interval_s` until `closing`: a side task never dies of an error."""
+    while not closing.is_set():
+        try:
+            await action()
+        except REDIS_DOWN:
+            pass  # the main loop reports and backs off; try again next time
+        except Exception:
+            logger.exception("%s failed", getattr(action, "__name__", "side task"))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(closing.wait(), interval_s)
