@@ -1,4 +1,5 @@
-"""Sampling parameters: the one definition shared by the wire contract and the engine."""
+"""Sampling parameters: the one definition shared by the wire contract and the engine, and how
+an interface declares its sampling fields from it (`sampling_field`, `sampling_values`)."""
 
 from __future__ import annotations
 
@@ -141,9 +142,9 @@ def sampling_field(
 
 
 def sampling_values(request: BaseModel, **computed: object) -> dict[str, object]:
-    """The SamplingParams fields `request` gives: each field it shares by name with
-    SamplingParams, unless in `computed` (the fields the interface names or shapes otherwise),
-    then `computed`; None is unset either way (SamplingParams' default applies)."""
+    """The SamplingParams values `request` gives: its fields named as SamplingParams' are, except
+    those in `computed` (which the interface names or shapes otherwise), and `computed` adds
+    them. A None value is left out, so SamplingParams' default applies."""
     shared = SamplingParams.model_fields.keys() & type(request).model_fields.keys()
     given: dict[str, object] = request.model_dump(
         include=shared - computed.keys(), exclude_none=True
