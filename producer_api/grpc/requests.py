@@ -21,6 +21,7 @@ PromptField = Literal["prompt", "prompt_token_ids", "messages"]
 
 # Unset num_tokens of a completion: what /v1/completions does without max_tokens.
 COMPLETION_MAX_TOKENS: int = CompletionRequest.model_fields["max_tokens"].default
+_DEFAULT_N: int = SamplingParams.model_fields["n"].default
 
 # JobRequest (and SamplingParams) fields whose gRPC field has another name.
 _MESSAGE_FIELDS = {
@@ -51,7 +52,7 @@ def requested_max_tokens(request: GenerationRequest) -> tuple[int | None, str]:
 
 
 def requested_n(request: GenerationRequest) -> int:
-    return request.n if request.HasField("n") else 1
+    return request.n if request.HasField("n") else _DEFAULT_N
 
 
 def prompt_field(request: GenerationRequest) -> PromptField:
