@@ -4,6 +4,12 @@ Fields OpenAI documents are accepted with OpenAI's meaning; a few vLLM-style ext
 min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
 priority) pass through to the sampler. Unknown fields are refused (400 naming the field)
 rather than silently ignored, except inside messages, where SDKs echo back extra fields.
+
+The sampling fields are SamplingParams' (`sampling_field`): its bounds and descriptions, left
+unset (None) where OpenAI leaves them optional, so that the job gets SamplingParams' default.
+A few publish fewer bounds than SamplingParams checks once the job is built: max_tokens (the
+model's context bounds it, checked on admission), stop and logit_bias (given in OpenAI's form),
+length_penalty.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from producer_api.openai_structured import GuidedFields, ResponseFormat
 from producer_api.openai_tools import Tool, ToolCallIn, ToolChoice
 from schemas.jobs import MAX_MESSAGES, MAX_PRIORITY, MAX_PROMPT_CHARS
-from schemas.sampling import MAX_N, MAX_TOP_LOGPROBS
+from schemas.sampling import MAX_STOP_STRINGS, sampling_field
 
 
 class StreamOptions(BaseModel):
@@ -25,33 +31,39 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False  # vLLM: usage so far on every chunk
 
 
-class _GenerationFields(GuidedFields):
+class GenerationFields(GuidedFields):
     """Fields of both endpoints; the structured-output extras (vLLM's) come from GuidedFields."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(min_length=1, max_length=256)
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = Field(None, description="up to 16 stop strings")
+    n: int = sampling_field("n")
+    temperature: float | None = sampling_field("temperature", None)
+    top_p: float | None = sampling_field("top_p", None)
+    presence_penalty: float | None = sampling_field("presence_penalty", None)
+    frequency_penalty: float | None = sampling_field("frequency_penalty", None)
+    seed: int | None = sampling_field("seed")
+    stop: str | list[str] | None = sampling_field(
+        "stop", None, bounds="none", description=f"up to {MAX_STOP_STRINGS} stop strings"
+    )
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256, description="accepted and ignored")
-    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
+    logit_bias: dict[str, float] | None = sampling_field(
+        "logit_bias", None, bounds="none", description="token id -> bias in [-100, 100]"
+    )
     # extensions (vLLM-style)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int | None = Field(None, ge=0)
-    ignore_eos: StrictBool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
-    skip_special_tokens: StrictBool = True
-    use_beam_search: StrictBool = Field(False, description="beam search, n beams kept")
-    length_penalty: float | None = Field(None, description="beam score: logprob / len**p")
+    top_k: int | None = sampling_field("top_k", None)
+    min_p: float | None = sampling_field("min_p", None)
+    repetition_penalty: float | None = sampling_field("repetition_penalty", None)
+    min_tokens: int | None = sampling_field("min_tokens", None)
+    ignore_eos: StrictBool = sampling_field("ignore_eos")
+    stop_token_ids: list[int] | None = sampling_field("stop_token_ids", None)
+    skip_special_tokens: StrictBool = sampling_field("skip_special_tokens")
+    use_beam_search: StrictBool = sampling_field(
+        "use_beam_search", description="beam search, n beams kept"
+    )
+    length_penalty: float | None = sampling_field("length_penalty", None, bounds="none")
     priority: int = Field(0, ge=0, le=MAX_PRIORITY, description="lower runs first")
 
     @property
@@ -63,15 +75,16 @@ class _GenerationFields(GuidedFields):
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
-class CompletionRequest(_GenerationFields):
+class CompletionRequest(GenerationFields):
     """`POST /v1/completions`. `prompt` is a string, a list of strings, a list of token ids, or
     a list of token-id lists; each prompt gets `n` choices (choice index = prompt * n + i)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = sampling_field("max_tokens", bounds="lower")
+    # OpenAI's completions name the number of alternatives `logprobs`; any number asks for them
+    logprobs: int | None = sampling_field("top_logprobs", None)
     echo: StrictBool = Field(False, description="the prompt before the completion (text prompts)")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n")
+    best_of: int | None = sampling_field("n", None, description="only best_of == n")
     suffix: str | None = Field(None, description="not supported")
 
 
@@ -99,14 +112,14 @@ class ChatMessageIn(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_GenerationFields):
+class ChatCompletionRequest(GenerationFields):
     """`POST /v1/chat/completions`; the worker applies the model's chat template."""
 
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: StrictBool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: int | None = sampling_field("max_tokens", None, bounds="lower")
+    max_completion_tokens: int | None = sampling_field("max_tokens", None, bounds="lower")
+    logprobs: StrictBool = sampling_field("logprobs")
+    top_logprobs: int | None = sampling_field("top_logprobs", None)
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object, or json_schema (enforced by the grammar)"
     )

@@ -1,8 +1,13 @@
-"""Sampling parameters: the one definition shared by the wire contract and the engine."""
+"""Sampling parameters: the one definition shared by the wire contract and the engine, and how
+an interface declares its sampling fields from it (`sampling_field`, `sampling_values`)."""
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
+from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from schemas.errors import field_error
 from schemas.structured import StructuredOutput
@@ -102,3 +107,47 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# What an interface publishes of a field's bounds: all of them, the lower only (where something
+# else bounds it from above there, as the model's context bounds max_tokens), or none.
+PublishedBounds = Literal["all", "lower", "none"]
+_UPPER_BOUNDS = (Le, Lt, MaxLen)
+_BOUNDS = (Ge, Gt, MinLen, *_UPPER_BOUNDS)
+_CONTRACT_DEFAULT = object()
+
+
+def sampling_field(
+    name: str,
+    default: object = _CONTRACT_DEFAULT,
+    *,
+    bounds: PublishedBounds = "all",
+    description: str | None = None,
+) -> Any:
+    """SamplingParams field `name` as an interface declares it in its own type: the field's
+    bounds and description, with `default` (left out: SamplingParams' own; an interface whose
+    unset fields are None gives None, and SamplingParams' default applies once the job is
+    built). Typed Any, as `Field()` is."""
+    declared = SamplingParams.model_fields[name]
+    overrides: dict[str, Any] = {}
+    if default is not _CONTRACT_DEFAULT:
+        overrides.update(default=default, default_factory=None)
+    if description is not None:
+        overrides["description"] = description
+    field = FieldInfo.merge_field_infos(declared, **overrides)
+    if bounds != "all":
+        dropped = _BOUNDS if bounds == "none" else _UPPER_BOUNDS
+        field.metadata = [m for m in declared.metadata if not isinstance(m, dropped)]
+    return field
+
+
+def sampling_values(request: BaseModel, **computed: object) -> dict[str, object]:
+    """The SamplingParams values `request` gives: its fields named as SamplingParams' are, except
+    those in `computed` (which the interface names or shapes otherwise), and `computed` adds
+    them. A None value is left out, so SamplingParams' default applies."""
+    shared = SamplingParams.model_fields.keys() & type(request).model_fields.keys()
+    given: dict[str, object] = request.model_dump(
+        include=shared - computed.keys(), exclude_none=True
+    )
+    given.update((name, value) for name, value in computed.items() if value is not None)
+    return given

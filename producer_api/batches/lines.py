@@ -15,17 +15,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from producer_api.errors import ApiError
-from producer_api.openai_convert import (
-    chat_body,
+from producer_api.openai_jobs import (
     chat_job,
     chat_max_tokens,
     check_chat,
     check_completion,
-    completion_body,
     completion_job,
     completion_prompts,
 )
 from producer_api.openai_models import ChatCompletionRequest, CompletionRequest
+from producer_api.openai_responses import chat_body, completion_body
 from schemas import (
     PRIORITY_BULK,
     BatchInputLine,

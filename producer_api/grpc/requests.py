@@ -1,6 +1,7 @@
 """gRPC request messages -> `schemas.JobRequest`, validated by `schemas` as every other interface
 is, with each refusal naming the field of the gRPC message (`num_tokens`, not
-`sampling.max_tokens`)."""
+`sampling.max_tokens`). The sampling fields are the message's fields named as SamplingParams'
+(or named otherwise in `_MESSAGE_FIELDS`); SamplingParams holds their bounds and defaults."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from producer_api.errors import ApiError
 from producer_api.grpc.stubs import inference_pb2 as pb
 from producer_api.openai_models import CompletionRequest
-from schemas import ErrorCode, JobRequest
+from schemas import ErrorCode, JobRequest, SamplingParams
 from schemas.errors import error_location, field_path
 
 GenerationRequest = pb.CompletionsRequest | pb.ChatCompletionsRequest
@@ -20,6 +21,7 @@ PromptField = Literal["prompt", "prompt_token_ids", "messages"]
 
 # Unset num_tokens of a completion: what /v1/completions does without max_tokens.
 COMPLETION_MAX_TOKENS: int = CompletionRequest.model_fields["max_tokens"].default
+_DEFAULT_N: int = SamplingParams.model_fields["n"].default
 
 # JobRequest (and SamplingParams) fields whose gRPC field has another name.
 _MESSAGE_FIELDS = {
@@ -27,6 +29,7 @@ _MESSAGE_FIELDS = {
     "max_tokens": "num_tokens",
     "stop": "stop_sequences",
 }
+_CONTRACT_FIELDS = {message: contract for contract, message in _MESSAGE_FIELDS.items()}
 
 
 def message_field(param: str) -> str:
@@ -49,7 +52,7 @@ def requested_max_tokens(request: GenerationRequest) -> tuple[int | None, str]:
 
 
 def requested_n(request: GenerationRequest) -> int:
-    return request.n if request.HasField("n") else 1
+    return request.n if request.HasField("n") else _DEFAULT_N
 
 
 def prompt_field(request: GenerationRequest) -> PromptField:
@@ -93,40 +96,20 @@ def _message(message: pb.ChatMessage) -> dict[str, str]:
 
 
 def _sampling(request: GenerationRequest, max_tokens: int) -> dict[str, object]:
-    fields: dict[str, object] = {
-        "n": requested_n(request),
-        "max_tokens": max_tokens,
-        "stop": list(request.stop_sequences),
-        "stop_token_ids": list(request.stop_token_ids),
-        "ignore_eos": request.ignore_eos,
-        "use_beam_search": request.use_beam_search,
-        "logprobs": request.logprobs,
-        "top_logprobs": request.top_logprobs,
-    }
-    if request.HasField("temperature"):
-        fields["temperature"] = request.temperature
-    if request.HasField("top_p"):
-        fields["top_p"] = request.top_p
-    if request.HasField("top_k"):
-        fields["top_k"] = request.top_k
-    if request.HasField("min_p"):
-        fields["min_p"] = request.min_p
-    if request.HasField("presence_penalty"):
-        fields["presence_penalty"] = request.presence_penalty
-    if request.HasField("frequency_penalty"):
-        fields["frequency_penalty"] = request.frequency_penalty
-    if request.HasField("repetition_penalty"):
-        fields["repetition_penalty"] = request.repetition_penalty
-    if request.HasField("seed"):
-        fields["seed"] = request.seed
-    if request.HasField("min_tokens"):
-        fields["min_tokens"] = request.min_tokens
-    if request.HasField("skip_special_tokens"):
-        fields["skip_special_tokens"] = request.skip_special_tokens
-    if request.HasField("length_penalty"):
-        fields["length_penalty"] = request.length_penalty
-    if request.HasField("structured_output"):
-        fields["structured_output"] = _structured_output(request.structured_output)
+    """The SamplingParams fields the message sets (an unset field takes SamplingParams'
+    default), with `max_tokens` resolved."""
+    fields: dict[str, object] = {}
+    for field, value in request.ListFields():
+        name = _CONTRACT_FIELDS.get(field.name, field.name)
+        if name not in SamplingParams.model_fields:
+            continue
+        if name == "structured_output":
+            fields[name] = _structured_output(value)
+        elif field.is_repeated:
+            fields[name] = list(value)
+        else:
+            fields[name] = value
+    fields["max_tokens"] = max_tokens
     return fields
 
 

@@ -21,6 +21,7 @@ from producer_api.errors import ApiError, error_responses
 from producer_api.routes.openai import GENERATION_ERRORS, wait_all
 from schemas import ErrorCode, Job, JobRequest, JobStatus
 from schemas.errors import error_location
+from schemas.sampling import sampling_field, sampling_values
 
 router = APIRouter(tags=["generate"], responses=error_responses(401, 503))
 NDJSON = "application/x-ndjson"
@@ -33,34 +34,26 @@ class GenerateRequest(BaseModel):
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    n: int = Field(1, ge=1)
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int | None = Field(16, ge=1)
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
+    # SamplingParams' fields, bounds and defaults; where this body publishes fewer bounds,
+    # SamplingParams checks the rest once the job is built.
+    n: int = sampling_field("n", bounds="lower")
+    use_beam_search: bool = sampling_field("use_beam_search")
+    length_penalty: float = sampling_field("length_penalty", bounds="none")
+    temperature: float = sampling_field("temperature", bounds="lower")
+    top_p: float = sampling_field("top_p")
+    max_tokens: int | None = sampling_field("max_tokens", bounds="lower")
+    stop: str | list[str] | None = sampling_field("stop", None, bounds="none")
+    ignore_eos: bool = sampling_field("ignore_eos")
     stream: bool = False
 
 
 def _job_request(
     body: GenerateRequest, model: str, max_tokens: int, timeout_s: float
 ) -> JobRequest:
-    sampling = {
-        "n": body.n,
-        "use_beam_search": body.use_beam_search,
-        "length_penalty": body.length_penalty,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "max_tokens": max_tokens,
-        "stop": body.stop,
-        "ignore_eos": body.ignore_eos,
-    }
     fields = {
         "model": model,
         "prompt": body.prompt,
-        "sampling": {name: value for name, value in sampling.items() if value is not None},
+        "sampling": sampling_values(body, max_tokens=max_tokens),
         "stream": body.stream,
         "timeout_s": timeout_s,
     }

@@ -25,19 +25,17 @@ from producer_api.admission import (
 )
 from producer_api.deps import ApiState, Caller, State
 from producer_api.errors import ApiError, error_payload, error_responses, error_status
-from producer_api.openai_convert import (
-    ChatChunks,
-    CompletionChunks,
-    chat_body,
+from producer_api.openai_chunks import ChatChunks, CompletionChunks
+from producer_api.openai_jobs import (
     chat_job,
     chat_max_tokens,
     check_chat,
     check_completion,
-    completion_body,
     completion_job,
     completion_prompts,
 )
 from producer_api.openai_models import ChatCompletionRequest, CompletionRequest
+from producer_api.openai_responses import chat_body, completion_body
 from producer_api.sse import sse_event
 from producer_api.streams import ClientGone, merge_indexed, unless_disconnected
 from producer_api.workers import ServedModel

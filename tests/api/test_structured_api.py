@@ -11,7 +11,7 @@ import httpx
 import pytest
 from redis import Redis
 
-from producer_api.openai_convert import chat_job, completion_job
+from producer_api.openai_jobs import chat_job, completion_job
 from producer_api.openai_models import ChatCompletionRequest, CompletionRequest
 from schemas import RedisKeys
 from schemas.structured import StructuredOutput

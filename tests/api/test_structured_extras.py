@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.model_files import resolve_model_path
-from producer_api.openai_convert import completion_job
+from producer_api.openai_jobs import completion_job
 from producer_api.openai_models import CompletionRequest
 from tests.api.conftest import ALICE_KEY, MODEL, auth
 from tests.api.echo_worker import echo_output

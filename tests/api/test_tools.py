@@ -10,8 +10,10 @@ from typing import Any
 
 import jsonschema
 
-from producer_api.openai_convert import ChatChunks, chat_body, chat_job
+from producer_api.openai_chunks import ChatChunks
+from producer_api.openai_jobs import chat_job
 from producer_api.openai_models import ChatCompletionRequest
+from producer_api.openai_responses import chat_body
 from schemas import Job, JobStatus, TokenChunk
 from schemas.jobs import new_job_id
 from schemas.results import ChoiceResult, JobResult, Timings, Usage
