@@ -22,7 +22,7 @@ from schemas.defaults import DEFAULT_MODEL
 from worker.engine_settings import ENGINE_SETTINGS, EngineSettings
 from worker.settings import WorkerSettings
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 _CHATTY_LOGGERS = ("httpx", "httpcore")
 
@@ -116,8 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_arguments(commands)
 
-    bench = commands.add_parser("bench", help="run a benchmark from bench/ (flags pass through)")
-    bench.add_argument("name", help="throughput, queue-overhead, serve, vs-vllm, gpu, ...")
+    bench = commands.add_parser(
+        "bench", help="run a benchmark from bench/<group>/ (flags pass through)"
+    )
+    bench.add_argument(
+        "name", help="throughput, queue-overhead, serve, vs-vllm, gpu, ... (or engine/vs-vllm)"
+    )
     bench.set_defaults(handler=_bench)
     return parser
 
@@ -176,13 +180,28 @@ def _generate(
     return 0
 
 
+def bench_scripts(name: str) -> list[Path]:
+    """The scripts `inferq bench NAME` may mean: bench/<group>/<name>.py, NAME given with its
+    group (engine/vs-vllm) or without it (vs-vllm); names are unique across the groups."""
+    stem = name.replace("-", "_")
+    if "/" in stem:
+        script = _BENCH_DIR / f"{stem}.py"
+        return [script] if script.is_file() else []
+    return sorted(_BENCH_DIR.glob(f"*/{stem}.py"))
+
+
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
-    script = _REPO_ROOT / "bench" / f"{args.name.replace('-', '_')}.py"
-    if not script.exists():
-        print(
-            f"error: no benchmark {script} (benchmarks run from a source checkout)", file=sys.stderr
+    scripts = bench_scripts(args.name)
+    if len(scripts) != 1:
+        problem = (
+            f"several benchmarks are named {args.name}: {', '.join(map(str, scripts))}"
+            if scripts
+            else f"no benchmark {args.name} in {_BENCH_DIR}/<group>/ "
+            "(benchmarks run from a source checkout)"
         )
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    script = scripts[0]
     sys.argv = [str(script), *extra]
     runpy.run_path(str(script), run_name="__main__")
     return 0

@@ -23,9 +23,8 @@ import typing
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from markdown_blocks import read_block, replace_block  # bench/markdown_blocks.py
+from bench.common.markdown_blocks import read_block, replace_block
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = "config-reference"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks and benchmark, for a machine with an NVIDIA GPU (torch + triton installed).
 #   bash scripts/gpu_check.sh tests            # kernel tests and the CUDA engine tests
-#   bash scripts/gpu_check.sh bench [FLAGS]    # bench/gpu.py FLAGS, results appended to $OUT/gpu.md
+#   bash scripts/gpu_check.sh bench [FLAGS]    # bench/suites/gpu.py FLAGS, results appended to $OUT/gpu.md
 # Wheels in .whl/ (packages the machine lacks, e.g. pydantic) are installed to /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,7 @@ case "$stage" in
       tee "$OUT/pytest.log"
     ;;
   bench)
-    python3 bench/gpu.py --out "$OUT/gpu.md" "$@" 2>&1 | tee "$OUT/bench.log"
+    python3 bench/suites/gpu.py --out "$OUT/gpu.md" "$@" 2>&1 | tee "$OUT/bench.log"
     ;;
   *)
     echo "usage: $0 tests|bench [args]" >&2

@@ -4,7 +4,6 @@ returns, and the API answers 503 + Retry-After while no master is known."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import httpx
@@ -12,14 +11,17 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.sentinel import SentinelConnectionPool
 
+from bench.availability.sentinel_cluster import (
+    MASTER_NAME,
+    SentinelCluster,
+    free_port,
+    redis_binary,
+)
 from producer_api.client import AsyncClient
 from redis_io.clients import redis_client
 from schemas import DEFAULT_PREFIX, RedisKeys
 from schemas.redis_connection import RedisConnectionSettings
 from tests.api.conftest import MODEL, auth
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sentinel_cluster import MASTER_NAME, SentinelCluster, free_port, redis_binary
 
 pytestmark = pytest.mark.anyio
 KEYS = RedisKeys(DEFAULT_PREFIX)

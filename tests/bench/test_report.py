@@ -1,4 +1,4 @@
-"""bench/report.py end to end in its tiny mode: the results file and plots appear, carrying the
+"""bench/suites/report.py end to end in its tiny mode: the results file and plots appear, carrying the
 numbers the run measured, and hand-written text around the generated block survives."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+from bench.common.gpu_report import fmt
 
-from gpu_report import fmt  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.model
 pytest.importorskip("matplotlib", reason="the report plots need the bench extra")
@@ -25,7 +24,14 @@ HAND_WRITTEN = "## GPU (H100, by hand)\n\nKeep me: 1234 tok/s.\n"
 def _run_report(out: Path, *flags: str) -> dict:
     env = dict(os.environ, INFERQ_CPU_TUNE="0", OMP_WAIT_POLICY="PASSIVE")
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "report.py"), "--tiny", "--out", str(out), *flags],
+        [
+            sys.executable,
+            str(REPO / "bench" / "suites" / "report.py"),
+            "--tiny",
+            "--out",
+            str(out),
+            *flags,
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -41,9 +47,9 @@ def _assert_png(path: Path) -> None:
 
 
 def test_in_process_sections_write_results_and_plots(tmp_path: Path) -> None:
-    (tmp_path / "RESULTS.md").write_text(f"# results\n\n{HAND_WRITTEN}")
+    (tmp_path / "report.md").write_text(f"# results\n\n{HAND_WRITTEN}")
     data = _run_report(tmp_path, "--only", "offline,prefix_cache")
-    text = (tmp_path / "RESULTS.md").read_text()
+    text = (tmp_path / "report.md").read_text()
 
     assert HAND_WRITTEN in text  # outside the markers: kept
     assert text.count("<!-- bench-report:start -->") == 1
@@ -62,7 +68,7 @@ def test_in_process_sections_write_results_and_plots(tmp_path: Path) -> None:
 
 
 def test_a_rerun_replaces_only_the_generated_block() -> None:
-    from markdown_blocks import replace_block
+    from bench.common.markdown_blocks import replace_block
 
     first = replace_block(f"# results\n\n{HAND_WRITTEN}", "bench-report", "run one: 10 tok/s")
     second = replace_block(first, "bench-report", "run two: 20 tok/s")
@@ -73,7 +79,7 @@ def test_a_rerun_replaces_only_the_generated_block() -> None:
 @pytest.mark.slow
 def test_full_suite_through_redis_api_and_worker(tmp_path: Path) -> None:
     data = _run_report(tmp_path)
-    text = (tmp_path / "RESULTS.md").read_text()
+    text = (tmp_path / "report.md").read_text()
     assert data["queue"]["queue"]["output_tok_s"] > 0
     assert f"{data['queue']['throughput_ratio']:.3f}" in text
     http = [r for r in data["serving"] if r["mode"] == "http"]

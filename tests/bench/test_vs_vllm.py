@@ -1,4 +1,4 @@
-"""bench/vs_vllm.py: the workload it gives every system, the tuning it gives vLLM, and a whole
+"""bench/engine/vs_vllm.py: the workload it gives every system, the tuning it gives vLLM, and a whole
 run through `inferq bench vs-vllm` on a tiny random model without a vLLM venv (skipped with a
 message saying why and how to get one; inferq's figures still reported)."""
 
@@ -11,12 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.engine import vs_vllm
+from tests.engine.conftest import save_tiny_model
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-
-import vs_vllm  # noqa: E402
-
-from tests.engine.conftest import save_tiny_model  # noqa: E402
 
 
 def test_default_workload_is_the_documented_one(tmp_path: Path) -> None:

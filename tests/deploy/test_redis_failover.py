@@ -10,7 +10,6 @@ with Retry-After (never another 5xx, never a hang)."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +19,9 @@ import pytest
 from real_stack import free_port, start_api, stop, wait_ready
 from worker_harness import start_worker_process, stop_process
 
+from bench.availability.sentinel_cluster import MASTER_NAME, SentinelCluster, ask, redis_binary
 from producer_api.client import AsyncClient, RedisConnectionSettings
 from schemas import DEFAULT_PREFIX, Job, JobStatus, RedisKeys, TokenChunk
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sentinel_cluster import MASTER_NAME, SentinelCluster, ask, redis_binary
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 

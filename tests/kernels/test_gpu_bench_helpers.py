@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import gpu
-from gpu_report import (
+from bench.common.gpu_report import (
     LLAMA3_8B_CONFIG,
     PrefillShape,
     bandwidth_floor_ms,
@@ -19,6 +13,7 @@ from gpu_report import (
     llama_param_counts,
     markdown_table,
 )
+from bench.suites import gpu
 
 
 def test_parse_args_lists_and_shapes():
@@ -97,7 +92,7 @@ def test_main_without_cuda_exits_with_a_clear_message(capsys):
 def test_attention_bench_rows_on_tiny_shapes(device, monkeypatch):
     """Part (a)'s case building, SDPA oracle and table, with the GPU timer stubbed out."""
     pytest.importorskip("triton")
-    import gpu_attention
+    from bench.micro import gpu_attention
 
     monkeypatch.setattr(gpu_attention, "_time_ms", lambda fn, cfg: (fn(), 1.0)[1])
     cfg = gpu_attention.AttentionBenchConfig(
@@ -118,7 +113,7 @@ def test_attention_bench_rows_on_tiny_shapes(device, monkeypatch):
 
 
 def test_engine_bench_module_imports_without_a_gpu():
-    import gpu_engine
+    from bench.engine import gpu_engine
 
     assert callable(gpu_engine.bench_decode) and callable(gpu_engine.bench_throughput)
 
@@ -134,7 +129,7 @@ def test_engine_bench_parts_run_on_cpu_with_a_tiny_llama(tmp_path, caplog):
     import logging
     import math
 
-    import gpu_engine
+    from bench.engine import gpu_engine
 
     tiny = {
         **LLAMA3_8B_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -81,7 +81,7 @@ def test_w8a8_perplexity_within_five_percent(
     default_model_path: Path, fp32_perplexity: float
 ) -> None:
     # Integer activations (per token, no smoothing) cost quality that weight-only int8 does not:
-    # +2.4% measured on this 135M model, the price of its prefill throughput (bench/quantization.py).
+    # +2.4% measured on this 135M model, the price of its prefill throughput (bench/engine/quantization.py).
     w8a8 = _perplexity(str(default_model_path), "w8a8")
     assert w8a8 == pytest.approx(fp32_perplexity, rel=0.05)
     assert w8a8 != _perplexity(str(default_model_path), "int8")  # the activations did change

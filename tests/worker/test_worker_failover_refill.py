@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from worker_fakes import FakeEngine, expected_output
 from worker_harness import KEYS, check_delivery, replay_chunks, running_worker, wait_for
 
+from bench.availability.sentinel_cluster import MASTER_NAME, SentinelCluster, ask, redis_binary
 from producer_api.client import AsyncClient
 from redis_io.clients import master_address, redis_client
 from schemas import Job, JobStatus, TokenChunk
@@ -23,9 +23,6 @@ from schemas.redis_connection import ReplicaWait
 from worker.publisher import Outbox
 from worker.replay_log import refill
 from worker.settings import WorkerSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from sentinel_cluster import MASTER_NAME, SentinelCluster, ask, redis_binary
 
 pytestmark = pytest.mark.anyio
 MODEL = "fake-model"

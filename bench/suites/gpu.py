@@ -1,0 +1,215 @@
+"""GPU benchmark: attention kernels, batch-1 decode and offline throughput, as markdown tables.
+
+    python bench/suites/gpu.py                       # all parts, Llama-3-8B shapes, H100 defaults
+    python bench/suites/gpu.py --parts a --out results.md
+    python bench/suites/gpu.py --parts b,c --num-prompts 200 --hf-prompts 32
+
+(a) unified_attention vs torch SDPA on pre-gathered K/V (decode and prefill shapes); needs
+    only torch + triton. (b) batch-1 decode ms/token of a dummy-weight Llama-3-8B through
+    `engine.LLM` vs the weight-bandwidth floor. (c) offline throughput of the same model vs
+    transformers' generate and the compute roofline. (d) the GPU's idle share of decode steps.
+    (b), (c) and (d) need the engine's deps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.*, engine, ...
+
+from bench.common.gpu_report import (
+    H100_BF16_PEAK_FLOPS,
+    LLAMA3_8B_CONFIG,
+    parse_int_list,
+    parse_prefill_shapes,
+)
+
+logger = logging.getLogger("bench.gpu")
+PARTS = ("a", "b", "c", "d")
+C = TypeVar("C")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--parts",
+        default="a,b,c,d",
+        help="comma list of a (attention), b (decode), c (throughput), d (step overhead)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="append the results as a markdown section"
+    )
+    attention = parser.add_argument_group("(a) attention kernel")
+    attention.add_argument("--decode-batches", default="1,4,16,64,256")
+    attention.add_argument("--decode-contexts", default="1024,2048,4096,8192")
+    attention.add_argument("--prefill-shapes", default="1x512,1x2048,4x1024,1x8192,1x512+4096",
+                           help="BATCHxNEW_TOKENS[+CACHED_CONTEXT], comma separated")  # fmt: skip
+    attention.add_argument("--num-q-heads", type=int, default=32)
+    attention.add_argument("--num-kv-heads", type=int, default=8)
+    attention.add_argument("--head-dim", type=int, default=128)
+    attention.add_argument("--block-size", type=int, default=16)
+    attention.add_argument(
+        "--max-gib", type=float, default=40.0, help="skip shapes needing more K/V memory"
+    )
+    engine = parser.add_argument_group("(b)/(c) engine on a dummy-weight Llama-3-8B")
+    engine.add_argument("--decode-prompt-len", type=int, default=128)
+    engine.add_argument("--decode-tokens", type=int, default=128)
+    engine.add_argument("--num-prompts", type=int, default=1000)
+    engine.add_argument("--input-len", type=int, default=1024)
+    engine.add_argument("--output-len", type=int, default=128)
+    engine.add_argument(
+        "--hf-prompts", type=int, default=64, help="prompts for the transformers baseline (0: skip)"
+    )
+    engine.add_argument("--hf-batch-size", type=int, default=64)
+    engine.add_argument(
+        "--peak-flops", type=float, default=H100_BF16_PEAK_FLOPS, help="peak bf16 FLOP/s"
+    )
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    engine.add_argument("--enforce-eager", action="store_true")
+    engine.add_argument(
+        "--step-batches", default="1,64,256", help="(d) sequences per decode-heavy run"
+    )
+    engine.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in args.parts if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
+    try:
+        args.decode_batches = parse_int_list(args.decode_batches)
+        args.decode_contexts = parse_int_list(args.decode_contexts)
+        args.prefill_shapes = parse_prefill_shapes(args.prefill_shapes)
+        args.step_batches = parse_int_list(args.step_batches)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.decode_tokens < 2:
+        parser.error("--decode-tokens must be at least 2 (ms/token subtracts a 1-token run)")
+    return args
+
+
+def render_section(title: str, blocks: list[tuple[str, str]]) -> str:
+    """'## title' followed by '### name' + body for every block."""
+    parts = [f"## {title}", ""]
+    for name, body in blocks:
+        parts += [f"### {name}", "", body, ""]
+    return "\n".join(parts)
+
+
+def _environment_line() -> str:
+    import torch
+
+    versions = [f"torch {torch.__version__}"]
+    for module in ("triton", "transformers"):
+        try:
+            versions.append(f"{module} {__import__(module).__version__}")
+        except ImportError:
+            versions.append(f"{module} missing")
+    device = torch.cuda.get_device_name()
+    return f"{device}, {', '.join(versions)}, Python {platform.python_version()}"
+
+
+def config_from_flags(config: type[C], args: argparse.Namespace, **given: Any) -> C:
+    """A bench config: the fields in `given`, the others from the flag of the same name where
+    there is one, else the field's default (e.g. `device`)."""
+    flags = vars(args)
+    from_flags = {f.name: flags[f.name] for f in fields(config) if f.name in flags}
+    return config(**{**from_flags, **given})
+
+
+def _run_attention(args: argparse.Namespace) -> list[tuple[str, str]]:
+    from bench.micro.gpu_attention import AttentionBenchConfig, bench_decode, bench_prefill
+
+    cfg = config_from_flags(AttentionBenchConfig, args)
+    blocks = []
+    if cfg.decode_batches and cfg.decode_contexts:
+        blocks.append(("(a) attention kernel: decode", bench_decode(cfg)))
+    if cfg.prefill_shapes:
+        blocks.append(("(a) attention kernel: prefill", bench_prefill(cfg)))
+    return blocks
+
+
+def _run_engine(args: argparse.Namespace, parts: list[str]) -> list[tuple[str, str]]:
+    from bench.engine import gpu_engine
+
+    with tempfile.TemporaryDirectory(prefix="inferq-llama3-8b-") as folder:
+        cfg = config_from_flags(
+            gpu_engine.EngineBenchConfig,
+            args,
+            model_config=dict(LLAMA3_8B_CONFIG),
+            model_dir=Path(folder),
+        )
+        # The baseline runs first and frees its weights: both models at once would not fit.
+        hf_rates = None
+        if "c" in parts and args.hf_prompts > 0:
+            logger.info("transformers baseline: %d prompts", args.hf_prompts)
+            hf_rates = gpu_engine.bench_transformers(cfg)
+        logger.info("building the engine (dummy Llama-3-8B weights)")
+        llm = gpu_engine.make_llm(cfg)
+        blocks = []
+        if "b" in parts:
+            blocks.append(
+                ("(b) batch-1 decode vs bandwidth floor", gpu_engine.bench_decode(cfg, llm))
+            )
+        if "c" in parts:
+            blocks.append(
+                ("(c) offline throughput", gpu_engine.bench_throughput(cfg, llm, hf_rates))
+            )
+        if "d" in parts:
+            overhead = gpu_engine.bench_step_overhead(cfg, llm, args.step_batches)
+            blocks.append(("(d) time outside the GPU per step", overhead))
+        return blocks
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    try:
+        import torch
+    except ImportError:
+        print("bench/suites/gpu.py needs torch", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("bench/suites/gpu.py needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("bench/suites/gpu.py needs triton (pip install 'triton>=3.1')", file=sys.stderr)
+        return 2
+
+    blocks = []
+    if "a" in args.parts:
+        blocks += _run_attention(args)
+    engine_parts = [p for p in args.parts if p in ("b", "c", "d")]
+    if engine_parts:
+        try:
+            import engine  # noqa: F401  (pydantic and the rest of the engine's deps)
+        except ImportError as error:
+            print(f"parts b/c need the engine's dependencies: {error}", file=sys.stderr)
+            return 2
+        blocks += _run_engine(args, engine_parts)
+
+    title = f"GPU bench {time.strftime('%Y-%m-%d %H:%M')}: {_environment_line()}"
+    section = render_section(title, blocks)
+    print(section)
+    if args.out:
+        with args.out.open("a") as handle:
+            handle.write(section + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
