@@ -322,7 +322,7 @@ class NativeLinear:
 
     def ints(self) -> list[int]:
         """Its LINEAR_INTS ints, in decode_layers' order."""
-        return [self.kind.value, *self.params]
+        return [int(self.kind), *self.params]
 
 
 def decode_layers(

@@ -13,6 +13,7 @@ from engine.llm import LLM
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
 from engine.quantization.errors import QuantizationError
 from engine.quantization.registry import QUANTIZATION_SCHEMES, Scheme
+from kernels import cpu_ops
 from kernels.cpu_ops import LinearKind, NativeLinear
 from schemas.sampling import SamplingParams
 
@@ -24,6 +25,7 @@ class TransposedLinear(QuantizedLinearMethod):
 
     source = WeightSource.QUANTIZE_AT_LOAD
     layers_quantized = 0
+    native_specs = 0  # specs given to the C++ decode stack
 
     def __init__(self, transposed: torch.Tensor) -> None:
         self.transposed = transposed
@@ -46,6 +48,7 @@ class TransposedLinear(QuantizedLinearMethod):
 
     def native_spec(self, layer: Linear, rows: int) -> NativeLinear | None:
         # at::linear multiplies by its weight's transpose: the stored tensor, as a view.
+        TransposedLinear.native_specs += 1
         return NativeLinear(LinearKind.ATEN, self.transposed.t(), bias=layer.bias)
 
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -58,7 +61,7 @@ def transposed_scheme(monkeypatch: pytest.MonkeyPatch) -> str:
     name = "transposed"
     method = f"{__name__}:TransposedLinear"
     monkeypatch.setitem(QUANTIZATION_SCHEMES, name, Scheme(method, "fp32 weights, transposed"))
-    TransposedLinear.layers_quantized = 0
+    TransposedLinear.layers_quantized = TransposedLinear.native_specs = 0
     return name
 
 
@@ -79,6 +82,8 @@ def test_a_scheme_defined_outside_the_engine_serves_what_full_precision_serves(
     linears = [m for m in toy.engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(isinstance(m.method, TransposedLinear) for m in linears)
     assert TransposedLinear.layers_quantized == len(linears)
+    if cpu_ops.cpu_kernels_available():  # decode steps ran the toy's spec in C++
+        assert TransposedLinear.native_specs > 0
     assert toy_tokens == full_tokens
     torch.testing.assert_close(toy_logprobs, full_logprobs, rtol=1e-4, atol=1e-4)
     # The plain weights were freed; the transposed ones count instead: the same bytes (less
