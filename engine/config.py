@@ -9,11 +9,19 @@ bounds and help text; pydantic reads it, the dataclass ignores it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field
 
+from engine.quantization.registry import QUANTIZATION_SCHEMES, scheme_help
 from engine.speculative.config import SpeculativeConfig, parse_speculative_config
+
+# The registered quantization schemes' names: the `quantization` argument's choices (flags,
+# settings). Made from the table at run time, so to a type checker it is a plain string.
+if TYPE_CHECKING:
+    QuantizationName = str
+else:
+    QuantizationName = Literal[tuple(QUANTIZATION_SCHEMES)]
 
 
 @dataclass
@@ -35,18 +43,7 @@ class EngineConfig:
         Field(description="dummy: random weights of the model's config (benchmarks)"),
     ] = "auto"
     seed: Annotated[int, Field(description="seed of the random weights of load_format dummy")] = 0
-    quantization: Annotated[
-        Literal["int8", "w8a8", "int4", "gguf", "gptq", "awq", "fp8"] | None,
-        Field(
-            description="weight quantization. int8: per output channel, and int4: group-wise "
-            "with a minimum, both quantized at load from a full-precision checkpoint (lm_head "
-            "int8, embedding as loaded); w8a8: int8 weights as int8, and calls of more than 16 "
-            "rows (prefill) also quantize activations to int8 per token and multiply integers; "
-            "gguf: the model folder's GGUF file, its Q4_0/Q4_1/Q8_0 "
-            "blocks used as they are; gptq, awq: checkpoints in those formats; fp8: CUDA only. "
-            "Default: what the checkpoint's config names (gptq, awq), else full precision"
-        ),
-    ] = None
+    quantization: Annotated[QuantizationName | None, Field(description=scheme_help())] = None
     quantization_group_size: Annotated[
         int,
         Field(

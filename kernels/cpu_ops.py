@@ -9,10 +9,12 @@ keeps its plain-torch path, and `cpu_kernels_available()` says so once in the lo
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,11 +31,45 @@ _SOURCES = (
     Path(__file__).parent / "cpu" / "panel_matmul.cpp",
     Path(__file__).parent / "cpu" / "greedy.cpp",
 )
+# From this many rows of x on, quant_matmul dequantizes tiles of the weight to fp32 and runs
+# at::addmm (compute-bound prefill); below it the weights stream once through registers
+# (memory-bound decode). Measured with bench/quant_matmul.py on an AVX2 Zen 3: at 8 rows the
+# streaming path is ~10% faster, at 16 the GEMM path ~15%, at 32+ far faster. The build passes it
+# to the C++ op as its default (kernels/cpu/small_matmul.cpp); decode_layers is given it per call.
+QUANT_GEMM_MIN_ROWS = 16
+
+# How decode_layers reads its flat linear spec: per linear, this many optional tensors (a, b, c,
+# input_order, bias) and ints (kind, p0, p1, p2); see kernels/cpu/decode_stack.cpp for each kind.
+LINEAR_SLOTS = 5
+LINEAR_INTS = 4
+
+
+class LinearKind(enum.IntEnum):
+    """How decode_layers runs one linear layer. The C++ enum (kernels/cpu/decode_stack.cpp)
+    takes its values from here: the build defines INFERQ_LINEAR_<NAME> for each member."""
+
+    ATEN = 0
+    ONEDNN = 1
+    MKL = 2
+    QUANT = 3
+    W8A8 = 4
+    PANELS = 5
+    GATED_PANELS = 6
+
+
+# What the C++ sources read from this module, as -D defines of the build (and so of its hash).
+_DEFINES = (
+    *(f"-DINFERQ_LINEAR_{kind.name}={kind.value}" for kind in LinearKind),
+    f"-DINFERQ_LINEAR_SLOTS={LINEAR_SLOTS}",
+    f"-DINFERQ_LINEAR_INTS={LINEAR_INTS}",
+    f"-DINFERQ_QUANT_GEMM_MIN_ROWS={QUANT_GEMM_MIN_ROWS}",
+)
+
 # -ffast-math lets the compiler vectorize the softmax's exp; the kernels never see inf or NaN
 # inputs (attention reads only the valid part of each context). -fopenmp makes at::parallel_for
 # split work across torch's threads (without it the header falls back to one thread); the
 # OpenMP runtime itself is torch's own libgomp, already loaded with libtorch_cpu.
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", *_DEFINES)
 
 
 @functools.cache
@@ -192,27 +228,6 @@ def rotary_store_kv(
     )
 
 
-# From this many rows of x on, quant_matmul dequantizes tiles of the weight to fp32 and runs
-# at::addmm (compute-bound prefill); below it the weights stream once through registers
-# (memory-bound decode). Measured with bench/quant_matmul.py on an AVX2 Zen 3: at 8 rows the
-# streaming path is ~10% faster, at 16 the GEMM path ~15%, at 32+ far faster. The C++ op's
-# default (kernels/cpu/small_matmul.cpp) is the same number; decode_layers is given this one.
-QUANT_GEMM_MIN_ROWS = 16
-
-# How decode_layers reads its flat linear spec: per linear, this many optional tensors (a, b, c,
-# input_order, bias) and ints (kind, p0, p1, p2); see kernels/cpu/decode_stack.cpp for each kind.
-LINEAR_SLOTS = 5
-LINEAR_INTS = 4
-(
-    LINEAR_ATEN,
-    LINEAR_ONEDNN,
-    LINEAR_MKL,
-    LINEAR_QUANT,
-    LINEAR_W8A8,
-    LINEAR_PANELS,
-    LINEAR_GATED_PANELS,
-) = range(7)
-
 # Output features per panel of kernels/cpu/panel_matmul.cpp's packed weight layouts.
 PANEL_WIDTH = {torch.float32: 16, torch.bfloat16: 32}
 # A gated weight's gate and up rows are interleaved this many at a time (each half of a tile).
@@ -287,6 +302,29 @@ def panel_gated_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int)
     return torch.ops.inferq_cpu.panel_gated_linear(x, panels, out_features)
 
 
+@dataclass(frozen=True)
+class NativeLinear:
+    """One linear layer as decode_layers runs it: its kind, the weight in that kind's form
+    (plain, packed, panels or integer codes), what else the kind reads (MKL: the plain weight;
+    QUANT: scales and mins; W8A8: scales) and its three int parameters (see
+    kernels/cpu/decode_stack.cpp for each kind)."""
+
+    kind: LinearKind
+    weight: torch.Tensor
+    extra: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    input_order: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    params: tuple[int, int, int] = (0, 0, 0)
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Its LINEAR_SLOTS tensors, in decode_layers' order."""
+        return [self.weight, *self.extra, self.input_order, self.bias]
+
+    def ints(self) -> list[int]:
+        """Its LINEAR_INTS ints, in decode_layers' order."""
+        return [int(self.kind), *self.params]
+
+
 def decode_layers(
     hidden: torch.Tensor,
     positions: torch.Tensor,
@@ -307,7 +345,8 @@ def decode_layers(
     (hidden, residual) after the last layer, before the final norm.
 
     norm_weights: input and post-attention norm per layer; linear_tensors / linear_ints: the
-    qkv, o, gate_up and down projections of each layer (LINEAR_SLOTS / LINEAR_INTS apiece)."""
+    qkv, o, gate_up and down projections of each layer (`NativeLinear.tensors()` / `.ints()`
+    apiece)."""
     return torch.ops.inferq_cpu.decode_layers(
         hidden,
         positions,

@@ -3,8 +3,8 @@
 On the CPU each layer computes through the backend its plan names for the call's row count
 (engine.layers.matmul); the plan is measured per machine at start-up and the weights are
 packed once for it (engine.layers.matmul_tuning.apply_plan). Until then, and on CUDA, a layer
-is a plain `F.linear`. A quantized layer (engine.quantization) holds a `QuantizedWeight` instead
-of its plain weight and computes through the quantized matmul.
+is a plain `F.linear`. A quantized layer holds its scheme's `LinearMethod` (engine.quantization)
+instead of its plain weight and computes through it.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from torch import nn
 from engine.layers.activation import silu_and_mul
 from engine.layers.matmul import (
     ATEN,
-    ONEDNN_BACKENDS,
-    SMALL_ROWS,
     MatmulPlan,
-    NativeLinear,
     PackedWeights,
     native,
     pack,
@@ -27,9 +24,9 @@ from engine.layers.matmul import (
     run,
     run_gated,
 )
-from engine.quantization.matmul import quantized_linear
-from engine.quantization.weights import QuantizedWeight
-from kernels import cpu_ops
+from engine.quantization.base import LinearMethod, QuantizedLinearMethod
+from engine.quantization.full_precision import FULL_PRECISION
+from kernels.cpu_ops import NativeLinear
 
 # Bumped whenever a layer changes how it stores its weight, so callers that keep references to
 # the weights of many layers (engine.models.cpu_decode_stack) know to read them again.
@@ -60,57 +57,42 @@ def linear(
 
 
 class Linear(nn.Linear):
-    """nn.Linear computed through `linear` with the layer's matmul plan."""
+    """nn.Linear computed by its `LinearMethod`: full precision through `linear` with the
+    layer's matmul plan, or a quantization scheme's (engine.quantization.registry)."""
 
     plan: MatmulPlan = ATEN
     packed: PackedWeights | None = None
-    quantized: QuantizedWeight | None = None
+    method: LinearMethod = FULL_PRECISION
     _gated = False  # a [gate; up] projection whose weight may be packed for one gated kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is None:
-            return linear(x, self.weight, self.bias, self.plan, self.packed)
-        if self._plain_for(x):
-            return linear(x, self.weight, self.bias, self.plan.plain())
-        return quantized_linear(x, self.quantized, self.bias, self._onednn_tiles())
+        return self.method.apply(self, x)
 
-    def _plain_for(self, x: torch.Tensor) -> bool:
-        """Whether a quantized layer computes this call from its full-precision weight: one it
-        keeps anyway (an lm_head tied to the embedding), on the CPU, for a call of more than
-        SMALL_ROWS rows. Such calls are bound by arithmetic, where the weight's bytes do not
-        matter and dequantizing costs; decode-sized calls stream the smaller quantized weight."""
-        return x.device.type == "cpu" and self._plain_for_rows(x.numel() // self.in_features)
+    @property
+    def is_quantized(self) -> bool:
+        return self.method is not FULL_PRECISION
 
-    def _plain_for_rows(self, rows: int) -> bool:
-        return self.weight.device.type == "cpu" and rows > SMALL_ROWS
+    def plain(self, x: torch.Tensor, plan: MatmulPlan) -> torch.Tensor:
+        """x through the layer's full-precision weight and `plan` (a quantized layer that
+        keeps its plain weight passes the plan's plain kin: it has no packed copies)."""
+        return linear(x, self.weight, self.bias, plan, self.packed)
 
-    def _onednn_tiles(self) -> bool:
-        return self.plan.large in ONEDNN_BACKENDS
+    def plain_native_spec(self, plan: MatmulPlan, rows: int) -> NativeLinear:
+        """`plain` as the C++ decode stack runs it for calls of `rows` rows."""
+        backend = "aten" if plan is ATEN else plan.backend_for(rows)
+        return native(backend, self.weight, self.bias, self.packed or PackedWeights())
 
     def native_spec(self, rows: int) -> NativeLinear | None:
         """How the C++ decode stack computes this layer for calls of `rows` rows, exactly as
         forward would on the CPU; None where it cannot (fp8 weights)."""
-        bias = self.bias
-        quantized = self.quantized
-        if quantized is not None and not self._plain_for_rows(rows):
-            if quantized.is_fp8:
-                return None
-            if quantized.int8_activations:
-                tensors = [quantized.data, quantized.scales, None, None, bias]
-                return cpu_ops.LINEAR_W8A8, tensors, [SMALL_ROWS, int(self._onednn_tiles()), 0]
-            tensors = [quantized.data, quantized.scales, quantized.mins, quantized.input_order]
-            ints = [quantized.bits, quantized.group_size, int(self._onednn_tiles())]
-            return cpu_ops.LINEAR_QUANT, [*tensors, bias], ints
-        plan = self.plan if quantized is None else self.plan.plain()
-        backend = "aten" if plan is ATEN else plan.backend_for(rows)
-        return native(backend, self.weight, bias, self.packed or PackedWeights())
+        return self.method.native_spec(self, rows)
 
-    def use_quantized(self, weight: QuantizedWeight, keep_plain_weight: bool = False) -> None:
-        """Compute through `weight` from now on and free the plain weight (unless it is shared,
+    def use_method(self, method: QuantizedLinearMethod, keep_plain_weight: bool = False) -> None:
+        """Compute through `method` from now on and free the plain weight (unless it is shared,
         e.g. with a tied embedding that still reads it)."""
-        if weight.shape != (self.out_features, self.in_features):
-            raise ValueError(f"quantized weight {weight.shape} for a {self.weight.shape} layer")
-        self.quantized = weight.to(self.weight.device)
+        if method.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {method.shape} for a {self.weight.shape} layer")
+        self.method = method.to(self.weight.device)
         self.packed = None
         _storage_changed()
         if not keep_plain_weight:
@@ -120,7 +102,7 @@ class Linear(nn.Linear):
         """Compute through `plan` from now on: pack the weight once for it, and free the plain
         weight when no backend of the plan reads it (unless keep_plain_weight: e.g. it is shared
         with a tied embedding)."""
-        if self.quantized is not None:
+        if self.is_quantized:
             # The quantized matmul has its own kernels; only its GEMM over dequantized tiles
             # (calls of many rows) follows the plan's choice for large calls.
             self.plan = plan
@@ -156,7 +138,7 @@ class MergedLinear(Linear):
         kernel where the plan packed the weight for it, else projected and then activated."""
         if not self._gated:
             raise TypeError("activated() needs a gated [gate; up] projection")
-        if self.packed is not None and self.quantized is None and x.numel():
+        if self.packed is not None and not self.is_quantized and x.numel():
             rows = x.numel() // x.shape[-1]
             fused = run_gated(self.plan.backend_for(rows), x, self.weight, self.packed)
             if fused is not None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from kernels.cpu_ops import LinearKind, NativeLinear
 
 Backend = Literal["aten", "onednn", "onednn_packed", "mkl_packed", "panels"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
@@ -185,26 +186,27 @@ def run_gated(
     return cpu_ops.panel_gated_linear(x, packed.panels, weight.shape[0] // 2)
 
 
-# What kernels.cpu_ops.decode_layers needs to run one linear layer in C++: its kind, its
-# tensors (LINEAR_SLOTS of them, None where unused) and its three int parameters.
-NativeLinear = tuple[int, list[torch.Tensor | None], list[int]]
-
-
 def native(
     backend: Backend, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeights
 ) -> NativeLinear:
     """`run` as the C++ decode stack calls it: the same backend on the same tensors."""
     if backend == "onednn_packed":
-        return cpu_ops.LINEAR_ONEDNN, [packed.onednn, None, None, None, bias], [0, 0, 0]
+        assert packed.onednn is not None, "onednn_packed needs the weight packed first"
+        return NativeLinear(LinearKind.ONEDNN, packed.onednn, bias=bias)
     if backend == "onednn":
-        return cpu_ops.LINEAR_ONEDNN, [weight, None, None, None, bias], [0, 0, 0]
+        return NativeLinear(LinearKind.ONEDNN, weight, bias=bias)
     if backend == "mkl_packed":
-        return cpu_ops.LINEAR_MKL, [packed.mkl, weight, None, None, bias], [MKL_PACK_HINT, 0, 0]
-    if backend == "panels" and packed.gated:
-        # The decode stack then skips its SiLU-and-mul: this kernel applies it.
-        tensors = [packed.panels, None, None, None, None]
-        return cpu_ops.LINEAR_GATED_PANELS, tensors, [weight.shape[0] // 2, 0, 0]
+        assert packed.mkl is not None, "mkl_packed needs the weight packed first"
+        return NativeLinear(
+            LinearKind.MKL, packed.mkl, (weight, None), bias=bias, params=(MKL_PACK_HINT, 0, 0)
+        )
     if backend == "panels":
-        tensors = [packed.panels, None, None, None, bias]
-        return cpu_ops.LINEAR_PANELS, tensors, [weight.shape[0], 0, 0]
-    return cpu_ops.LINEAR_ATEN, [weight, None, None, None, bias], [0, 0, 0]
+        assert packed.panels is not None, "panels needs the weight packed first"
+        if packed.gated:  # the decode stack then skips its SiLU-and-mul: this kernel applies it
+            return NativeLinear(
+                LinearKind.GATED_PANELS, packed.panels, params=(weight.shape[0] // 2, 0, 0)
+            )
+        return NativeLinear(
+            LinearKind.PANELS, packed.panels, bias=bias, params=(weight.shape[0], 0, 0)
+        )
+    return NativeLinear(LinearKind.ATEN, weight, bias=bias)

@@ -117,7 +117,7 @@ class RowParallelLinear(Linear):
         return self.columns if param == "weight" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
+        if self.is_quantized:
             raise NotImplementedError("quantized weights are not tensor-parallel")
         out = self.tp.all_reduce(linear(x, self.weight, None, self.plan, self.packed))
         return out if self.bias is None else out + self.bias
@@ -162,7 +162,7 @@ class ParallelLMHead(Linear):
         return self.rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
+        if self.is_quantized:
             raise NotImplementedError("quantized weights are not tensor-parallel")
         local = linear(x, self.weight, None, self.plan, self.packed)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

@@ -79,7 +79,7 @@ def screen_supported(lm_head: Linear) -> bool:
     not freed by a packed plan) and bf16 panel kernels for this CPU."""
     weight = lm_head.weight
     return (
-        lm_head.quantized is None
+        not lm_head.is_quantized
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and weight.is_contiguous()

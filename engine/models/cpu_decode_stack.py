@@ -124,7 +124,6 @@ class CpuDecodeStack:
                 spec = projection.native_spec(rows)
                 if spec is None:
                     return None
-                kind, spec_tensors, spec_ints = spec
-                tensors += spec_tensors
-                ints += [kind, *spec_ints]
+                tensors += spec.tensors()
+                ints += spec.ints()
         return _LayerArgs(norms, tensors, ints)

@@ -31,8 +31,9 @@ from engine.models.checkpoint import (
     SafetensorsCheckpoint,
     WeightLoadError,
 )
-from engine.quantization.checkpoints import open_quantized_checkpoint
-from engine.quantization.methods import AT_LOAD, QuantizationMethod, quantize_at_load
+from engine.quantization.base import QuantizedLinearMethod, WeightSource
+from engine.quantization.methods import quantize_at_load
+from engine.quantization.registry import method_class
 from engine.quantization.weights import QuantizedWeight, concat_rows
 
 logger = logging.getLogger(__name__)
@@ -49,14 +50,15 @@ def build_model(
     model_path: Path | None = None,
     load_format: str = "auto",
     seed: int = 0,
-    quantization: QuantizationMethod | None = None,
+    quantization: str | None = None,
     quantization_group_size: int = 32,
     tp: TensorParallel | None = None,
 ) -> nn.Module:
     """Build the model for hf_config on device/dtype, with checkpoint or dummy weights,
     quantized as `quantization` says (already checked by engine.quantization.resolve_method);
     tp: this rank's shard of a tensor-parallel model."""
-    if tp is not None and quantization is not None:
+    method = None if quantization is None else method_class(quantization)
+    if tp is not None and method is not None:
         raise ValueError(
             f"quantization={quantization!r} with tensor_parallel_size={tp.size}: quantized "
             "weights are not sharded across ranks yet; use one of them alone"
@@ -76,14 +78,14 @@ def build_model(
             raise ValueError(
                 'load_format="auto" needs a model folder; use "dummy" for random weights'
             )
-        if quantization is not None and quantization not in AT_LOAD:
-            load_weights(model, open_quantized_checkpoint(quantization, model_path))
+        if method is not None and method.source is not WeightSource.QUANTIZE_AT_LOAD:
+            load_weights(model, method.open_checkpoint(model_path), method)
         else:
             load_weights(model, SafetensorsCheckpoint(model_path))
     else:
         raise ValueError(f"unknown load_format {load_format!r} (expected auto or dummy)")
-    if quantization in AT_LOAD:
-        quantize_at_load(model, quantization, quantization_group_size)
+    if method is not None and method.source is WeightSource.QUANTIZE_AT_LOAD:
+        quantize_at_load(model, method, quantization_group_size)
     return model.eval()
 
 
@@ -97,11 +99,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
+def load_weights(
+    model: nn.Module, checkpoint: Checkpoint, method: type[QuantizedLinearMethod] | None = None
+) -> None:
     """Copy checkpoint tensors into the model; raise if any parameter is left unfilled.
 
-    Quantized tensors (a QuantizedCheckpoint's) replace their layer's plain weight; the shards of
-    a fused projection are stacked once all are read.
+    Quantized tensors (a QuantizedCheckpoint's) replace their layer's plain weight with the
+    scheme `method`'s; the shards of a fused projection are stacked once all are read.
     """
     params = dict(model.named_parameters())  # a tied lm_head is listed under the embedding
     shard_of = {
@@ -164,7 +168,8 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
             f"checkpoint lacks weights for {len(missing)} parameters, e.g. {missing[:5]}"
         )
     for target, shards in quantized.items():
-        _use_quantized(model, target, concat_rows([shards[i] for i in sorted(shards)]), tied)
+        weight = concat_rows([shards[i] for i in sorted(shards)])
+        _use_quantized(model, target, weight, tied, method)
 
 
 def _read_slice(
@@ -180,18 +185,26 @@ def _read_slice(
         destination.narrow(piece.dim, piece.length, padding).zero_()
 
 
-def _use_quantized(model: nn.Module, target: str, weight: QuantizedWeight, tied: bool) -> None:
+def _use_quantized(
+    model: nn.Module,
+    target: str,
+    weight: QuantizedWeight,
+    tied: bool,
+    method: type[QuantizedLinearMethod] | None,
+) -> None:
     module = model.get_submodule(target.rsplit(".", 1)[0])
     if not isinstance(module, (Linear, VocabEmbedding)):
         raise WeightLoadError(f"{target} is quantized, but a {type(module).__name__} reads it")
+    if method is None:
+        raise WeightLoadError(f"{target} is quantized, but no quantization scheme reads it")
     if isinstance(module, VocabEmbedding):
         if tied:  # the lm_head reads the same quantized table
             lm_head = model.get_submodule("lm_head")
             assert isinstance(lm_head, Linear)
-            lm_head.use_quantized(weight)
+            lm_head.use_method(method.from_checkpoint(weight))
         module.use_quantized(weight)
     else:
-        module.use_quantized(weight)
+        module.use_method(method.from_checkpoint(weight))
 
 
 def _target_of(name: str, shard_of: dict[str, tuple[str, int]]) -> tuple[str, int | None]:

@@ -1,4 +1,5 @@
-"""A GGUF file read as a checkpoint: Q4_0/Q4_1/Q8_0 blocks straight into `QuantizedWeight`.
+"""The gguf scheme: a GGUF file read as a checkpoint, Q4_0/Q4_1/Q8_0 blocks straight into
+`QuantizedWeight` (`GGUFLinear` is the scheme's method).
 
 GGUF stores a weight as rows of blocks of 32 inputs; Q4_0, Q4_1 and Q8_0 blocks already are the
 in-memory form (weights.py), so reading them is slicing bytes, not dequantizing:
@@ -29,8 +30,10 @@ import gguf
 import numpy as np
 import torch
 
-from engine.quantization.errors import QuantizationFormatError
+from engine.quantization.base import WeightSource
+from engine.quantization.errors import QuantizationError, QuantizationFormatError
 from engine.quantization.gguf_layout import GGUFTensorInfo, read_gguf_layout
+from engine.quantization.weight_linear import QuantizedWeightLinear
 from engine.quantization.weights import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -220,3 +223,20 @@ def _fp16_field(blocks: np.ndarray, offset: int) -> torch.Tensor:
     """The fp16 at byte `offset` of every block: [rows, blocks]."""
     raw = np.ascontiguousarray(blocks[:, :, offset : offset + 2])
     return torch.from_numpy(raw.view(np.float16).reshape(blocks.shape[0], blocks.shape[1]))
+
+
+class GGUFLinear(QuantizedWeightLinear):
+    """The scheme: the model folder's GGUF file (beside its HF config), its Q4_0/Q4_1/Q8_0
+    blocks used as they are."""
+
+    source = WeightSource.OWN_FILE
+
+    @classmethod
+    def open_checkpoint(cls, model_path: Path) -> GGUFCheckpoint:
+        gguf_file = find_gguf_file(model_path)
+        if gguf_file is None:
+            raise QuantizationError(
+                f"quantization='gguf' needs a .gguf file in the model folder; {model_path} has "
+                "none (registry models keep theirs: run `inferq model pull` again)"
+            )
+        return GGUFCheckpoint(gguf_file)

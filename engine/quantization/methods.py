@@ -10,28 +10,19 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, shared_parameter_ids
+from engine.quantization.base import QuantizedLinearMethod, WeightSource
 from engine.quantization.errors import QuantizationError
-from engine.quantization.weights import Q4_BLOCK, quantize_fp8, quantize_int4, quantize_int8
+from engine.quantization.registry import QUANTIZATION_SCHEMES, method_class
 
 logger = logging.getLogger(__name__)
-
-QuantizationMethod = Literal["int8", "w8a8", "int4", "gguf", "gptq", "awq", "fp8"]
-METHODS: tuple[QuantizationMethod, ...] = get_args(QuantizationMethod)
-# Quantized from a full-precision checkpoint as it loads.
-AT_LOAD: tuple[QuantizationMethod, ...] = ("int8", "w8a8", "int4", "fp8")
-CHECKPOINT_FORMATS: tuple[QuantizationMethod, ...] = ("gptq", "awq")  # named in config.json
-CPU_METHODS: tuple[QuantizationMethod, ...] = ("int8", "w8a8", "int4", "gguf", "gptq", "awq")
-# The quantized matmuls compute in the activations' dtype, float32 or bfloat16.
-ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def checkpoint_method(model_path: Path | None) -> str | None:
@@ -43,99 +34,93 @@ def checkpoint_method(model_path: Path | None) -> str | None:
     return str(method).lower() if method else None
 
 
+def _schemes_where(keep: Callable[[type[QuantizedLinearMethod]], bool]) -> str:
+    return ", ".join(name for name in QUANTIZATION_SCHEMES if keep(method_class(name)))
+
+
 def resolve_method(
     requested: str | None,
     model_path: Path | None,
     device: torch.device,
     dtype: torch.dtype,
     load_format: str,
-) -> QuantizationMethod | None:
-    """The method the model loads with, or None for full precision; raise QuantizationError."""
+) -> str | None:
+    """The scheme the model loads with, or None for full precision; raise QuantizationError."""
     stored = checkpoint_method(model_path) if load_format != "dummy" else None
     if requested is None:
         if stored is None:
             return None
-        if stored not in CHECKPOINT_FORMATS:
+        if (
+            stored not in QUANTIZATION_SCHEMES
+            or method_class(stored).source is not WeightSource.QUANTIZED_CHECKPOINT
+        ):
             raise QuantizationError(
                 f"{model_path} is quantized with {stored!r}, which inferq does not read; "
-                f"supported checkpoint formats: {', '.join(CHECKPOINT_FORMATS)}"
+                "supported checkpoint formats: "
+                + _schemes_where(lambda m: m.source is WeightSource.QUANTIZED_CHECKPOINT)
             )
         logger.info("checkpoint %s is %s-quantized: loading it as such", model_path, stored)
         requested = stored
-    if requested not in METHODS:
+    method = method_class(requested)  # QuantizationError for an unknown name
+    if method.source is WeightSource.QUANTIZED_CHECKPOINT and stored != requested:
         raise QuantizationError(
-            f"quantization={requested!r} is not supported; supported: {', '.join(METHODS)}"
+            f"quantization={requested!r} needs a {requested} checkpoint, but {model_path}/"
+            f"config.json names {f'quant_method {stored!r}' if stored else 'no quantization'}"
         )
-    method: QuantizationMethod = requested  # type: ignore[assignment]  # checked just above
-    if method in CHECKPOINT_FORMATS and stored != method:
+    if method.source is not WeightSource.QUANTIZED_CHECKPOINT and stored is not None:
         raise QuantizationError(
-            f"quantization={method!r} needs a {method} checkpoint, but {model_path}/config.json "
-            f"names {f'quant_method {stored!r}' if stored else 'no quantization'}"
-        )
-    if method in (*AT_LOAD, "gguf") and stored is not None:
-        raise QuantizationError(
-            f"quantization={method!r} needs a full-precision checkpoint, but {model_path} is "
+            f"quantization={requested!r} needs a full-precision checkpoint, but {model_path} is "
             f"already {stored}-quantized; use quantization={stored!r}"
         )
-    if load_format == "dummy" and method not in AT_LOAD:
+    if load_format == "dummy" and method.source is not WeightSource.QUANTIZE_AT_LOAD:
         raise QuantizationError(
-            f"quantization={method!r} needs a checkpoint to read; with random weights "
-            f"(load_format='dummy') supported: {', '.join(AT_LOAD)}"
+            f"quantization={requested!r} needs a checkpoint to read; with random weights "
+            "(load_format='dummy') supported: "
+            + _schemes_where(lambda m: m.source is WeightSource.QUANTIZE_AT_LOAD)
         )
-    if device.type == "cpu" and method not in CPU_METHODS:
+    if device.type == "cpu" and not method.runs_on_cpu:
         raise QuantizationError(
-            f"quantization={method!r} needs a CUDA device; on the CPU: {', '.join(CPU_METHODS)}"
+            f"quantization={requested!r} needs a CUDA device; on the CPU: "
+            + _schemes_where(lambda m: m.runs_on_cpu)
         )
-    if method != "fp8" and dtype not in ACTIVATION_DTYPES:
+    if method.activation_dtypes is not None and dtype not in method.activation_dtypes:
         raise QuantizationError(
-            f"quantization={method!r} does not run dtype {dtype}; supported: float32, bfloat16"
+            f"quantization={requested!r} does not run dtype {dtype}; supported: "
+            + ", ".join(str(d).removeprefix("torch.") for d in method.activation_dtypes)
         )
-    return method
+    return requested
 
 
-def quantize_at_load(model: nn.Module, method: QuantizationMethod, group_size: int) -> None:
-    """Quantize every Linear of a loaded full-precision model in place: the decoder's
-    projections with `method`, the lm_head with int8 for int4 (4 bits there costs more quality
-    than the rest of the model together) and weight-only for w8a8. The embedding keeps its
-    precision: a lookup reads one row."""
+def quantize_at_load(
+    model: nn.Module, method: type[QuantizedLinearMethod], group_size: int
+) -> None:
+    """Quantize every Linear of a loaded full-precision model in place with the scheme's
+    `method` (which may give some layers, such as the lm_head, another one). The embedding keeps
+    its precision: a lookup reads one row."""
     shared = shared_parameter_ids(model)
-    if method == "int4":
-        sizes = sorted({m.in_features for m in model.modules() if isinstance(m, Linear)})
-        if group_size % Q4_BLOCK or any(size % group_size for size in sizes):
-            raise QuantizationError(
-                f"quantization_group_size={group_size} does not divide the input sizes of the "
-                f"linear layers ({', '.join(map(str, sizes))}); supported: multiples of 32 that do"
-            )
+    sizes = sorted({m.in_features for m in model.modules() if isinstance(m, Linear)})
+    method.check_input_sizes(sizes, group_size)
     with torch.no_grad():
         for name, module in model.named_modules():
-            if not isinstance(module, Linear) or module.quantized is not None:
+            if not isinstance(module, Linear) or module.is_quantized:
                 continue
-            weight = module.weight.detach()
-            if method == "fp8":
-                quantized = quantize_fp8(weight)
-            elif method == "int4" and name != "lm_head":
-                quantized = quantize_int4(weight, group_size)
-            else:
-                # The lm_head keeps exact activations: integer logits cost the most quality of
-                # any layer, and serving computes them for a few rows per step, not a prompt's.
-                quantized = replace(
-                    quantize_int8(weight), int8_activations=method == "w8a8" and name != "lm_head"
-                )
-            module.use_quantized(quantized, keep_plain_weight=id(module.weight) in shared)
+            quantized = method.quantize(name, module.weight.detach(), group_size)
+            module.use_method(quantized, keep_plain_weight=id(module.weight) in shared)
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights take: parameters and buffers on a real device, plus the
-    quantized weights (a quantized table shared by two modules counted once)."""
+    """Bytes the model's weights take: parameters and buffers on a real device, plus what the
+    layers' quantization methods hold (a quantized table shared by two modules counted once)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        if isinstance(module, Linear):
+            tensors += module.method.weight_tensors()
+        elif isinstance(module, VocabEmbedding) and module.quantized is not None:
+            tensors += module.quantized.tensors()
     total = 0
     seen: set[int] = set()
-    for tensor in [*model.parameters(), *model.buffers()]:
+    for tensor in tensors:
         if tensor.device.type != "meta" and id(tensor) not in seen:
             seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()
-    for module in model.modules():
-        quantized = module.quantized if isinstance(module, (Linear, VocabEmbedding)) else None
-        if quantized is not None and id(quantized.data) not in seen:
-            seen.add(id(quantized.data))
-            total += quantized.nbytes()
     return total

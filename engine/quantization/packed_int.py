@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints: int32-packed integer weights, read into `QuantizedWeight`.
+"""The gptq and awq schemes: int32-packed integer weights, read into `QuantizedWeight`.
 
 Both store, per quantized linear `<prefix>`, `qweight` and `qzeros` (int32 words of packed
 integers), `scales` (fp16 [groups, out]) and the weight is `scale * (q - zero)` per group:
@@ -31,7 +31,9 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 
+from engine.quantization.base import WeightSource
 from engine.quantization.errors import QuantizationFormatError
+from engine.quantization.weight_linear import QuantizedWeightLinear
 from engine.quantization.weights import Q4_BLOCK, QuantizedWeight, dequantize, pack_int4
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -210,6 +212,18 @@ class PackedIntCheckpoint:
     def _slice_shape(self, name: str) -> list[int]:
         with safe_open(str(self._files[name]), framework="pt") as f:
             return list(f.get_slice(name).get_shape())
+
+
+class PackedIntLinear(QuantizedWeightLinear):
+    """The gptq and awq schemes: a checkpoint whose config.json's quantization_config names
+    its format, read as above."""
+
+    source = WeightSource.QUANTIZED_CHECKPOINT
+
+    @classmethod
+    def open_checkpoint(cls, model_path: Path) -> PackedIntCheckpoint:
+        config = json.loads((model_path / "config.json").read_text())
+        return PackedIntCheckpoint(model_path, config["quantization_config"])
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -77,9 +77,12 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
-    def nbytes(self) -> int:
+    def tensors(self) -> list[torch.Tensor]:
         parts = (self.data, self.scales, self.mins, self.input_order)
-        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+        return [part for part in parts if part is not None]
+
+    def nbytes(self) -> int:
+        return sum(part.numel() * part.element_size() for part in self.tensors())
 
     def to(self, device: torch.device) -> QuantizedWeight:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:

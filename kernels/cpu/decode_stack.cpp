@@ -33,17 +33,22 @@
 
 namespace {
 
-constexpr int64_t kLinearSlots = 5;  // a, b, c, input_order, bias
-constexpr int64_t kLinearInts = 4;   // kind, p0, p1, p2
+// The kinds' values and the spec's sizes are kernels/cpu_ops.py's (LinearKind, LINEAR_SLOTS,
+// LINEAR_INTS), passed in by the build as INFERQ_LINEAR_* defines: one source for both sides.
+#if !defined(INFERQ_LINEAR_SLOTS) || !defined(INFERQ_LINEAR_INTS)
+#error "build through kernels.cpu_ops, which defines the linear spec (INFERQ_LINEAR_*)"
+#endif
+constexpr int64_t kLinearSlots = INFERQ_LINEAR_SLOTS;  // a, b, c, input_order, bias
+constexpr int64_t kLinearInts = INFERQ_LINEAR_INTS;    // kind, p0, p1, p2
 constexpr int64_t kLinearsPerLayer = 4;
 enum LinearKind : int64_t {
-  kAten = 0,
-  kOneDnn = 1,
-  kMkl = 2,
-  kQuant = 3,
-  kW8A8 = 4,
-  kPanels = 5,
-  kGatedPanels = 6,
+  kAten = INFERQ_LINEAR_ATEN,
+  kOneDnn = INFERQ_LINEAR_ONEDNN,
+  kMkl = INFERQ_LINEAR_MKL,
+  kQuant = INFERQ_LINEAR_QUANT,
+  kW8A8 = INFERQ_LINEAR_W8A8,
+  kPanels = INFERQ_LINEAR_PANELS,
+  kGatedPanels = INFERQ_LINEAR_GATED_PANELS,
 };
 
 c10::OperatorHandle find_op(const char* name) {

@@ -836,10 +836,18 @@ at::Tensor dense_matmul(const at::Tensor& x, const at::Tensor& weight,
 
 }  // namespace
 
+// The crossover's default is kernels/cpu_ops.py's QUANT_GEMM_MIN_ROWS, which the build passes in.
+#ifndef INFERQ_QUANT_GEMM_MIN_ROWS
+#error "build through kernels.cpu_ops, which defines INFERQ_QUANT_GEMM_MIN_ROWS"
+#endif
+#define INFERQ_TEXT_OF(value) #value
+#define INFERQ_TEXT(value) INFERQ_TEXT_OF(value)
+
 TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
   m.def(
       "quant_matmul(Tensor x, Tensor data, Tensor scales, Tensor? mins, int bits, int group_size, "
-      "Tensor? bias, int gemm_min_rows=16, bool onednn_gemm=False) -> Tensor");
+      "Tensor? bias, int gemm_min_rows=" INFERQ_TEXT(INFERQ_QUANT_GEMM_MIN_ROWS) ", "
+      "bool onednn_gemm=False) -> Tensor");
   m.impl("quant_matmul", c10::DispatchKey::CPU, &quant_matmul);
   m.def(
       "quant_dequantize(Tensor data, Tensor scales, Tensor? mins, int bits, int group_size) -> "

@@ -7,6 +7,7 @@ layer can be stored (plain, packed for oneDNN or MKL, int8 or int4 codes) and bo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from engine.layers.linear import Linear, NativeLinear
 from engine.layers.matmul import available_backends
 from engine.models import cpu_decode_stack
 from kernels import cpu_ops
+from kernels.cpu_ops import LinearKind
 from schemas.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=True)
@@ -152,3 +154,21 @@ def test_a_layer_without_a_cpp_path_keeps_the_python_forward(
     assert stack_calls == []
     model.cpu_decode_stack = None
     assert got == _outputs(llm, _prompts(2))
+
+
+def test_a_linear_kind_the_cpp_stack_does_not_know_stops_the_step(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The C++ stack reads each kind by the value Python's LinearKind gives it; one past them is
+    # refused, not computed as some other kind.
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    native_spec = Linear.native_spec
+    unknown = max(LinearKind) + 1
+
+    def unknown_kind(self: Linear, rows: int) -> NativeLinear | None:
+        spec = native_spec(self, rows)
+        return None if spec is None else dataclasses.replace(spec, kind=unknown)
+
+    monkeypatch.setattr(Linear, "native_spec", unknown_kind)
+    with pytest.raises(RuntimeError, match=f"unknown linear kind {unknown}"):
+        _outputs(llm, _prompts(2))

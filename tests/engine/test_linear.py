@@ -22,6 +22,7 @@ from engine.layers.matmul import (
     uniform,
 )
 from engine.model_runner import ModelRunner, resolve_dtype
+from engine.quantization.int8 import Int8Linear
 from engine.quantization.matmul import quantized_linear
 from engine.quantization.weights import quantize_int8
 from kernels.reference import silu_and_mul_ref
@@ -371,8 +372,8 @@ def test_a_quantized_layer_keeping_its_plain_weight_uses_it_for_prefill_sized_ca
     tied, separate = Linear(64, 48, bias=False), Linear(64, 48, bias=False)
     separate.weight = tied.weight
     quantized = quantize_int8(tied.weight.detach())
-    tied.use_quantized(quantized, keep_plain_weight=True)
-    separate.use_quantized(quantized)
+    tied.use_method(Int8Linear(quantized), keep_plain_weight=True)
+    separate.use_method(Int8Linear(quantized))
     many, few = torch.randn(SMALL_ROWS + 1, 64), torch.randn(SMALL_ROWS, 64)
     with torch.inference_mode():
         torch.testing.assert_close(tied(many), F.linear(many, tied.weight))
