@@ -4,7 +4,7 @@ On the CPU, decode rows and prefill chunks go through C++ kernels that read K/V 
 the cache blocks (kernels.cpu_ops) when they could be built: one call per layer for all decodes,
 one for all prefill chunks. Where torch's SDPA measures faster for prefill chunks (its bf16
 matmuls run on AMX tiles), they take the portable path below instead
-(engine.attention.cpu_prefill_choice). Everything below describes the portable path.
+(engine.platforms.cpu.prefill_choice). Everything below describes the portable path.
 
 Every layer first stores the step's K/V into the paged cache (index_copy_ on the flat slot
 dimension), then reads each sequence's whole context back through its block table. Sequences
