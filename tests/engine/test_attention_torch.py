@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import PrefillShape, TorchAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_plan import PrefillShape
 from engine.layers.rotary import RotaryEmbedding
 from kernels.cpu_ops import cpu_kernels_available
 

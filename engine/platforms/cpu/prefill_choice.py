@@ -16,7 +16,8 @@ import time
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import PrefillShape, TorchAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_plan import PrefillShape
 from engine.platforms.cpu.machine_cache import cached, machine_key
 
 logger = logging.getLogger(__name__)
