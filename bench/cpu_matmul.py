@@ -1,4 +1,4 @@
-"""CPU matmul backends of the linear layers (engine/layers/matmul.py), side by side.
+"""CPU matmul backends of the linear layers (engine/platforms/cpu/matmul.py), side by side.
 
     python bench/cpu_matmul.py [--model SmolLM2-135M-Instruct] [--rows 1,4,16,96,512] [--threads 2]
         [--dtype float32|bfloat16]

@@ -12,16 +12,18 @@ with one copy for every dtype an fp32 and a bf16 engine in one process would sha
 exhaust it, and leave the glue eager.
 
 A compiled call pays ~20-30 us of guard checks that an eager op does not, so fusion only pays
-from some number of tokens per step on; the runner measures where (`glue_for_step`).
+from some number of tokens per step on; the CPU platform measures where at start-up and picks
+each step's glue (engine.platforms.cpu.platform).
 Inductor's kernels are single-threaded: they link the system's OpenMP runtime, a second one
 beside torch's own, and two thread pools on the same cores stall each other by milliseconds.
 
 At decode sizes the C++ glue (`native`, kernels.cpu_ops) beats both: one call per group of ops,
 no guards, no intermediate tensors. It serves every step the compiled glue does not.
 
-A model forward reads the glue its CPU platform set for the step (`using`), so engines in one
-process may differ (one compiled, one eager). A compiled function that fails logs a warning once and
-hands its work back to the eager one for good: compiling is an optimisation, never an outage.
+A model forward reads the glue its CPU platform set for the step (`using`: a ContextVar, so
+engines in one process, or on two threads, may differ). A compiled function that fails logs a
+warning once and hands its work back to the eager one for good: compiling is an optimisation,
+never an outage.
 """
 
 from __future__ import annotations
