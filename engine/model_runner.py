@@ -9,9 +9,8 @@ runs the model, and returns logits only for the sequences that are caught up and
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,11 @@ from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.distributed import tensor_parallel
 from engine.distributed.step_channel import StepSender
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
-from engine.layers import cpu_glue, matmul_tuning, screened_lm_head
-from engine.layers.screened_lm_head import ScreenedLMHead
-from engine.machine_cache import cached, machine_key
 from engine.models import sliding_window_limit
 from engine.models.llama import head_dim_of
 from engine.models.loader import build_model
+from engine.platforms import platform_for
+from engine.platforms.cpu.greedy_screen import ScreenedLMHead
 from engine.quantization.methods import resolve_method, weight_bytes
 from engine.sequence import ScheduledSeq, Sequence
 from schemas.sampling import SamplingParams
@@ -90,10 +88,8 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         # Under tensor parallelism: this rank's place, and the executors a driver started.
         self.tp, self.tp_ranks = tensor_parallel.join(config, model_path, self.device, hf_config)
-        shapes = matmul_tuning.linear_shapes(hf_config, self.attn_backend, self.tp)
-        self.dtype = resolve_dtype(
-            config.dtype, self.device, lambda: matmul_tuning.auto_dtype(shapes, config.cpu_matmul)
-        )
+        self.platform = platform_for(self.device, config, hf_config, self.attn_backend, self.tp)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.platform.auto_dtype)
         self.quantization = resolve_method(
             config.quantization, model_path, self.device, self.dtype, config.load_format
         )
@@ -110,15 +106,9 @@ class ModelRunner:
             tp=self.tp,
         )
         self.weight_bytes = weight_bytes(self.model)
-        self.greedy_screen: ScreenedLMHead | None = None
-        if self.device.type == "cpu":
-            matmul_tuning.tune_model(self.model, shapes, self.dtype, config.cpu_matmul)
-            if self.tp is None and self.dtype == torch.float32:
-                self.greedy_screen = screened_lm_head.build(
-                    self.model.lm_head, self.vocab_size, config.cpu_greedy_screen
-                )
-            if self.greedy_screen is not None:  # its bf16 copy counts against memory_budget
-                self.weight_bytes += self.greedy_screen.nbytes
+        self.platform.prepare(self.model, self.dtype)
+        self.weight_bytes += self.platform.extra_weight_bytes  # e.g. the greedy screen's copy
+        self.greedy_screen: ScreenedLMHead | None = self.platform.greedy_screen
         self.kv_spec = KVCacheSpec(
             num_layers=hf_config.num_hidden_layers,
             num_kv_heads=tensor_parallel.local_sizes(hf_config, self.tp).num_kv_heads,
@@ -130,16 +120,12 @@ class ModelRunner:
         # sends steps to its executors only after it.
         self.step_sender: StepSender | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        # Steps of at least this many tokens run the compiled glue; None: never.
-        self.compiled_glue_min_tokens: int | None = None
         self.num_kv_blocks = tensor_parallel.agree_on_blocks(
             self.tp, self._decide_num_kv_blocks(), self.device
         )
         self.kv_cache = KVCache(self.kv_spec, self.num_kv_blocks, self.device)
         if self._wants_cuda_graphs():
             self.decode_graphs = self._capture_decode_graphs()
-        if self.device.type == "cpu" and not config.enforce_eager:
-            self._compile_cpu_forward()
         self.step_sender = tensor_parallel.driver_sender(self.tp, self.tp_ranks)
         logger.info(
             "model runner: %s on %s (%s, weights %s, %.1f MiB), %d KV blocks of %d tokens "
@@ -209,68 +195,6 @@ class ModelRunner:
         return DecodeGraphs(
             model_fn, self.config.max_num_seqs, self.max_model_len, self.block_size, self.device
         )
-
-    def _compile_cpu_forward(self) -> None:
-        """Compile the forward's glue now, not in the first request, and measure from how many
-        tokens per step it pays; the answer is kept per machine (engine.machine_cache), and
-        where it is "never" later starts skip compiling. A failure leaves the forward eager,
-        never the worker down."""
-        started = time.perf_counter()
-        local = tensor_parallel.local_sizes(self.hf_config, self.tp)
-        shapes = cpu_glue.GlueShapes(
-            hidden_size=self.hf_config.hidden_size,
-            intermediate_size=local.intermediate_size,
-            num_heads=local.num_heads,
-            num_kv_heads=self.kv_spec.num_kv_heads,
-            head_dim=self.kv_spec.head_dim,
-            dtype=self.dtype,
-        )
-        budget = self.config.max_num_batched_tokens
-        candidates = tuple(n for n in (8, 32, 128, 512, 2048) if n <= budget) or (budget,)
-        key = machine_key(
-            shapes={**asdict(shapes), "dtype": str(self.dtype).removeprefix("torch.")},
-            candidates=list(candidates),
-            baseline="native" if cpu_glue.native() is cpu_glue.NATIVE else "eager",
-        )
-
-        def read(stored: Any) -> int | None:
-            return None if stored is None else int(stored)
-
-        try:
-            threshold = cached(
-                "cpu_glue",
-                key,
-                lambda: cpu_glue.min_tokens_for_compiled(shapes, candidates),
-                read,
-            )
-            if threshold is not None:
-                cpu_glue.compile_now(shapes)  # a cached answer: compile before any request
-        except Exception as error:  # no compiler, an inductor bug: stay eager
-            logger.warning(
-                "compiling the CPU forward failed (%s); it runs eagerly", cpu_glue.first_line(error)
-            )
-            return
-        self.compiled_glue_min_tokens = threshold
-        logger.info(
-            "CPU forward glue: %s (%.1f s)",
-            "eager, measured faster than compiled at every step size"
-            if threshold is None
-            else f"compiled for steps of {threshold} tokens or more (measured faster from there)",
-            time.perf_counter() - started,
-        )
-
-    def _glue_for_step(self, inputs: StepInputs) -> cpu_glue.Glue:
-        # A decode-only step keeps the native glue whatever its size: with it the whole step
-        # runs as one C++ call (engine.models.cpu_decode_stack), which saves more than the
-        # compiled glue does; the glue alone is what the start-up measurement compared.
-        threshold = self.compiled_glue_min_tokens
-        if (
-            threshold is None
-            or inputs.input_ids.shape[0] < threshold
-            or inputs.attn_meta.is_decode_only
-        ):
-            return cpu_glue.native()
-        return cpu_glue.compiled()
 
     def _decide_num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -375,7 +299,7 @@ class ModelRunner:
         if not batch:
             return None
         inputs = self.prepare_inputs(batch)
-        with cpu_glue.using(self._glue_for_step(inputs)):
+        with self.platform.step(inputs.input_ids.shape[0], inputs.attn_meta.is_decode_only):
             return self._final_hidden(inputs)
 
     @torch.inference_mode()
@@ -386,7 +310,7 @@ class ModelRunner:
         self.kv_cache.copy_blocks(block_copies)
         if inputs is None:
             return self._logits(None)
-        with cpu_glue.using(self._glue_for_step(inputs)):
+        with self.platform.step(inputs.input_ids.shape[0], inputs.attn_meta.is_decode_only):
             return self._logits(self._final_hidden(inputs))
 
     def execute_message(self, message: tensor_parallel.StepMessage) -> None:

@@ -32,8 +32,8 @@ def run_worker(settings: WorkerSettings) -> int:
 def tune_cpu_process(device: str, num_threads: int | None) -> None:
     """On the CPU, restart this process once with a caching allocator; pin OpenMP threads too
     when the worker uses every core (several workers sharing a host must not pin to the same
-    cores). See engine.cpu_runtime."""
-    from engine.cpu_runtime import no_gpu_visible, reexec_with_cpu_runtime
+    cores). See engine.platforms.cpu.runtime."""
+    from engine.platforms.cpu.runtime import no_gpu_visible, reexec_with_cpu_runtime
 
     if device == "cpu" or (device == "auto" and no_gpu_visible()):
         owns_cores = num_threads is None or num_threads >= (os.cpu_count() or 1)
@@ -44,7 +44,7 @@ async def serve(settings: WorkerSettings, cores: set[int]) -> int:
     """Load the engine, serve until SIGTERM / SIGINT, drain, hand back, return 0. `cores`: the
     cores this process may use; once the engine is up the event loop moves to the last one, at a
     lower priority than the engine's threads."""
-    from engine.cpu_runtime import lower_event_loop_priority, move_to_last_core
+    from engine.platforms.cpu.runtime import lower_event_loop_priority, move_to_last_core
     from worker.worker import Worker
 
     workers: list[Worker] = []

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.cpu_runtime import describe_cpu_runtime, reexec_with_cpu_runtime
+from engine.platforms.cpu.runtime import describe_cpu_runtime, reexec_with_cpu_runtime
 from schemas.defaults import DEFAULT_MODEL
 
 if TYPE_CHECKING:

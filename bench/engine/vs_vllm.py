@@ -11,7 +11,7 @@ one-token generate the same way on both sides.
 Each system runs in a process of its own (bench/engine/peers/*_run.py) that loads the model once,
 warms up untimed, then runs `--rounds` rounds on command; the rounds alternate between the
 systems (inferq, vLLM, inferq, vLLM, ...) and the figures are medians over rounds. inferq runs
-under its tuned CPU runtime (engine/cpu_runtime.py); vLLM under the tuning its CPU docs give
+under its tuned CPU runtime (engine/platforms/cpu/runtime.py); vLLM under the tuning its CPU docs give
 (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND over every usable core, tcmalloc and the
 venv's libiomp5 preloaded), from a separate venv whose python `--vllm-python` names (see
 shared/peers/vllm-cpu/ for its install script); without one, vLLM is skipped with a message.
@@ -34,8 +34,8 @@ from bench.common.figures import median_rates
 from bench.common.machine import describe_machine, machine_one_liner, usable_cores
 from bench.common.workload import Request, ranged_workload, workload_line
 from bench.engine.peers.peer_process import Peer, run_rounds
-from engine.cpu_runtime import cpu_runtime_env
 from engine.model_files import resolve_model_path
+from engine.platforms.cpu.runtime import cpu_runtime_env
 from schemas.defaults import DEFAULT_MODEL
 
 PEERS = Path(__file__).resolve().parent / "peers"

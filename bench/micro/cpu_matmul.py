@@ -1,4 +1,4 @@
-"""CPU matmul backends of the linear layers (engine/layers/matmul.py), side by side.
+"""CPU matmul backends of the linear layers (engine/platforms/cpu/matmul.py), side by side.
 
     python bench/micro/cpu_matmul.py [--model SmolLM2-135M-Instruct] [--rows 1,4,16,96,512] [--threads 2]
         [--dtype float32|bfloat16]
@@ -8,7 +8,7 @@ so they stream from memory as in a real step instead of sitting in cache) at sev
 counts M (decode batch sizes, then prefill-sized), and prints ms per forward, achieved GB/s
 and GFLOP/s for each backend this CPU and torch build run, and each one's speed-up over torch's
 default (aten). The engine itself picks per machine by a short measurement of the same kind at
-start-up (engine/layers/matmul_tuning.py); this is the long version, for reading.
+start-up (engine/platforms/cpu/matmul_tuning.py); this is the long version, for reading.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def main() -> None:
     import torch
     from transformers import AutoConfig
 
-    from engine.layers.matmul import available_backends, pack, run, uniform
     from engine.model_files import resolve_model_path
+    from engine.platforms.cpu.matmul import available_backends, pack, run, uniform
 
     hf_config = AutoConfig.from_pretrained(str(resolve_model_path(args.model)))
     shapes = layer_shapes(hf_config) * hf_config.num_hidden_layers

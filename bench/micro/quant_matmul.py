@@ -10,7 +10,7 @@ count M; prints the median ms per forward, the GB/s of weight bytes that implies
 format's speed-up over fp32 F.linear. Formats:
 
 - fp32: F.linear on the plain fp32 weight (MKL).
-- onednn: oneDNN's linear on a weight packed once (what engine.layers.matmul calls onednn_packed).
+- onednn: oneDNN's linear on a weight packed once (what engine.platforms.cpu.matmul calls onednn_packed).
 - dense: kernels.quant_ops.dense_matmul on the plain fp32 weight.
 - int8: per-output-channel int8 (quantize_int8); int4gG: int4 with groups of G inputs.
 """

@@ -13,8 +13,8 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
     if name == "auto":
         name = "triton" if device_type == "cuda" else "torch"
     if name == "torch":
-        from engine.attention.cpu_prefill_choice import sdpa_prefill_wins
         from engine.attention.torch_backend import TorchAttentionBackend
+        from engine.platforms.cpu.prefill_choice import sdpa_prefill_wins
 
         return TorchAttentionBackend(sdpa_prefill=sdpa_prefill_wins)
     if name == "triton":

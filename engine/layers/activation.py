@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers import cpu_glue
+from engine.platforms.cpu import glue as cpu_glue
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

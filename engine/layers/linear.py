@@ -1,10 +1,10 @@
 """Linear layers: one matmul entry point, and fused projections (QKV, gate-up).
 
 On the CPU each layer computes through the backend its plan names for the call's row count
-(engine.layers.matmul); the plan is measured per machine at start-up and the weights are
-packed once for it (engine.layers.matmul_tuning.apply_plan). Until then, and on CUDA, a layer
-is a plain `F.linear`. A quantized layer holds its scheme's `LinearMethod` (engine.quantization)
-instead of its plain weight and computes through it.
+(engine.platforms.cpu.matmul); the plan is measured per machine at start-up and the weights
+are packed once for it (engine.platforms.cpu.matmul_tuning.apply_plan). Until then, and on
+CUDA, a layer is a plain `F.linear`. A quantized layer holds its scheme's `LinearMethod`
+(engine.quantization) instead of its plain weight and computes through it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.activation import silu_and_mul
-from engine.layers.matmul import (
+from engine.platforms.cpu.matmul import (
     ATEN,
     MatmulPlan,
     PackedWeights,
@@ -27,19 +27,6 @@ from engine.layers.matmul import (
 from engine.quantization.base import LinearMethod, QuantizedLinearMethod
 from engine.quantization.full_precision import FULL_PRECISION
 from kernels.cpu_ops import NativeLinear
-
-# Bumped whenever a layer changes how it stores its weight, so callers that keep references to
-# the weights of many layers (engine.models.cpu_decode_stack) know to read them again.
-_storage_generation = 0
-
-
-def storage_generation() -> int:
-    return _storage_generation
-
-
-def _storage_changed() -> None:
-    global _storage_generation
-    _storage_generation += 1
 
 
 def linear(
@@ -94,7 +81,6 @@ class Linear(nn.Linear):
             raise ValueError(f"quantized weight {method.shape} for a {self.weight.shape} layer")
         self.method = method.to(self.weight.device)
         self.packed = None
-        _storage_changed()
         if not keep_plain_weight:
             self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
@@ -106,13 +92,11 @@ class Linear(nn.Linear):
             # The quantized matmul has its own kernels; only its GEMM over dequantized tiles
             # (calls of many rows) follows the plan's choice for large calls.
             self.plan = plan
-            _storage_changed()
             return
         with torch.no_grad():
             weight = self.weight.detach()
             self.packed = pack(weight, plan, self._gated and packs_gated(weight, self.bias, plan))
         self.plan = plan
-        _storage_changed()
         if "plain" not in plan.storage() and not keep_plain_weight:
             # A meta tensor keeps the shape (and the module's repr) without the memory.
             self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)

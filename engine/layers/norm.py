@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import cpu_glue
+from engine.platforms.cpu import glue as cpu_glue
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers import cpu_glue
+from engine.platforms.cpu import glue as cpu_glue
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -29,7 +29,7 @@ from engine.layers.parallel import (
     split_heads,
 )
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
-from engine.models.cpu_decode_stack import CpuDecodeStack, DecoderLayerParts
+from engine.platforms.cpu.decode_stack import CpuDecodeStack, DecoderLayerParts
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
 

@@ -1,4 +1,4 @@
-"""Full precision: the layer's own weight, through its CPU matmul plan (engine.layers.matmul)."""
+"""Full precision: the layer's own weight, through its CPU matmul plan (engine.platforms.cpu.matmul)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.layers.matmul import SMALL_ROWS
+from engine.platforms.cpu.matmul import SMALL_ROWS
 from engine.quantization.weights import FP8, FP8_MAX, QuantizedWeight, dequantize
 from kernels import quant_ops
 from kernels.cpu_ops import cpu_kernels_available

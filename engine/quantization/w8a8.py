@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.layers.matmul import SMALL_ROWS
+from engine.platforms.cpu.matmul import SMALL_ROWS
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
 from engine.quantization.int8 import Int8Linear
 from engine.quantization.weight_linear import QuantizedWeightLinear, onednn_tiles

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Self
 
 import torch
 
-from engine.layers.matmul import ONEDNN_BACKENDS, SMALL_ROWS
+from engine.platforms.cpu.matmul import ONEDNN_BACKENDS, SMALL_ROWS
 from engine.quantization.base import QuantizedLinearMethod
 from engine.quantization.matmul import quantized_linear
 from engine.quantization.weights import QuantizedWeight

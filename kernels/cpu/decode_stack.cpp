@@ -7,7 +7,7 @@
 // order the Python forward runs them, so the numbers are the same ones.
 //
 // Linear layers arrive as a flat spec, LINEAR_SLOTS optional tensors and LINEAR_INTS ints each,
-// four per layer in the order qkv, o, gate_up, down (see engine/models/cpu_decode_stack.py):
+// four per layer in the order qkv, o, gate_up, down (see engine/platforms/cpu/decode_stack.py):
 //   kind ATEN:   weight                                 -> at::linear
 //   kind ONEDNN: weight (plain or packed by oneDNN)      -> mkldnn::_linear_pointwise
 //   kind MKL:    packed weight, plain weight; int hint   -> mkl::_mkl_linear

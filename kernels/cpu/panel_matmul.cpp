@@ -6,7 +6,7 @@
 // which keeps both FMA pipes busy (the register shape BLIS uses on AVX2 cores). On the 2-core
 // machines we measured, oneDNN's and MKL's fp32 GEMMs reach this rate only for prefill-sized
 // calls; at decode batches of 8-64 rows they stall on their own blocking, while this tile runs at
-// the same rate from 24 rows up. The start-up measurement (engine/layers/matmul_tuning.py) decides
+// the same rate from 24 rows up. The start-up measurement (engine/platforms/cpu/matmul_tuning.py) decides
 // per machine whether it is used.
 //
 // Threads split the panels. Inside a thread the inputs go in slices of kDepth, so that a panel's

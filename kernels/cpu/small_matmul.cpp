@@ -649,7 +649,7 @@ void small_rows(const Source& source, int64_t N, const Problem& p, bool buffered
 // The large-row path: tiles of output rows dequantized to fp32, then a GEMM into out's columns
 // (out [rows, N] fp32): at::addmm in place through a strided view, or oneDNN's (onednn_gemm),
 // which on some CPUs (AMD's, where torch's fp32 GEMM is MKL's) runs several times faster; the
-// engine measures which at start-up (engine.layers.matmul_tuning).
+// engine measures which at start-up (engine.platforms.cpu.matmul_tuning).
 template <class Source>
 void large_rows(const Source& source, int64_t N, const at::Tensor& x, const at::Tensor& bias,
                 at::Tensor& out, int64_t group_size, bool onednn_gemm) {

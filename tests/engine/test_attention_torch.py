@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import PrefillShape, TorchAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_plan import PrefillShape
 from engine.layers.rotary import RotaryEmbedding
 from kernels.cpu_ops import cpu_kernels_available
 
@@ -277,19 +278,19 @@ def test_without_the_kernels_a_step_from_the_fused_projection_is_declined() -> N
 
 
 def test_the_prefill_path_is_measured_once_per_machine_and_shape(monkeypatch, tmp_path) -> None:
-    from engine.attention import cpu_prefill_choice
+    from engine.platforms.cpu import prefill_choice
 
     monkeypatch.setenv("INFERQ_HOME", str(tmp_path / "home"))
     shape = PrefillShape(torch.bfloat16, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16)
-    first = cpu_prefill_choice.sdpa_prefill_wins(shape)
+    first = prefill_choice.sdpa_prefill_wins(shape)
     stored = list((tmp_path / "home").rglob("*.json"))
-    assert len(stored) == 1 and cpu_prefill_choice.KIND in str(stored[0])
+    assert len(stored) == 1 and prefill_choice.KIND in str(stored[0])
 
     def measure_again(shape: PrefillShape) -> dict[str, float]:
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(cpu_prefill_choice, "_measure", measure_again)
-    assert cpu_prefill_choice.sdpa_prefill_wins(shape) == first
+    monkeypatch.setattr(prefill_choice, "_measure", measure_again)
+    assert prefill_choice.sdpa_prefill_wins(shape) == first
 
 
 @pytest.mark.parametrize("sdpa_wins", [False, True])

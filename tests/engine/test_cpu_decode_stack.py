@@ -16,8 +16,8 @@ import torch
 
 from engine import LLM
 from engine.layers.linear import Linear, NativeLinear
-from engine.layers.matmul import available_backends
-from engine.models import cpu_decode_stack
+from engine.platforms.cpu import decode_stack
+from engine.platforms.cpu.matmul import available_backends
 from kernels import cpu_ops
 from kernels.cpu_ops import LinearKind
 from schemas.sampling import SamplingParams
@@ -54,7 +54,7 @@ def stack_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         calls.append(hidden.shape[0])
         return original(hidden, *args)
 
-    monkeypatch.setattr(cpu_decode_stack.cpu_ops, "decode_layers", counted)
+    monkeypatch.setattr(decode_stack.cpu_ops, "decode_layers", counted)
     yield calls
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.layers import cpu_glue
+from engine.platforms.cpu import glue as cpu_glue
 from kernels import cpu_ops
 from schemas.sampling import SamplingParams
 
@@ -33,7 +33,7 @@ def test_compiled_glue_matches_eager(dtype: torch.dtype, num_tokens: int) -> Non
     tolerance = (
         {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
     )
-    compiled, eager = cpu_glue.compiled(), cpu_glue.EAGER
+    compiled, eager = cpu_glue.compiled(dtype), cpu_glue.EAGER
     with torch.inference_mode():
         pairs = [
             (glue.rms_norm(hidden, weight, 1e-5) for glue in (compiled, eager)),
@@ -58,7 +58,7 @@ def _greedy_tokens(llm: LLM) -> list[list[int]]:
 def test_compiled_forward_generates_what_the_eager_one_does(tiny_llama_dir: Path) -> None:
     eager = _llm(tiny_llama_dir, enforce_eager=True)
     compiled = _llm(tiny_llama_dir)
-    compiled.engine.runner.compiled_glue_min_tokens = 1  # every step, whatever was measured
+    compiled.engine.runner.platform.compiled_glue_min_tokens = 1  # every step, whatever measured
     assert _greedy_tokens(compiled) == _greedy_tokens(eager)
 
 
@@ -75,7 +75,7 @@ def test_a_failed_compile_leaves_the_engine_eager_and_working(
     monkeypatch.setattr(cpu_glue, "min_tokens_for_compiled", broken)
     with caplog.at_level(logging.WARNING):
         llm = _llm(tiny_llama_dir)
-    assert llm.engine.runner.compiled_glue_min_tokens is None
+    assert llm.engine.runner.platform.compiled_glue_min_tokens is None
     assert "compiling the CPU forward failed (RuntimeError: no C++ compiler)" in caplog.text
     assert _greedy_tokens(llm) == _greedy_tokens(_llm(tiny_llama_dir, enforce_eager=True))
 
@@ -128,10 +128,10 @@ def test_where_compiling_never_pays_later_starts_do_not_compile(
 
     monkeypatch.setattr(cpu_glue, "min_tokens_for_compiled", never_pays)
     first = _llm(tiny_llama_dir)
-    assert first.engine.runner.compiled_glue_min_tokens is None and len(measured) == 1
+    assert first.engine.runner.platform.compiled_glue_min_tokens is None and len(measured) == 1
     assert list((tmp_path / "home" / "cpu_glue").glob("*.json"))
 
     monkeypatch.setattr(cpu_glue, "compile_now", lambda *_: pytest.fail("compiled again"))
     second = _llm(tiny_llama_dir)
-    assert second.engine.runner.compiled_glue_min_tokens is None
+    assert second.engine.runner.platform.compiled_glue_min_tokens is None
     assert len(measured) == 1  # the second start read the first one's answer

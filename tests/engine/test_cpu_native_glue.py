@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import cpu_glue
 from engine.layers.rotary import RotaryEmbedding
+from engine.platforms.cpu import glue as cpu_glue
 from kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(

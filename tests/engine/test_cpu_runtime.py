@@ -12,19 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu_runtime import (
+from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from engine.platforms.cpu.runtime import (
     EVENT_LOOP_NICENESS,
     EVENT_LOOP_SPIN_COUNT,
     find_allocator,
     lower_event_loop_priority,
     move_to_last_core,
 )
-from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = """
 import ctypes, json, os, resource, sys
-from engine.cpu_runtime import reexec_with_cpu_runtime
+from engine.platforms.cpu.runtime import reexec_with_cpu_runtime
 reexec_with_cpu_runtime(2, bind_threads={bind})
 
 def faults_per_page_of_a_reused_buffer(size=24 << 20, rounds=10):
@@ -95,7 +95,7 @@ def test_a_tuned_process_reuses_freed_buffers_without_page_faults(tmp_path: Path
 HUGE_PAGE_PROBE = """
 import sys
 sys.path.insert(0, {repo!r})
-from engine.cpu_runtime import reexec_with_cpu_runtime
+from engine.platforms.cpu.runtime import reexec_with_cpu_runtime
 reexec_with_cpu_runtime(threads=1, bind_threads=False)
 import torch
 kv_cache = torch.zeros(64 << 20, dtype=torch.uint8)
@@ -137,7 +137,7 @@ def test_binding_only_when_asked_and_opt_out(tmp_path: Path) -> None:
 
 EVENT_LOOP_PROBE = """
 import json, os
-from engine.cpu_runtime import reexec_with_cpu_runtime
+from engine.platforms.cpu.runtime import reexec_with_cpu_runtime
 reexec_with_cpu_runtime(2, bind_threads=True, event_loop=True)
 print(json.dumps({"spin": os.environ.get("GOMP_SPINCOUNT"), "bind": os.environ.get("OMP_PROC_BIND")}))
 """

@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import machine_cache
-from engine.layers import screened_lm_head
 from engine.layers.linear import Linear
-from engine.layers.screened_lm_head import ScreenedLMHead
+from engine.platforms.cpu import greedy_screen, machine_cache
+from engine.platforms.cpu.greedy_screen import ScreenedLMHead
 from kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(
@@ -115,7 +114,7 @@ def test_rows_the_screen_cannot_settle_are_computed_in_full(monkeypatch):
     weight[10:] = weight[9]  # tokens 9.. all tie
     toward_the_tie = weight[9].repeat(2, 1) * (50.0 / float(weight[9].norm()))
     hidden = torch.cat([toward_the_tie, torch.full((1, HIDDEN), torch.nan)])
-    monkeypatch.setattr(screened_lm_head, "MAX_CANDIDATES", 4)
+    monkeypatch.setattr(greedy_screen, "MAX_CANDIDATES", 4)
     head = ScreenedLMHead(_head(weight), VOCAB)
     approx = cpu_ops.panel_linear(hidden.bfloat16(), head.panels, None, VOCAB)
     settled = cpu_ops.screened_argmax(approx, hidden, head.weight, head.row_norms, VOCAB, 4)
@@ -127,24 +126,24 @@ def test_rows_the_screen_cannot_settle_are_computed_in_full(monkeypatch):
 
 def test_off_builds_nothing_and_on_needs_a_plain_fp32_weight():
     head = _head(_weight())
-    assert screened_lm_head.build(head, VOCAB, "off") is None
-    assert isinstance(screened_lm_head.build(head, VOCAB, "on"), ScreenedLMHead)
+    assert greedy_screen.build(head, VOCAB, "off") is None
+    assert isinstance(greedy_screen.build(head, VOCAB, "on"), ScreenedLMHead)
     with pytest.raises(ValueError, match="cpu_greedy_screen='on'"):
-        screened_lm_head.build(_head(_weight()).to(torch.bfloat16), VOCAB, "on")
+        greedy_screen.build(_head(_weight()).to(torch.bfloat16), VOCAB, "on")
 
 
 def test_auto_measures_once_and_keeps_the_answer(tmp_path, monkeypatch):
     head = _head(_weight())
     calls = []
-    measure = screened_lm_head.measure_share
+    measure = greedy_screen.measure_share
     monkeypatch.setattr(
-        screened_lm_head, "measure_share", lambda screened: calls.append(1) or measure(screened)
+        greedy_screen, "measure_share", lambda screened: calls.append(1) or measure(screened)
     )
-    first = screened_lm_head.build(head, VOCAB, "auto")
-    second = screened_lm_head.build(head, VOCAB, "auto")
+    first = greedy_screen.build(head, VOCAB, "auto")
+    second = greedy_screen.build(head, VOCAB, "auto")
     assert len(calls) == 1
     assert (first is None) == (second is None)
-    assert list((tmp_path / "home" / screened_lm_head.CACHE_KIND).glob("*.json"))
+    assert list((tmp_path / "home" / greedy_screen.CACHE_KIND).glob("*.json"))
 
 
 def _llm(model_dir, screen: str):

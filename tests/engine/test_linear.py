@@ -10,18 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import machine_cache
 from engine.config import EngineConfig
-from engine.layers import matmul_tuning
 from engine.layers.linear import Linear, MergedLinear, linear
-from engine.layers.matmul import (
+from engine.model_runner import ModelRunner, resolve_dtype
+from engine.platforms.cpu import machine_cache, matmul_tuning
+from engine.platforms.cpu.matmul import (
     BACKENDS,
     SMALL_ROWS,
     MatmulPlan,
     available_backends,
     uniform,
 )
-from engine.model_runner import ModelRunner, resolve_dtype
 from engine.quantization.int8 import Int8Linear
 from engine.quantization.matmul import quantized_linear
 from engine.quantization.weights import quantize_int8
@@ -358,7 +357,7 @@ def test_a_forced_backend_generates_the_same_tokens(tiny_llama_dir, backend):
 
 
 def test_the_runner_logs_its_choice(tiny_llama_dir, caplog):
-    caplog.set_level("INFO", logger="engine.layers.matmul_tuning")
+    caplog.set_level("INFO", logger="engine.platforms.cpu.matmul_tuning")
     ModelRunner(
         EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=8, enforce_eager=True), tiny_llama_dir
     )

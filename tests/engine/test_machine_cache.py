@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from engine import machine_cache
+from engine.platforms.cpu import machine_cache
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +38,7 @@ def test_a_measurement_under_load_serves_only_this_start(monkeypatch, caplog):
     monkeypatch.setattr(machine_cache, "_others_share", lambda *args: 0.6)
     calls: list[int] = []
     key = machine_cache.machine_key(shapes=[[1, 2]])
-    with caplog.at_level("INFO", logger="engine.machine_cache"):
+    with caplog.at_level("INFO", logger="engine.platforms.cpu.machine_cache"):
         for _ in range(2):
             assert machine_cache.cached("kind", key, _measure_counting(calls), dict) == {"ms": 1.5}
     assert len(calls) == 2

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.layers.matmul import SMALL_ROWS
+from engine.platforms.cpu.matmul import SMALL_ROWS
 from engine.quantization import matmul as int8_matmul
 from engine.quantization.matmul import quantized_linear
 from engine.quantization.weights import QuantizedWeight, dequantize, quantize_int8

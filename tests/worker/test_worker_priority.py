@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 from worker_harness import KEYS, start_worker_process, stop_process, wait_for
 
-from engine.cpu_runtime import EVENT_LOOP_NICENESS
+from engine.platforms.cpu.runtime import EVENT_LOOP_NICENESS
 
 pytestmark = [
     pytest.mark.anyio,

@@ -1,5 +1,6 @@
-"""inferq as a peer of bench/engine/vs_vllm.py: `python inferq_run.py JOB.json`, started by the bench
-under inferq's tuned CPU runtime (engine/cpu_runtime.py), timed by peer_timing like every side."""
+"""inferq as a peer of bench/engine/vs_vllm.py: `python inferq_run.py JOB.json`, started by the
+bench under inferq's tuned CPU runtime (engine/platforms/cpu/runtime.py), timed by peer_timing
+like every side."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def main() -> None:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.cpu_runtime import describe_cpu_runtime
+    from engine.platforms.cpu.runtime import describe_cpu_runtime
 
     started = time.perf_counter()
     llm = LLM(

@@ -14,7 +14,7 @@ Five ways to compute x @ W.T + b on the CPU, four of them in torch 2.x:
 Which is fastest depends on the machine (AMD without AVX-512, AMD with AVX-512 and bf16, Intel
 with AMX) and on how many rows a call has: a decode step of a few sequences streams the weights
 (memory-bound), a prefill chunk is compute-bound. So a plan names one backend for small calls
-(at most SMALL_ROWS rows) and one for the rest; engine.layers.matmul_tuning measures and picks.
+(at most SMALL_ROWS rows) and one for the rest; matmul_tuning measures and picks.
 """
 
 from __future__ import annotations

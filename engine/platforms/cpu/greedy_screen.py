@@ -9,7 +9,7 @@ bound). The tokens are those of the fp32 logits; the bf16 pass reads half the by
 twice the FLOP rate where AVX512-BF16 or AMX does bf16.
 
 Whether it pays is measured at start-up against the fp32 head as the model computes it (its
-tuned matmul plan), and the answer is kept per machine (engine.machine_cache).
+tuned matmul plan), and the answer is kept per machine (engine.platforms.cpu.machine_cache).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from engine.layers.linear import Linear
-from engine.machine_cache import cached, machine_key
+from engine.platforms.cpu.machine_cache import cached, machine_key
 from kernels import cpu_ops
 
 logger = logging.getLogger(__name__)

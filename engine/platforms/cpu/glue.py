@@ -3,26 +3,34 @@
 Between two matmuls a layer runs a handful of small ops that each make a pass over memory and a
 Python dispatch: the residual add and RMSNorm, the rotary rotation of q and k, SiLU times up.
 TorchInductor fuses each group into one C++ loop. The compiled functions take the weights as
-arguments and every dimension as a symbol, so one compiled graph per function serves every
-layer, every step and every model: a worker compiles at start-up and never again.
+arguments and every dimension as a symbol, so one compiled graph per function and dtype serves
+every layer, every step and every model: a worker compiles at start-up and never again.
+
+Each dtype gets compiled functions of its own (`compiled(dtype)`), copies with their own code
+objects: dynamo keeps its graphs, and counts recompiles against its limit, per code object, so
+with one copy for every dtype an fp32 and a bf16 engine in one process would share one budget,
+exhaust it, and leave the glue eager.
 
 A compiled call pays ~20-30 us of guard checks that an eager op does not, so fusion only pays
-from some number of tokens per step on; the runner measures where (`glue_for_step`).
+from some number of tokens per step on; the CPU platform measures where at start-up and picks
+each step's glue (engine.platforms.cpu.platform).
 Inductor's kernels are single-threaded: they link the system's OpenMP runtime, a second one
 beside torch's own, and two thread pools on the same cores stall each other by milliseconds.
 
 At decode sizes the C++ glue (`native`, kernels.cpu_ops) beats both: one call per group of ops,
 no guards, no intermediate tensors. It serves every step the compiled glue does not.
 
-A model forward reads the glue of the runner that calls it (`using`), so engines in one process
-may differ (one compiled, one eager). A compiled function that fails logs a warning once and
-hands its work back to the eager one for good: compiling is an optimisation, never an outage.
+A model forward reads the glue its CPU platform set for the step (`using`: a ContextVar, so
+engines in one process, or on two threads, may differ). A compiled function that fails logs a
+warning once and hands its work back to the eager one for good: compiling is an optimisation,
+never an outage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -168,20 +176,39 @@ def _compiled_or_eager(eager: F_) -> F_:
     return call  # type: ignore[return-value]
 
 
-_compiled_glue: Glue | None = None
+def _own_code(function: F_) -> F_:
+    """A copy of function with a code object of its own, and so its own compiled graphs and
+    recompile budget (dynamo keeps both per code object)."""
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__qualname__ = function.__qualname__
+    return copy  # type: ignore[return-value]
 
 
-def compiled() -> Glue:
-    """The process-wide compiled glue (each function compiles on its first call)."""
-    global _compiled_glue
-    if _compiled_glue is None:
-        _compiled_glue = Glue(
-            _compiled_or_eager(rms_norm),
-            _compiled_or_eager(add_rms_norm),
-            _compiled_or_eager(rotate),
-            _compiled_or_eager(silu_and_mul_ref),
+def new_compiled() -> Glue:
+    """A compiled glue of its own, meant for one dtype: each function compiles on its first
+    call, with a recompile budget no other glue shares."""
+    return Glue(
+        *(
+            _compiled_or_eager(_own_code(function))
+            for function in (rms_norm, add_rms_norm, rotate, silu_and_mul_ref)
         )
-    return _compiled_glue
+    )
+
+
+_compiled_by_dtype: dict[torch.dtype, Glue] = {}
+
+
+def compiled(dtype: torch.dtype) -> Glue:
+    """The process-wide compiled glue for dtype (each function compiles on its first call)."""
+    if dtype not in _compiled_by_dtype:
+        _compiled_by_dtype[dtype] = new_compiled()
+    return _compiled_by_dtype[dtype]
 
 
 @dataclass(frozen=True)
@@ -196,7 +223,7 @@ class GlueShapes:
     dtype: torch.dtype
 
 
-# The answer is kept for good (engine.machine_cache): only a clear win, not a burst of load on
+# The answer is kept for good (machine_cache): only a clear win, not a burst of load on
 # the eager side, may switch a machine to the compiled glue.
 _CLEAR_WIN = 0.85
 
@@ -228,7 +255,7 @@ def _layer_glue_seconds(glue: Glue, shapes: GlueShapes, num_tokens: int) -> floa
 def compile_now(shapes: GlueShapes) -> None:
     """Compile every glue function (all dimensions are symbols: once serves every step)."""
     with torch.inference_mode():
-        _layer_glue_seconds(compiled(), shapes, 2)
+        _layer_glue_seconds(compiled(shapes.dtype), shapes, 2)
 
 
 def min_tokens_for_compiled(shapes: GlueShapes, candidates: tuple[int, ...]) -> int | None:
@@ -236,7 +263,7 @@ def min_tokens_for_compiled(shapes: GlueShapes, candidates: tuple[int, ...]) -> 
     on this machine, at the model's shapes); None if it never does among the candidates.
 
     Also compiles every glue function, so no request waits for the compiler later."""
-    glue = compiled()
+    glue = compiled(shapes.dtype)
     compile_now(shapes)
     with torch.inference_mode():
         for num_tokens in candidates:

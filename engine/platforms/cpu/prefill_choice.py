@@ -5,7 +5,7 @@ runs its bf16 matmuls on AMX tiles where the CPU has them: on a Xeon with AMX it
 chunk in 40% of the kernel's time, while on CPUs without AMX, and in float32, the kernel is as
 fast or faster. So it is measured, once per machine and attention shape, over one layer's
 prefill through the backend itself (chunks with and without cached context, the gather from the
-cache included), and kept in engine.machine_cache.
+cache included), and kept in engine.platforms.cpu.machine_cache.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import time
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import PrefillShape, TorchAttentionBackend
-from engine.machine_cache import cached, machine_key
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.torch_plan import PrefillShape
+from engine.platforms.cpu.machine_cache import cached, machine_key
 
 logger = logging.getLogger(__name__)
 

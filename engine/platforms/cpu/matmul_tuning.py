@@ -1,7 +1,7 @@
 """Choose the CPU matmul plan (and the CPU's auto dtype) by measuring, once per machine.
 
 Which backend is fastest differs from machine to machine in ways a CPU's vendor name does not
-tell, so at start-up every available backend (engine.layers.matmul) runs the model's own linear
+tell, so at start-up every available backend (matmul) runs the model's own linear
 shapes at both ends of the plan's two ranges: decode-sized row counts (1 and 16), and a decode
 step of many sequences (64) with a prefill-sized call (128), interleaved so that a burst of load
 from elsewhere hits all of them alike, keeping each one's fastest pass. Decode passes run over
@@ -9,8 +9,8 @@ several copies of the weights, so that they stream from memory as they do in a r
 of sitting in cache. The whole measurement takes milliseconds for tiny models and stays well
 under a second for real ones (large weights are measured on their first rows).
 
-The timings are cached as JSON under $INFERQ_HOME/cpu_matmul (engine.machine_cache), keyed by CPU model, CPU flags,
-torch version, thread count, dtype and shapes, so a second start on the same machine measures
+The timings are cached as JSON under $INFERQ_HOME/cpu_matmul (machine_cache), keyed by CPU
+model, CPU flags, torch version, thread count, dtype and shapes, so a second start on the same machine measures
 nothing.
 """
 
@@ -28,7 +28,9 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.distributed.group import TensorParallel
 from engine.layers.linear import Linear, shared_parameter_ids
-from engine.layers.matmul import (
+from engine.models import model_factory
+from engine.platforms.cpu.machine_cache import cached, lookup, machine_key
+from engine.platforms.cpu.matmul import (
     SMALL_ROWS,
     Backend,
     MatmulPlan,
@@ -38,8 +40,6 @@ from engine.layers.matmul import (
     run,
     uniform,
 )
-from engine.machine_cache import cached, lookup, machine_key
-from engine.models import model_factory
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,10 @@ through the fused paged-attention kernel, the native glue, no tensor parallelism
 layers run there; the ops are the same ones the Python forward calls, in the same order, so the
 outputs are too. Everything else keeps the Python forward.
 
-The flat argument lists (weights, packed copies, norms) are built once per row class (the
-matmul plan picks backends by rows) and again only when a layer changes how it stores a weight.
+The flat argument lists (weights, packed copies, norms) are read once per row class (the
+matmul plan picks backends by rows) on the first step after `prepare`: the CPU platform prepares
+every stack of a model once its weights are stored as they will stay (quantized, packed for
+the tuned plan), so a stack never reads a weight another layer is about to replace.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.layers import cpu_glue
-from engine.layers.linear import Linear, storage_generation
-from engine.layers.matmul import SMALL_ROWS
+from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.platforms.cpu import glue as cpu_glue
+from engine.platforms.cpu.matmul import SMALL_ROWS
 from kernels import cpu_ops
 
 
@@ -46,7 +49,18 @@ class DecoderLayerParts:
     projections: tuple[Linear, Linear, Linear, Linear]  # qkv, o, gate_up, down
 
 
-class CpuDecodeStack:
+@dataclass(frozen=True)
+class _SharedParts:
+    """What every layer of the stack shares; kept out of the module tree (the model owns it)."""
+
+    backend: TorchAttentionBackend
+    rotary: RotaryEmbedding
+
+
+class CpuDecodeStack(nn.Module):
+    """A module without parameters of its own, so that the CPU platform finds every stack of a
+    model among its modules (`stacks_of`) and prepares it."""
+
     def __init__(
         self,
         layers: Sequence[DecoderLayerParts],
@@ -56,15 +70,20 @@ class CpuDecodeStack:
         eps: float,
         scale: float,
     ) -> None:
+        super().__init__()
         self._layers = list(layers)
-        self._backend = backend
-        self._rotary = rotary
+        self._shared = _SharedParts(backend, rotary)
         self._num_heads = num_heads
         self._eps = eps
         self._scale = scale
-        # Per row class (small or not): the storage generation read, and the arguments (None:
-        # some layer has no C++ path).
-        self._args: dict[bool, tuple[int, _LayerArgs | None]] = {}
+        # Per row class (small or not): the arguments (None: some layer has no C++ path), read
+        # on the first step after `prepare`.
+        self._args: dict[bool, _LayerArgs | None] = {}
+
+    def prepare(self) -> None:
+        """Read the layers' weights again on the next step: they have changed how they are
+        stored (quantized, packed for a matmul plan) since any step read them."""
+        self._args.clear()
 
     def run(
         self,
@@ -81,7 +100,7 @@ class CpuDecodeStack:
             or not kv_caches
         ):
             return None
-        plan = self._backend.fused_decode_plan(meta, kv_caches[0][0], hidden)
+        plan = self._shared.backend.fused_decode_plan(meta, kv_caches[0][0], hidden)
         if plan is None or plan.decode_tables is None or plan.decode_lens is None:
             return None
         args = self._layer_args(hidden.shape[0])
@@ -93,7 +112,7 @@ class CpuDecodeStack:
             plan.write_slots.contiguous(),
             plan.decode_tables,
             plan.decode_lens,
-            self._rotary.cos_sin_cache,
+            self._shared.rotary.cos_sin_cache,
             [k for k, _ in kv_caches],
             [v for _, v in kv_caches],
             args.norm_weights,
@@ -106,13 +125,9 @@ class CpuDecodeStack:
 
     def _layer_args(self, rows: int) -> _LayerArgs | None:
         small = rows <= SMALL_ROWS
-        generation = storage_generation()
-        cached = self._args.get(small)
-        if cached is not None and cached[0] == generation:
-            return cached[1]
-        args = self._build_args(rows)
-        self._args[small] = (generation, args)
-        return args
+        if small not in self._args:
+            self._args[small] = self._build_args(rows)
+        return self._args[small]
 
     def _build_args(self, rows: int) -> _LayerArgs | None:
         norms: list[torch.Tensor] = []
@@ -127,3 +142,8 @@ class CpuDecodeStack:
                 tensors += spec.tensors()
                 ints += spec.ints()
         return _LayerArgs(norms, tensors, ints)
+
+
+def stacks_of(model: nn.Module) -> list[CpuDecodeStack]:
+    """The decode stacks a model holds (none on CUDA or under tensor parallelism)."""
+    return [module for module in model.modules() if isinstance(module, CpuDecodeStack)]

@@ -1,0 +1,37 @@
+"""Device platforms: each device's fast paths behind one object the model runner calls.
+
+`platform_for` gives the CPU platform (engine.platforms.cpu) on the CPU and the do-nothing
+`Platform` on every other device; the runner asks it for the "auto" dtype, lets it `prepare`
+the loaded model, and runs each step's forward inside its `step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.config import EngineConfig
+from engine.distributed.group import TensorParallel
+from engine.platforms.base import Platform
+
+__all__ = ["Platform", "platform_for"]
+
+
+def platform_for(
+    device: torch.device,
+    config: EngineConfig,
+    hf_config: Any,
+    attention: AttentionBackend,
+    tp: TensorParallel | None,
+) -> Platform:
+    """The platform of device for the model hf_config describes (this rank's shards under
+    tensor parallelism)."""
+    if device.type != "cpu":
+        return Platform()
+    # Imported here: engine.layers imports the CPU matmul from this package, so the package
+    # must not import the layers back while they load.
+    from engine.platforms.cpu.platform import CpuPlatform
+
+    return CpuPlatform(config, hf_config, attention, tp)
