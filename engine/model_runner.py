@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,20 @@ from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.distributed import tensor_parallel
-from engine.distributed.step_channel import StepSender
+from engine.distributed.step_channel import StepReceiver, StepSender
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.models import sliding_window_limit
 from engine.models.llama import head_dim_of
 from engine.models.loader import build_model
+from engine.picking import pick_tokens
 from engine.platforms import platform_for
 from engine.platforms.cpu.greedy_screen import ScreenedLMHead
 from engine.quantization.methods import resolve_method, weight_bytes
+from engine.runner_io import ModelRunnerOutput, SamplingBatch, TokenPick
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
 from engine.sequence import ScheduledSeq, Sequence
+from engine.step_inputs import StepInputs, prepare_inputs
 from schemas.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,12 +42,11 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn_meta: AttentionMetadata
-    sample_rows: torch.Tensor | None  # rows of the hidden states to turn into logits; None: all
+def load_hf_config(model_path: Path) -> Any:
+    """The model folder's HF config (transformers' own reading of config.json)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_path))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,15 +64,16 @@ def resolve_dtype(
     return _DTYPES[name]
 
 
-def _logit_rows(end: int, entry: ScheduledSeq) -> range:
-    return range(end - entry.num_logits, end)
-
-
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_path: Path | None, hf_config: Any | None = None
+        self,
+        config: EngineConfig,
+        model_path: Path | None,
+        hf_config: Any | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
-        """Load the HF config (or take hf_config) and the model, then allocate the KV cache."""
+        """Load the HF config (or take hf_config) and the model, then allocate the KV cache.
+        eos_token_ids: what min_tokens keeps the sampler from picking."""
         self.config = config
         self.device = resolve_device(config.device)
         threads = tensor_parallel.threads_per_rank(config, self.device)
@@ -78,11 +82,10 @@ class ModelRunner:
         if hf_config is None:
             if model_path is None:
                 raise ValueError("ModelRunner needs a model folder or an hf_config")
-            from transformers import AutoConfig
-
-            hf_config = AutoConfig.from_pretrained(str(model_path))
+            hf_config = load_hf_config(model_path)
         self.hf_config = hf_config
         self.vocab_size: int = hf_config.vocab_size
+        self.sampler = Sampler(self.vocab_size, eos_token_ids, self.device)
         self.block_size = config.block_size
         self.max_model_len = self._resolve_max_model_len()
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
@@ -239,83 +242,69 @@ class ModelRunner:
         """Run the largest step the scheduler may send (one prefill of the token budget)."""
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
-        seq = Sequence(
-            request_id="profile",
-            token_ids=[0] * num_tokens,
-            num_prompt_tokens=num_tokens,
-            params=SamplingParams(),
-            block_table=list(range(num_blocks)),
-        )
+        seq = Sequence.from_prompt("profile", [0] * num_tokens, SamplingParams())
+        seq.block_table = list(range(num_blocks))
         self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        logits = self.execute([ScheduledSeq(seq, num_tokens)])
-        # The sampler works on up to max_num_seqs rows of logits and a softmax of them.
         with torch.inference_mode():
+            hidden = self._forward([ScheduledSeq(seq, num_tokens)], [])
+            assert hidden is not None  # the whole prompt in one step: its last row samples
+            logits = self.model.compute_logits(hidden)
+            # The sampler works on up to max_num_seqs rows of logits and a softmax of them.
             rows = logits.expand(self.config.max_num_seqs, -1).contiguous()
             rows.softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        del self.kv_cache, logits, rows
+        del self.kv_cache, hidden, logits, rows
         return peak
 
     # ------------------------------------------------------------------ steps
 
     @torch.inference_mode()
-    def execute(
-        self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]] = ()
-    ) -> torch.Tensor:
-        """Run one step; first perform the copy-on-write block copies (src->dst, all layers).
-
-        Returns float32 logits [rows, vocab] for the entries of `batch` whose `samples` is
-        True, in batch order: one row each, 1 + k for an entry verifying k draft tokens.
-        """
-        if self.step_sender is not None:
-            inputs = self.prepare_inputs(batch) if batch else None
-            with tensor_parallel.fatal_step_errors(self.tp_ranks):
-                self.step_sender.send(tensor_parallel.message_of(inputs, block_copies))
-                return self.execute_inputs(inputs, block_copies)
-        return self._logits(self._local_hidden(batch, block_copies))
-
-    @torch.inference_mode()
-    def execute_greedy(
-        self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]] = ()
-    ) -> torch.Tensor:
-        """`execute` for a batch whose every sampling entry takes the plain argmax of its one
-        logits row: those tokens, [rows] int64 in batch order, through the greedy screen (only
-        a runner with one, which is never a tensor-parallel one)."""
-        screen = self.greedy_screen
-        assert screen is not None, "execute_greedy needs the runner's greedy screen"
-        hidden = self._local_hidden(batch, block_copies)
+    def execute(self, sched: SchedulerOutput, batch: SamplingBatch) -> ModelRunnerOutput:
+        """Run one scheduled step (its copy-on-write block copies first, on every layer) and
+        give each sampling row of `batch` what it asks for. Greedy rows of a step that asks
+        nothing else go through the greedy screen where the platform has one: the same
+        tokens, for less than the LM head's full cost."""
+        hidden = self._forward(sched.scheduled, sched.block_copies)
         if hidden is None:
-            return torch.empty(0, dtype=torch.long, device=self.device)
-        return screen.argmax(hidden)
+            return ModelRunnerOutput()
+        screen = self.greedy_screen
+        if screen is not None and batch.all_argmax:
+            token_ids = screen.argmax(hidden).tolist()
+            picks = [TokenPick.single(token_id) for token_id in token_ids]
+            entries = [row.entry for row in batch.rows]
+            return ModelRunnerOutput(list(zip(entries, picks, strict=True)))
+        return pick_tokens(self.model.compute_logits(hidden), batch, self.sampler)
 
-    def _local_hidden(
+    def follow_driver(self, receiver: StepReceiver) -> None:
+        """An executor rank's life: run the forward of each step the driver sends (sampling is
+        the driver's) until it says stop."""
+        while (message := receiver.receive()) is not None:
+            with torch.inference_mode():
+                inputs = tensor_parallel.inputs_of(message, self.device)
+                self._run_forward(inputs, message.block_copies)
+
+    def _forward(
         self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]]
     ) -> torch.Tensor | None:
-        """Run a step on this rank alone: the final hidden states of its sampling rows (None
-        where none samples)."""
-        self.kv_cache.copy_blocks(block_copies)
-        if not batch:
-            return None
-        inputs = self.prepare_inputs(batch)
-        with self.platform.step(inputs.input_ids.shape[0], inputs.attn_meta.is_decode_only):
-            return self._final_hidden(inputs)
+        """The final hidden states of the step's sampling rows (None where none samples); a
+        tensor-parallel driver first sends the step to its executors."""
+        inputs = self.prepare_inputs(batch) if batch else None
+        if self.step_sender is None:
+            return self._run_forward(inputs, block_copies)
+        with tensor_parallel.fatal_step_errors(self.tp_ranks):
+            self.step_sender.send(tensor_parallel.message_of(inputs, block_copies))
+            return self._run_forward(inputs, block_copies)
 
-    @torch.inference_mode()
-    def execute_inputs(
-        self, inputs: StepInputs | None, block_copies: list[tuple[int, int]] = ()
-    ) -> torch.Tensor:
-        """`execute` from prepared inputs (None: no sequences); executor ranks run this."""
+    def _run_forward(
+        self, inputs: StepInputs | None, block_copies: list[tuple[int, int]]
+    ) -> torch.Tensor | None:
         self.kv_cache.copy_blocks(block_copies)
         if inputs is None:
-            return self._logits(None)
+            return None
         with self.platform.step(inputs.input_ids.shape[0], inputs.attn_meta.is_decode_only):
-            return self._logits(self._final_hidden(inputs))
-
-    def execute_message(self, message: tensor_parallel.StepMessage) -> None:
-        """Run the step a driver sent (on an executor rank)."""
-        self.execute_inputs(tensor_parallel.inputs_of(message, self.device), message.block_copies)
+            return self._final_hidden(inputs)
 
     @torch.inference_mode()
     def token_logprobs(self, seq: Sequence, chunk: int = 256) -> torch.Tensor:
@@ -334,12 +323,6 @@ class ModelRunner:
             picked = targets[start : start + chunk, None]
             parts.append(logits.log_softmax(-1).gather(-1, picked).squeeze(-1))
         return torch.cat(parts)
-
-    def _logits(self, hidden: torch.Tensor | None) -> torch.Tensor:
-        """float32 logits of the sampling rows' hidden states; [0, vocab] for none."""
-        if hidden is None:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(hidden)
 
     def _final_hidden(self, inputs: StepInputs) -> torch.Tensor | None:
         """The final hidden states of the rows that sample; None where none does (only partial
@@ -363,61 +346,7 @@ class ModelRunner:
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """Flatten a step's sequences into model inputs and attention metadata (no mutation)."""
-        block_size = self.block_size
-        query_lens = [s.num_new_tokens for s in batch]
-        starts = [s.seq.num_computed_tokens for s in batch]
-        seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)]
-        token_ids: list[int] = []
-        for s in batch:
-            token_ids.extend(s.input_token_ids())
-        if len(token_ids) != sum(query_lens):
-            raise ValueError("a scheduled sequence asks for tokens it does not have")
-
-        num_seqs = len(batch)
-        query_lens_np = np.asarray(query_lens, dtype=np.int64)
-        cu_query = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens_np, out=cu_query[1:])
-        seq_index = np.repeat(np.arange(num_seqs), query_lens_np)
-        positions = np.arange(cu_query[-1]) - cu_query[seq_index] + np.asarray(starts)[seq_index]
-
-        blocks_needed = [-(-n // block_size) for n in seq_lens]
-        block_tables = np.zeros((num_seqs, max(blocks_needed)), dtype=np.int32)
-        for i, (s, needed) in enumerate(zip(batch, blocks_needed, strict=True)):
-            table = s.seq.block_table
-            if len(table) < needed:
-                raise ValueError(
-                    f"sequence {s.seq.seq_id} needs {needed} KV blocks for {seq_lens[i]} tokens "
-                    f"but its block table has {len(table)}"
-                )
-            block_tables[i, :needed] = table[:needed]
-        slots = (
-            block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
-            + positions % block_size
-        )
-
-        samples = [s.samples for s in batch]
-        sample_rows = None
-        if not all(samples) or len(token_ids) != num_seqs:
-            # The last row of each sampling entry; the last 1 + k rows of a speculating one.
-            rows = [row for i, s in enumerate(batch) for row in _logit_rows(cu_query[i + 1], s)]
-            sample_rows = self._to_device(np.asarray(rows, dtype=np.int64))
-
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            query_start_loc=self._to_device(cu_query.astype(np.int32)),
-            seq_lens=self._to_device(np.asarray(seq_lens, dtype=np.int32)),
-            block_tables=self._to_device(block_tables),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        return StepInputs(
-            input_ids=self._to_device(np.asarray(token_ids, dtype=np.int64)),
-            positions=self._to_device(positions),
-            attn_meta=meta,
-            sample_rows=sample_rows,
-        )
+        return prepare_inputs(batch, self.block_size, self._to_device)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)

@@ -133,6 +133,7 @@ class Scheduler:
         self._waiting_blocks = 0
         self._waiting_slots = 0
         self._by_request: dict[str, list[Sequence]] = {}  # live sequences per request
+        self.num_preemptions = 0  # over the scheduler's life
 
     # ---- queues ------------------------------------------------------------------------------
 
@@ -249,16 +250,7 @@ class Scheduler:
         its next step samples its own first token. Fork before finishing the parent: a parent
         without blocks leaves the child waiting to recompute its prompt.
         """
-        child = Sequence(
-            request_id=parent.request_id,
-            token_ids=parent.prompt_token_ids,
-            num_prompt_tokens=parent.num_prompt_tokens,
-            params=parent.params,
-            priority=parent.priority,
-            choice_index=choice_index,
-            arrival_time=parent.arrival_time,
-            cache_salt=parent.cache_salt,
-        )
+        child = parent.new_choice(choice_index, with_output=False)
         self._by_request.setdefault(child.request_id, []).append(child)
         if parent.status is SequenceStatus.RUNNING and parent.block_table:
             child.num_computed_tokens = min(
@@ -279,16 +271,7 @@ class Scheduler:
     def branch(self, parent: Sequence, choice_index: int) -> Sequence:
         """A running copy of a running parent with its whole history (a beam's fork): it
         shares every block of the parent (copy on write) and resumes where the parent is."""
-        child = Sequence(
-            request_id=parent.request_id,
-            token_ids=list(parent.token_ids),
-            num_prompt_tokens=parent.num_prompt_tokens,
-            params=parent.params,
-            priority=parent.priority,
-            choice_index=choice_index,
-            arrival_time=parent.arrival_time,
-            cache_salt=parent.cache_salt,
-        )
+        child = parent.new_choice(choice_index, with_output=True)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         self.block_manager.fork(parent, child)
@@ -368,6 +351,7 @@ class Scheduler:
         if not preempted:
             self._admit(scheduled, budget)
 
+        self.num_preemptions += len(preempted)
         return SchedulerOutput(
             scheduled=list(scheduled.values()),
             block_copies=[c for seq in scheduled for c in copies.get(seq, ())],

@@ -68,6 +68,65 @@ class Sequence:
     sampler_state: SamplerState = field(default_factory=SamplerState)
     spec_state: SpeculationState = field(default_factory=SpeculationState)
 
+    @classmethod
+    def from_prompt(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        choice_index: int = 0,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        """A new sequence that has computed nothing yet: one choice of a request."""
+        return cls(
+            request_id=request_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            priority=priority,
+            choice_index=choice_index,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+
+    def new_choice(self, choice_index: int, *, with_output: bool) -> Sequence:
+        """Another choice of this sequence's request, from its prompt (an n > 1 sibling) or
+        from its whole history (a beam's branch); its progress and blocks are the caller's."""
+        return Sequence(
+            request_id=self.request_id,
+            token_ids=list(self.token_ids if with_output else self.prompt_token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            params=self.params,
+            priority=self.priority,
+            choice_index=choice_index,
+            arrival_time=self.arrival_time,
+            cache_salt=self.cache_salt,
+        )
+
+    def shadow(self) -> Sequence:
+        """A sequence of its own (new id, no blocks, fresh state) holding this one's tokens: a
+        draft model's copy."""
+        return Sequence(
+            request_id=self.request_id,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            params=self.params,
+        )
+
+    def extended_view(self, extra_token_ids: list[int]) -> Sequence:
+        """This sequence as the sampler sees it with extra tokens appended: the same id and
+        sampler state, so penalties, min_tokens and seeded noise read as they will then."""
+        return Sequence(
+            request_id=self.request_id,
+            token_ids=self.token_ids + extra_token_ids,
+            num_prompt_tokens=self.num_prompt_tokens,
+            params=self.params,
+            choice_index=self.choice_index,
+            seq_id=self.seq_id,
+            sampler_state=self.sampler_state,
+        )
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

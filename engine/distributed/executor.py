@@ -37,8 +37,7 @@ def run_executor(config: EngineConfig, model_path: Path | None = None) -> int:
         raise RuntimeError("an executor rank needs tensor_parallel_size > 1")
     receiver = StepReceiver(runner.tp)
     logger.info("executor rank %d ready", runner.tp.rank)
-    while (message := receiver.receive()) is not None:
-        runner.execute_message(message)
+    runner.follow_driver(receiver)
     logger.info("executor rank %d stopped", runner.tp.rank)
     return 0
 

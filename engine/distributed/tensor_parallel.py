@@ -6,10 +6,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from engine.attention.base import AttentionMetadata
 from engine.config import EngineConfig
 from engine.distributed.group import TensorParallel
 from engine.distributed.launcher import (
@@ -21,9 +22,7 @@ from engine.distributed.launcher import (
 from engine.distributed.step_channel import StepMessage, StepSender
 from engine.layers.parallel import balanced_range, split_heads
 from engine.models.llama import head_dim_of
-
-if TYPE_CHECKING:
-    from engine.model_runner import StepInputs
+from engine.step_inputs import StepInputs
 
 __all__ = [
     "StepMessage",
@@ -117,9 +116,6 @@ def message_of(inputs: StepInputs | None, block_copies: list[tuple[int, int]]) -
 
 def inputs_of(message: StepMessage, device: torch.device) -> StepInputs | None:
     """The step inputs the driver built, rebuilt on an executor (None: no sequences)."""
-    from engine.attention.base import AttentionMetadata
-    from engine.model_runner import StepInputs
-
     if message.num_seqs == 0:
         return None
     query_starts = message.query_start_loc.tolist()

@@ -26,3 +26,16 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence], vocab_size: int
     logits.index_put_(
         index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True
     )
+
+
+class LogitBias:
+    """apply_logit_bias as a logits processor of the engine's sampling rows."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def applies_to(self, seq: Sequence) -> bool:
+        return bool(seq.params.logit_bias)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        apply_logit_bias(logits, seqs, self.vocab_size)

@@ -19,6 +19,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_files import resolve_model_path
 from engine.model_runner import ModelRunner
+from engine.runner_io import RowMode, SamplingBatch
+from engine.scheduler import SchedulerOutput
 from engine.sequence import ScheduledSeq, Sequence
 from engine.speculative.config import SpeculativeConfig
 
@@ -65,12 +67,7 @@ class DraftModelProposer:
         """seq's shadow holding seq's tokens, computed up to what still agrees with them."""
         shadow = self._shadows.get(seq.seq_id)
         if shadow is None:
-            shadow = Sequence(
-                request_id=seq.request_id,
-                token_ids=list(seq.token_ids),
-                num_prompt_tokens=seq.num_prompt_tokens,
-                params=seq.params,
-            )
+            shadow = seq.shadow()
             self.block_manager.allocate_prompt(shadow, [])
             self._shadows[seq.seq_id] = shadow
             return shadow
@@ -97,8 +94,10 @@ class DraftModelProposer:
                 continue
             batch.append((i, ScheduledSeq(shadow, num_new)))
         while batch:
-            logits = self.runner.execute([entry for _, entry in batch])
-            tokens = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+            scheduled = [entry for _, entry in batch]
+            step = SchedulerOutput(scheduled=scheduled)
+            out = self.runner.execute(step, SamplingBatch.uniform(scheduled, RowMode.ARGMAX))
+            tokens = [pick.token_ids[0] for _, pick in out.picks]
             next_batch = []
             for (i, entry), token_id in zip(batch, tokens, strict=True):
                 shadow = entry.seq

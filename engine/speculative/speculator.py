@@ -55,9 +55,9 @@ class Speculator:
         return max(0, min(self.config.num_speculative_tokens, room - 1))
 
     def propose(self, running: list[Sequence]) -> None:
-        """Set the draft tokens of every running sequence for the next step."""
+        """Set the draft tokens of every running sequence that may speculate for the next step."""
         decoding = []
-        for seq in running:
+        for seq in filter(may_speculate, running):
             seq.spec_state.draft_token_ids = []
             if (
                 seq.status is SequenceStatus.RUNNING
@@ -92,3 +92,9 @@ class Speculator:
             state.resume_at_output = seq.num_output_tokens + (BACKOFF_TOKENS << state.num_backoffs)
             state.num_backoffs = min(state.num_backoffs + 1, 5)
         state.num_proposed = state.num_accepted = 0
+
+
+def may_speculate(seq: Sequence) -> bool:
+    """Beams are ranked, not verified; a grammar's mask at each draft position would depend
+    on drafts its matcher has not accepted yet."""
+    return not (seq.params.use_beam_search or seq.params.structured_output)

@@ -17,24 +17,12 @@ or without speculation, and a resumed request continues the same stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from engine.runner_io import TokenPick
 from engine.sampler import Sampler
 from engine.sampling.penalties import uses_penalties
 from engine.sequence import ScheduledSeq, Sequence
-
-
-@dataclass
-class Verified:
-    """What one sampling entry of a step produced: its tokens to append, in order."""
-
-    token_ids: list[int]
-    logprobs: list[float | None]
-    top_logprobs: list[list[tuple[int, float]] | None]
-    num_draft_tokens: int
-    num_accepted_tokens: int
 
 
 def _position_views(seq: Sequence, draft: list[int]) -> list[Sequence]:
@@ -42,24 +30,11 @@ def _position_views(seq: Sequence, draft: list[int]) -> list[Sequence]:
     appended. The sequence itself stands for every position where only params are read."""
     if not draft or not (uses_penalties(seq) or seq.num_output_tokens < seq.params.min_tokens):
         return [seq] * (1 + len(draft))
-    views = [seq]
-    for j in range(1, len(draft) + 1):
-        views.append(
-            Sequence(
-                request_id=seq.request_id,
-                token_ids=seq.token_ids + draft[:j],
-                num_prompt_tokens=seq.num_prompt_tokens,
-                params=seq.params,
-                choice_index=seq.choice_index,
-                seq_id=seq.seq_id,
-                sampler_state=seq.sampler_state,
-            )
-        )
-    return views
+    return [seq] + [seq.extended_view(draft[:j]) for j in range(1, len(draft) + 1)]
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, entries: list[ScheduledSeq]) -> list[Verified]:
-    """Picks of each sampling entry from its rows of `logits` (ModelRunner.execute's order)."""
+def verify(sampler: Sampler, logits: torch.Tensor, entries: list[ScheduledSeq]) -> list[TokenPick]:
+    """Picks of each sampling entry from its rows of `logits` (1 + its drafts each, in order)."""
     views: list[Sequence] = []
     for entry in entries:
         views += _position_views(entry.seq, entry.draft_token_ids)
@@ -79,7 +54,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, entries: list[ScheduledSeq]) 
             accepted += 1
         end = start + accepted + 1
         results.append(
-            Verified(
+            TokenPick(
                 token_ids=choices[: accepted + 1],
                 logprobs=picked.logprobs[start:end],
                 top_logprobs=picked.top_logprobs[start:end],

@@ -72,6 +72,13 @@ class StructuredDecoding:
         for seq_id in self._seq_ids.pop(request_id, []):
             self._matchers.pop(seq_id, None)
 
+    def applies_to(self, seq: Sequence) -> bool:
+        """As a logits processor: the rows of constrained requests."""
+        return seq.params.structured_output is not None
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        self.mask_logits(logits, seqs)
+
     @torch.inference_mode()
     def mask_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Set the logits of tokens the grammar forbids to -inf, in place, row by row."""

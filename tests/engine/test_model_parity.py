@@ -19,6 +19,7 @@ from engine.model_runner import ModelRunner
 from engine.sequence import ScheduledSeq, Sequence
 from schemas.sampling import SamplingParams
 from tests.engine.conftest import LLAMA3_ROPE
+from tests.engine.runner_calls import step_logits
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -72,7 +73,7 @@ def _run_schedule(
     logits_at: dict[tuple[int, int], torch.Tensor] = {}
     for step in schedule:
         batch = [ScheduledSeq(seqs[i], n) for i, n in step]
-        logits = runner.execute(batch)
+        logits = step_logits(runner, batch)
         sampled = [s for s in batch if s.samples]
         assert logits.shape == (len(sampled), runner.vocab_size)
         assert logits.dtype == torch.float32
@@ -175,7 +176,7 @@ def test_default_model_last_logits_match_transformers(default_model_path: Path) 
         )
         for i, p in enumerate(prompts)
     ]
-    ours = runner.execute([ScheduledSeq(s, s.num_tokens) for s in seqs])
+    ours = step_logits(runner, [ScheduledSeq(s, s.num_tokens) for s in seqs])
 
     reference = torch.stack(
         [logits[-1] for logits in _reference_logits(default_model_path, prompts)]

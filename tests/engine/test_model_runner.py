@@ -12,6 +12,7 @@ from engine.model_runner import ModelRunner
 from engine.sequence import ScheduledSeq, Sequence
 from schemas.sampling import SamplingParams
 from tests.engine.conftest import TINY_SIZES
+from tests.engine.runner_calls import step_logits
 
 
 def _dummy_runner(hf_config, **overrides) -> ModelRunner:
@@ -21,7 +22,7 @@ def _dummy_runner(hf_config, **overrides) -> ModelRunner:
 
 def _prefill(runner: ModelRunner, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
     seq = Sequence("r", list(token_ids), len(token_ids), SamplingParams(), block_table=blocks)
-    return runner.execute([ScheduledSeq(seq, len(token_ids))])
+    return step_logits(runner, [ScheduledSeq(seq, len(token_ids))])
 
 
 @pytest.mark.parametrize("config_cls", [LlamaConfig, Qwen2Config])
@@ -90,12 +91,12 @@ def test_block_copies_run_before_the_step(tiny_llama_dir) -> None:
     )
     prompt = list(range(20, 30))  # 10 tokens: blocks 0, 1 full, block 2 half full
     parent = Sequence("p", [*prompt, 5], len(prompt), SamplingParams(), block_table=[0, 1, 2])
-    runner.execute([ScheduledSeq(parent, len(prompt))])
+    step_logits(runner, [ScheduledSeq(parent, len(prompt))])
     parent.num_computed_tokens = len(prompt)
     child = Sequence("c", [*prompt, 5], len(prompt), SamplingParams(), block_table=[0, 1, 9])
     child.num_computed_tokens = len(prompt)
-    logits = runner.execute(
-        [ScheduledSeq(parent, 1), ScheduledSeq(child, 1)], block_copies=[(2, 9)]
+    logits = step_logits(
+        runner, [ScheduledSeq(parent, 1), ScheduledSeq(child, 1)], block_copies=[(2, 9)]
     )
     # Rows of one fp32 batch may round differently in the last bits (MKL picks kernels by
     # shape); a missing copy would differ by O(1), since the child would read an empty block.
@@ -105,7 +106,7 @@ def test_block_copies_run_before_the_step(tiny_llama_dir) -> None:
 def test_execute_leaves_sequences_untouched(tiny_llama_dir) -> None:
     runner = ModelRunner(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=8), tiny_llama_dir)
     seq = Sequence("r", list(range(12)), 12, SamplingParams(), block_table=[4])
-    logits = runner.execute([ScheduledSeq(seq, 5)])  # a partial prefill chunk: nothing samples
+    logits = step_logits(runner, [ScheduledSeq(seq, 5)])  # a partial prefill chunk: nothing samples
     assert logits.shape == (0, runner.vocab_size)
     assert seq.num_computed_tokens == 0 and seq.token_ids == list(range(12))
     assert seq.block_table == [4]
@@ -117,7 +118,7 @@ def test_short_block_table_is_an_error(tiny_llama_dir) -> None:
     )
     seq = Sequence("r", list(range(9)), 9, SamplingParams(), block_table=[0, 1])
     with pytest.raises(ValueError, match="needs 3 KV blocks"):
-        runner.execute([ScheduledSeq(seq, 9)])
+        step_logits(runner, [ScheduledSeq(seq, 9)])
 
 
 def test_sliding_window_models_are_capped_to_their_window() -> None:
@@ -148,7 +149,7 @@ def test_last_layer_skips_unsampled_rows_but_stores_their_kv(tiny_llama_dir) -> 
 
     pruned, full = runner(), runner()
     pruned_seqs, full_seqs = sequences(), sequences()
-    logits = pruned.execute([ScheduledSeq(s, s.num_prompt_tokens) for s in pruned_seqs])
+    logits = step_logits(pruned, [ScheduledSeq(s, s.num_prompt_tokens) for s in pruned_seqs])
     inputs = full.prepare_inputs([ScheduledSeq(s, s.num_prompt_tokens) for s in full_seqs])
     assert inputs.sample_rows is not None
     with torch.inference_mode():
@@ -161,6 +162,6 @@ def test_last_layer_skips_unsampled_rows_but_stores_their_kv(tiny_llama_dir) -> 
     for seqs in (pruned_seqs, full_seqs):
         for s in seqs:
             s.num_computed_tokens = s.num_prompt_tokens
-    decoded = pruned.execute([ScheduledSeq(s, 1) for s in pruned_seqs])
-    reference = full.execute([ScheduledSeq(s, 1) for s in full_seqs])
+    decoded = step_logits(pruned, [ScheduledSeq(s, 1) for s in pruned_seqs])
+    reference = step_logits(full, [ScheduledSeq(s, 1) for s in full_seqs])
     torch.testing.assert_close(decoded, reference, atol=1e-5, rtol=1e-5)

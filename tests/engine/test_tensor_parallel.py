@@ -20,6 +20,7 @@ from engine.models.loader import build_model
 from engine.quantization.methods import weight_bytes
 from engine.sequence import ScheduledSeq, Sequence
 from schemas.sampling import SamplingParams
+from tests.engine.runner_calls import step_logits
 
 RANKS = 2
 
@@ -57,15 +58,15 @@ def _three_steps(runner: ModelRunner) -> list[torch.Tensor]:
     chunk beside a decode, then a decode of both with a copy-on-write block copy."""
     a = _seq("a", [(7 * i + 3) % 250 for i in range(37)], 0)
     b = _seq("b", [(5 * i + 1) % 250 for i in range(29)], 4)
-    logits = [runner.execute([ScheduledSeq(a, 37), ScheduledSeq(b, 20)])]
+    logits = [step_logits(runner, [ScheduledSeq(a, 37), ScheduledSeq(b, 20)])]
     a.num_computed_tokens, b.num_computed_tokens = 37, 20
     a.append_token(int(logits[0][0].argmax()))
-    logits.append(runner.execute([ScheduledSeq(a, 1), ScheduledSeq(b, 9)]))
+    logits.append(step_logits(runner, [ScheduledSeq(a, 1), ScheduledSeq(b, 9)]))
     a.num_computed_tokens, b.num_computed_tokens = 38, 29
     a.append_token(int(logits[1][0].argmax()))
     b.append_token(int(logits[1][1].argmax()))
     b.block_table[0] = 12  # its first block, copied: the copy must reach every rank's cache
-    logits.append(runner.execute([ScheduledSeq(a, 1), ScheduledSeq(b, 1)], [(4, 12)]))
+    logits.append(step_logits(runner, [ScheduledSeq(a, 1), ScheduledSeq(b, 1)], [(4, 12)]))
     return logits
 
 

@@ -1,0 +1,86 @@
+"""A step's model inputs: the scheduled sequences flattened into input ids, positions, cache
+slots and block tables (vectorized, once per step). Every rank of a tensor-parallel replica runs
+the forward from these; only the driver builds them from sequences."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.sequence import ScheduledSeq
+
+ToDevice = Callable[[np.ndarray], torch.Tensor]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_meta: AttentionMetadata
+    sample_rows: torch.Tensor | None  # rows of the hidden states to turn into logits; None: all
+
+
+def _logit_rows(end: int, entry: ScheduledSeq) -> range:
+    return range(end - entry.num_logits, end)
+
+
+def prepare_inputs(batch: list[ScheduledSeq], block_size: int, to_device: ToDevice) -> StepInputs:
+    """Flatten a step's sequences into model inputs and attention metadata (no mutation)."""
+    query_lens = [s.num_new_tokens for s in batch]
+    starts = [s.seq.num_computed_tokens for s in batch]
+    seq_lens = [start + n for start, n in zip(starts, query_lens, strict=True)]
+    token_ids: list[int] = []
+    for s in batch:
+        token_ids.extend(s.input_token_ids())
+    if len(token_ids) != sum(query_lens):
+        raise ValueError("a scheduled sequence asks for tokens it does not have")
+
+    num_seqs = len(batch)
+    query_lens_np = np.asarray(query_lens, dtype=np.int64)
+    cu_query = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens_np, out=cu_query[1:])
+    seq_index = np.repeat(np.arange(num_seqs), query_lens_np)
+    positions = np.arange(cu_query[-1]) - cu_query[seq_index] + np.asarray(starts)[seq_index]
+
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    block_tables = np.zeros((num_seqs, max(blocks_needed)), dtype=np.int32)
+    for i, (s, needed) in enumerate(zip(batch, blocks_needed, strict=True)):
+        table = s.seq.block_table
+        if len(table) < needed:
+            raise ValueError(
+                f"sequence {s.seq.seq_id} needs {needed} KV blocks for {seq_lens[i]} tokens "
+                f"but its block table has {len(table)}"
+            )
+        block_tables[i, :needed] = table[:needed]
+    slots = (
+        block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+
+    samples = [s.samples for s in batch]
+    sample_rows = None
+    if not all(samples) or len(token_ids) != num_seqs:
+        # The last row of each sampling entry; the last 1 + k rows of a speculating one.
+        rows = [row for i, s in enumerate(batch) for row in _logit_rows(cu_query[i + 1], s)]
+        sample_rows = to_device(np.asarray(rows, dtype=np.int64))
+
+    meta = AttentionMetadata(
+        slot_mapping=to_device(slots),
+        query_start_loc=to_device(cu_query.astype(np.int32)),
+        seq_lens=to_device(np.asarray(seq_lens, dtype=np.int32)),
+        block_tables=to_device(block_tables),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return StepInputs(
+        input_ids=to_device(np.asarray(token_ids, dtype=np.int64)),
+        positions=to_device(positions),
+        attn_meta=meta,
+        sample_rows=sample_rows,
+    )
