@@ -33,7 +33,7 @@ _SOURCES = (
 )
 # From this many rows of x on, quant_matmul dequantizes tiles of the weight to fp32 and runs
 # at::addmm (compute-bound prefill); below it the weights stream once through registers
-# (memory-bound decode). Measured with bench/quant_matmul.py on an AVX2 Zen 3: at 8 rows the
+# (memory-bound decode). Measured with bench/micro/quant_matmul.py on an AVX2 Zen 3: at 8 rows the
 # streaming path is ~10% faster, at 16 the GEMM path ~15%, at 32+ far faster. The build passes it
 # to the C++ op as its default (kernels/cpu/small_matmul.cpp); decode_layers is given it per call.
 QUANT_GEMM_MIN_ROWS = 16

@@ -168,7 +168,7 @@ inline PrefetchShare prefetch_share(const void* next, int64_t next_lines, int64_
 // decode step of 64 rows must not become 48 + 16 (measured: 15% slower than one block of 64).
 // Eight rows, not the twelve that registers allow: on a Zen 4, tiles of 12 rows ran 8-10% below
 // tiles of 6-8 at every row count from 36 to 2,048 (197 against 217 GFLOP/s at 2,048 rows, fp32,
-// bench/cpu_matmul.py; bf16 401 against 422-444), although both keep the FMA pipes fed on paper.
+// bench/micro/cpu_matmul.py; bf16 401 against 422-444), although both keep the FMA pipes fed on paper.
 constexpr int64_t kTileRows512 = 8;
 constexpr int64_t kRowBlock512 = 96;
 
