@@ -93,39 +93,26 @@ class Sequence:
     def new_choice(self, choice_index: int, *, with_output: bool) -> Sequence:
         """Another choice of this sequence's request, from its prompt (an n > 1 sibling) or
         from its whole history (a beam's branch); its progress and blocks are the caller's."""
-        return Sequence(
-            request_id=self.request_id,
-            token_ids=list(self.token_ids if with_output else self.prompt_token_ids),
-            num_prompt_tokens=self.num_prompt_tokens,
-            params=self.params,
-            priority=self.priority,
-            choice_index=choice_index,
-            arrival_time=self.arrival_time,
-            cache_salt=self.cache_salt,
-        )
+        child = self.shadow(with_output)
+        child.priority, child.choice_index = self.priority, choice_index
+        child.arrival_time, child.cache_salt = self.arrival_time, self.cache_salt
+        return child
 
-    def shadow(self) -> Sequence:
-        """A sequence of its own (new id, no blocks, fresh state) holding this one's tokens: a
-        draft model's copy."""
-        return Sequence(
-            request_id=self.request_id,
-            token_ids=list(self.token_ids),
-            num_prompt_tokens=self.num_prompt_tokens,
-            params=self.params,
-        )
+    def shadow(self, with_output: bool = True) -> Sequence:
+        """A sequence of its own (new id, no blocks, fresh state) holding this one's tokens (or
+        only its prompt): a draft model's copy, and what new_choice starts from."""
+        token_ids = self.token_ids if with_output else self.prompt_token_ids
+        return Sequence(self.request_id, list(token_ids), self.num_prompt_tokens, self.params)
 
     def extended_view(self, extra_token_ids: list[int]) -> Sequence:
         """This sequence as the sampler sees it with extra tokens appended: the same id and
         sampler state, so penalties, min_tokens and seeded noise read as they will then."""
-        return Sequence(
-            request_id=self.request_id,
-            token_ids=self.token_ids + extra_token_ids,
-            num_prompt_tokens=self.num_prompt_tokens,
-            params=self.params,
-            choice_index=self.choice_index,
-            seq_id=self.seq_id,
-            sampler_state=self.sampler_state,
+        view = Sequence(
+            self.request_id, self.token_ids + extra_token_ids, self.num_prompt_tokens, self.params
         )
+        view.choice_index, view.seq_id = self.choice_index, self.seq_id
+        view.sampler_state = self.sampler_state
+        return view
 
     @property
     def num_tokens(self) -> int:
