@@ -28,8 +28,6 @@ from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.layers import cpu_glue, matmul_tuning, screened_lm_head
 from engine.layers.screened_lm_head import ScreenedLMHead
 from engine.machine_cache import cached, machine_key
-from engine.models import sliding_window_limit
-from engine.models.llama import head_dim_of
 from engine.models.loader import build_model
 from engine.quantization.methods import resolve_method, weight_bytes
 from engine.sequence import ScheduledSeq, Sequence
@@ -84,12 +82,12 @@ class ModelRunner:
 
             hf_config = AutoConfig.from_pretrained(str(model_path))
         self.hf_config = hf_config
-        self.vocab_size: int = hf_config.vocab_size
         self.block_size = config.block_size
-        self.max_model_len = self._resolve_max_model_len()
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         # Under tensor parallelism: this rank's place, and the executors a driver started.
-        self.tp, self.tp_ranks = tensor_parallel.join(config, model_path, self.device, hf_config)
+        self.tp, self.tp_ranks = tensor_parallel.join(
+            config, model_path, self.device, hf_config, self.attn_backend
+        )
         shapes = matmul_tuning.linear_shapes(hf_config, self.attn_backend, self.tp)
         self.dtype = resolve_dtype(
             config.dtype, self.device, lambda: matmul_tuning.auto_dtype(shapes, config.cpu_matmul)
@@ -109,6 +107,8 @@ class ModelRunner:
             quantization_group_size=config.quantization_group_size,
             tp=self.tp,
         )
+        self.vocab_size = self.model.vocab_size
+        self.max_model_len = self._resolve_max_model_len()
         self.weight_bytes = weight_bytes(self.model)
         self.greedy_screen: ScreenedLMHead | None = None
         if self.device.type == "cpu":
@@ -119,13 +119,7 @@ class ModelRunner:
                 )
             if self.greedy_screen is not None:  # its bf16 copy counts against memory_budget
                 self.weight_bytes += self.greedy_screen.nbytes
-        self.kv_spec = KVCacheSpec(
-            num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=tensor_parallel.local_sizes(hf_config, self.tp).num_kv_heads,
-            head_dim=head_dim_of(hf_config),
-            block_size=self.block_size,
-            dtype=self.dtype,
-        )
+        self.kv_spec = KVCacheSpec.for_model(self.model, self.block_size, self.dtype)
         # Sizing the KV cache on CUDA runs a profiling step, on every rank at once: the driver
         # sends steps to its executors only after it.
         self.step_sender: StepSender | None = None
@@ -158,8 +152,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
 
     def _resolve_max_model_len(self) -> int:
-        limit = int(self.hf_config.max_position_embeddings)
-        window = sliding_window_limit(self.hf_config)
+        limit = self.model.dims.max_position_embeddings
+        window = self.model.sliding_window()
         if window is not None and window < limit:
             logger.warning(
                 "model uses sliding-window attention (%d); full attention is exact only up to "
@@ -216,9 +210,9 @@ class ModelRunner:
         where it is "never" later starts skip compiling. A failure leaves the forward eager,
         never the worker down."""
         started = time.perf_counter()
-        local = tensor_parallel.local_sizes(self.hf_config, self.tp)
+        local = tensor_parallel.local_sizes(self.model)
         shapes = cpu_glue.GlueShapes(
-            hidden_size=self.hf_config.hidden_size,
+            hidden_size=self.model.hidden_size,
             intermediate_size=local.intermediate_size,
             num_heads=local.num_heads,
             num_kv_heads=self.kv_spec.num_kv_heads,

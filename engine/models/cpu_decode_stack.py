@@ -21,10 +21,11 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.layers import cpu_glue
-from engine.layers.linear import Linear, storage_generation
+from engine.layers.linear import storage_generation
 from engine.layers.matmul import SMALL_ROWS
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.interface import ProjectionLayout
 from kernels import cpu_ops
 
 
@@ -39,11 +40,12 @@ class _LayerArgs:
 
 @dataclass(frozen=True)
 class DecoderLayerParts:
-    """What the stack reads of one decoder layer (engine.models.llama builds these)."""
+    """What the stack reads of one pre-norm decoder layer (a family whose layers run the
+    stack's op sequence builds these): its projections run in the layout's order."""
 
     input_norm: RMSNorm
     post_attention_norm: RMSNorm
-    projections: tuple[Linear, Linear, Linear, Linear]  # qkv, o, gate_up, down
+    projections: ProjectionLayout
 
 
 class CpuDecodeStack:
