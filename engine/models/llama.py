@@ -151,12 +151,9 @@ class LlamaAttention(nn.Module):
             columns = TensorSlice(1, heads.q.start, heads.q.length, heads.q.full)
             self.o_proj = RowParallelLinear(columns, hidden_size, tp, bias=shape.o_bias)
         self.spec = spec
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-        )
-        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        # Plain copies for the forward, which reads them per layer and step.
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim, self.q_size, self.kv_size = spec.head_dim, spec.q_size, spec.kv_size
         self.rotary_emb = rotary_emb  # shared by all layers
         self.backend = backend
 
