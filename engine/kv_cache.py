@@ -1,7 +1,8 @@
 """The paged KV cache: one tensor for all layers, sized by a block count or a memory budget.
 
 Layout [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], so each layer's
-k_cache / v_cache is a contiguous [num_blocks, block_size, num_kv_heads, head_dim] view.
+k_cache / v_cache is a contiguous [num_blocks, block_size, num_kv_heads, head_dim] view. The
+cache is uniform: every layer of the model has the same KV shape.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.models.interface import CausalLM
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -21,6 +24,18 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, model: CausalLM, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """The spec of a cache for every layer of model (its KV shapes as this rank holds them)."""
+        shapes = {(spec.num_kv_heads, spec.head_dim) for spec in model.attention_specs()}
+        if len(shapes) != 1:
+            raise NotImplementedError(
+                f"layers of different KV shapes (heads, head_dim): {sorted(shapes)}; the paged "
+                "KV cache holds one shape for all layers"
+            )
+        ((num_kv_heads, head_dim),) = shapes
+        return cls(len(model.decoder_layers), num_kv_heads, head_dim, block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:

@@ -23,8 +23,6 @@ from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.distributed import tensor_parallel
 from engine.distributed.step_channel import StepReceiver, StepSender
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
-from engine.models import sliding_window_limit
-from engine.models.llama import head_dim_of
 from engine.models.loader import build_model
 from engine.picking import pick_tokens
 from engine.platforms import platform_for
@@ -84,13 +82,12 @@ class ModelRunner:
                 raise ValueError("ModelRunner needs a model folder or an hf_config")
             hf_config = load_hf_config(model_path)
         self.hf_config = hf_config
-        self.vocab_size: int = hf_config.vocab_size
-        self.sampler = Sampler(self.vocab_size, eos_token_ids, self.device)
         self.block_size = config.block_size
-        self.max_model_len = self._resolve_max_model_len()
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         # Under tensor parallelism: this rank's place, and the executors a driver started.
-        self.tp, self.tp_ranks = tensor_parallel.join(config, model_path, self.device, hf_config)
+        self.tp, self.tp_ranks = tensor_parallel.join(
+            config, model_path, self.device, hf_config, self.attn_backend
+        )
         self.platform = platform_for(self.device, config, hf_config, self.attn_backend, self.tp)
         self.dtype = resolve_dtype(config.dtype, self.device, self.platform.auto_dtype)
         self.quantization = resolve_method(
@@ -108,17 +105,14 @@ class ModelRunner:
             quantization_group_size=config.quantization_group_size,
             tp=self.tp,
         )
+        self.vocab_size = self.model.vocab_size
+        self.sampler = Sampler(self.vocab_size, eos_token_ids, self.device)
+        self.max_model_len = self._resolve_max_model_len()
         self.weight_bytes = weight_bytes(self.model)
         self.platform.prepare(self.model, self.dtype)
         self.weight_bytes += self.platform.extra_weight_bytes  # e.g. the greedy screen's copy
         self.greedy_screen: ScreenedLMHead | None = self.platform.greedy_screen
-        self.kv_spec = KVCacheSpec(
-            num_layers=hf_config.num_hidden_layers,
-            num_kv_heads=tensor_parallel.local_sizes(hf_config, self.tp).num_kv_heads,
-            head_dim=head_dim_of(hf_config),
-            block_size=self.block_size,
-            dtype=self.dtype,
-        )
+        self.kv_spec = KVCacheSpec.for_model(self.model, self.block_size, self.dtype)
         # Sizing the KV cache on CUDA runs a profiling step, on every rank at once: the driver
         # sends steps to its executors only after it.
         self.step_sender: StepSender | None = None
@@ -147,8 +141,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
 
     def _resolve_max_model_len(self) -> int:
-        limit = int(self.hf_config.max_position_embeddings)
-        window = sliding_window_limit(self.hf_config)
+        limit = self.model.dims.max_position_embeddings
+        window = self.model.sliding_window()
         if window is not None and window < limit:
             logger.warning(
                 "model uses sliding-window attention (%d); full attention is exact only up to "

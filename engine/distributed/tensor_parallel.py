@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +20,14 @@ from engine.distributed.launcher import (
     threads_per_rank,
 )
 from engine.distributed.step_channel import StepMessage, StepSender
-from engine.layers.parallel import balanced_range, split_heads
-from engine.models.llama import head_dim_of
+from engine.models import meta_model
+from engine.models.interface import CausalLM
 from engine.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from engine.attention.base import AttentionBackend
 
 __all__ = [
     "StepMessage",
@@ -38,7 +43,11 @@ __all__ = [
 
 
 def join(
-    config: EngineConfig, model_path: Path | None, device: torch.device, hf_config: Any
+    config: EngineConfig,
+    model_path: Path | None,
+    device: torch.device,
+    hf_config: PretrainedConfig,
+    backend: AttentionBackend,
 ) -> tuple[TensorParallel | None, RankProcesses | None]:
     """(this rank's TensorParallel, the executors this driver started); (None, None) for 1.
 
@@ -56,8 +65,8 @@ def join(
             f"speculative_config with tensor_parallel_size={size}: speculative decoding runs on "
             "a single device only so far"
         )
-    for rank in range(size):
-        local_sizes(hf_config, TensorParallel(rank, size))  # raises where the heads do not split
+    for rank in range(size):  # the family refuses a split its layers cannot take
+        meta_model(hf_config, backend, TensorParallel(rank, size))
     return join_replica(config, model_path, device)
 
 
@@ -70,14 +79,11 @@ class LocalSizes:
     intermediate_size: int
 
 
-def local_sizes(hf_config: Any, tp: TensorParallel | None) -> LocalSizes:
-    num_heads = hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    if tp is None:
-        return LocalSizes(num_heads, num_kv_heads, hf_config.intermediate_size)
-    heads = split_heads(num_heads, num_kv_heads, head_dim_of(hf_config), tp)
-    _, intermediate = balanced_range(hf_config.intermediate_size, tp.rank, tp.size)
-    return LocalSizes(heads.num_heads, heads.num_kv_heads, intermediate)
+def local_sizes(model: CausalLM) -> LocalSizes:
+    """This rank's share of the first layer, as the built model (or shard) holds it."""
+    attention = model.attention_spec(0)
+    mlp_size = model.projections(0).down.in_features
+    return LocalSizes(attention.num_heads, attention.num_kv_heads, mlp_size)
 
 
 def agree_on_blocks(tp: TensorParallel | None, num_blocks: int, device: torch.device) -> int:

@@ -1,62 +1,74 @@
-"""Model registry: which module implements an HF config's architecture."""
+"""Model registry: which family implements an HF config's architecture.
+
+A family is one module of this package implementing engine.models.interface.CausalLM; it is
+registered by one line of `_FAMILIES` (imported on first use), or from outside the package by
+`register_architecture`.
+"""
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Protocol
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import nn
+import torch
 
 from engine.attention.base import AttentionBackend
 from engine.distributed.group import TensorParallel
-from engine.models.llama import LlamaForCausalLM
+from engine.models.interface import CausalLM, ModelFactory
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
-class ModelFactory(Protocol):
-    def __call__(
-        self, hf_config: Any, backend: AttentionBackend, *, tp: TensorParallel | None = None
-    ) -> nn.Module: ...
+@dataclass(frozen=True)
+class Registration:
+    architecture: str  # the HF config's `architectures` entry
+    model_type: str  # the HF config's `model_type`, for configs that name no architecture
+    family: str | ModelFactory  # "module:Class" under engine.models, or the class itself
 
 
-# HF architecture name -> factory(hf_config, backend, tp=...)
-_ARCHITECTURES: dict[str, ModelFactory] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": functools.partial(LlamaForCausalLM, qkv_bias=True),
+_FAMILIES: dict[str, Registration] = {
+    entry.architecture: entry
+    for entry in (
+        Registration("LlamaForCausalLM", "llama", "llama:LlamaForCausalLM"),
+        Registration("MistralForCausalLM", "mistral", "llama:LlamaForCausalLM"),
+        Registration("Qwen2ForCausalLM", "qwen2", "qwen2:Qwen2ForCausalLM"),
+    )
 }
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+
+
+def register_architecture(architecture: str, model_type: str, family: ModelFactory) -> None:
+    """Serve configs naming `architecture` (or, naming none, of `model_type`) with `family`."""
+    _FAMILIES[architecture] = Registration(architecture, model_type, family)
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURES)
+    return sorted(_FAMILIES)
 
 
-def model_factory(hf_config: Any) -> ModelFactory:
-    """The factory for an HF config, by its `architectures`, else its `model_type`."""
-    for arch in getattr(hf_config, "architectures", None) or ():
-        if arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
-    arch = _MODEL_TYPES.get(getattr(hf_config, "model_type", ""))
-    if arch is None:
+def model_factory(hf_config: PretrainedConfig) -> ModelFactory:
+    """The family for an HF config, by its `architectures`, else its `model_type`."""
+    named = hf_config.architectures or ()
+    model_type = hf_config.model_type
+    entry = next((_FAMILIES[arch] for arch in named if arch in _FAMILIES), None)
+    if entry is None:
+        entry = next((e for e in _FAMILIES.values() if e.model_type == model_type), None)
+    if entry is None:
         raise NotImplementedError(
-            f"unsupported model (architectures={getattr(hf_config, 'architectures', None)}, "
-            f"model_type={getattr(hf_config, 'model_type', None)!r}); "
-            f"supported: {', '.join(supported_architectures())}"
+            f"unsupported model (architectures={list(named) or None}, "
+            f"model_type={model_type!r}); supported: {', '.join(supported_architectures())}"
         )
-    return _ARCHITECTURES[arch]
+    if not isinstance(entry.family, str):
+        return entry.family
+    module, name = entry.family.split(":")
+    family: ModelFactory = getattr(importlib.import_module(f"engine.models.{module}"), name)
+    return family
 
 
-def sliding_window_limit(hf_config: Any) -> int | None:
-    """Context length up to which full attention equals the model's sliding-window attention.
-
-    We implement full attention only, so a model that really uses a window is exact only up to
-    that many tokens (e.g. Mistral 7B v0.1: 4096); None when no window applies.
-    """
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
+def meta_model(
+    hf_config: PretrainedConfig, backend: AttentionBackend, tp: TensorParallel | None = None
+) -> CausalLM:
+    """The model for hf_config on the meta device: its layout and shapes, no memory, no init."""
+    with torch.device("meta"):
+        return model_factory(hf_config)(hf_config, backend, tp=tp)

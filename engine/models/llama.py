@@ -1,14 +1,15 @@
-"""The Llama family (Llama 2/3/3.1, SmolLM2, Mistral without sliding window) and Qwen2.
+"""The Llama family (Llama 2/3/3.1, SmolLM2, Mistral) and the building blocks other families reuse.
 
-One module serves all of them: they differ only in projection biases (Qwen2 has q/k/v biases),
-rope scaling and head sizes, all read from the HF config. Projections are fused: qkv_proj holds
-[q; k; v] rows and gate_up_proj holds [gate; up] rows (see packed_modules, used by the loader).
+Projections are fused: qkv_proj holds [q; k; v] rows and gate_up_proj holds [gate; up] rows
+(see `weight_mapping`, used by the loader). Every HF config field the blocks need is read once,
+into a `LlamaShape`; a family that is Llama with other config fields (engine.models.qwen2)
+reads its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,15 +30,69 @@ from engine.layers.parallel import (
     split_heads,
 )
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.models.interface import (
+    AttentionKind,
+    AttentionSpec,
+    CausalLM,
+    KVCaches,
+    ModelDims,
+    ProjectionLayout,
+    WeightMapping,
+)
 from engine.platforms.cpu.decode_stack import CpuDecodeStack, DecoderLayerParts
 
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
-def head_dim_of(hf_config: Any) -> int:
-    return (
-        getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads
+@dataclass(frozen=True)
+class LlamaShape:
+    """What the Llama blocks read of an HF config."""
+
+    dims: ModelDims
+    num_layers: int
+    intermediate_size: int
+    attention: AttentionSpec  # every layer's, before any tensor-parallel split
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+
+def read_llama_config(hf_config: PretrainedConfig) -> LlamaShape:
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    # A window applies unless the config turns it off (Qwen2's use_sliding_window).
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        window = None
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    theta, scaling = rope_parameters(hf_config)
+    return LlamaShape(
+        dims=ModelDims(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            max_position_embeddings=int(hf_config.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            initializer_range=float(getattr(hf_config, "initializer_range", 0.02) or 0.02),
+        ),
+        num_layers=hf_config.num_hidden_layers,
+        intermediate_size=hf_config.intermediate_size,
+        attention=AttentionSpec(
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            kind=AttentionKind.SLIDING if window else AttentionKind.FULL,
+            window=int(window) if window else None,
+        ),
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
     )
 
 
@@ -72,36 +127,33 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(
         self,
-        hf_config: Any,
+        shape: LlamaShape,
         rotary_emb: RotaryEmbedding,
         backend: AttentionBackend,
-        qkv_bias: bool,
-        o_bias: bool,
         tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(hf_config)
-        self.scale = self.head_dim**-0.5
+        spec, hidden_size = shape.attention, shape.dims.hidden_size
+        self.scale = spec.head_dim**-0.5
         self.qkv_proj: MergedLinear
         self.o_proj: Linear
         if tp is None:
-            self.q_size = self.num_heads * self.head_dim
-            self.kv_size = self.num_kv_heads * self.head_dim
             self.qkv_proj = MergedLinear(
-                hf_config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
+                hidden_size, [spec.q_size, spec.kv_size, spec.kv_size], bias=shape.qkv_bias
             )
-            self.o_proj = Linear(self.q_size, hf_config.hidden_size, bias=o_bias)
+            self.o_proj = Linear(spec.q_size, hidden_size, bias=shape.o_bias)
         else:  # this rank's heads only
-            heads = split_heads(self.num_heads, self.num_kv_heads, self.head_dim, tp)
-            self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
-            self.q_size, self.kv_size = heads.q.length, heads.kv.length
+            heads = split_heads(spec.num_heads, spec.num_kv_heads, spec.head_dim, tp)
+            spec = replace(spec, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
             self.qkv_proj = ColumnParallelLinear(
-                hf_config.hidden_size, [heads.q, heads.kv, heads.kv], bias=qkv_bias
+                hidden_size, [heads.q, heads.kv, heads.kv], bias=shape.qkv_bias
             )
             columns = TensorSlice(1, heads.q.start, heads.q.length, heads.q.full)
-            self.o_proj = RowParallelLinear(columns, hf_config.hidden_size, tp, bias=o_bias)
+            self.o_proj = RowParallelLinear(columns, hidden_size, tp, bias=shape.o_bias)
+        self.spec = spec
+        # Plain copies for the forward, which reads them per layer and step.
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim, self.q_size, self.kv_size = spec.head_dim, spec.q_size, spec.kv_size
         self.rotary_emb = rotary_emb  # shared by all layers
         self.backend = backend
 
@@ -142,20 +194,23 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
-        hf_config: Any,
+        shape: LlamaShape,
         rotary_emb: RotaryEmbedding,
         backend: AttentionBackend,
-        qkv_bias: bool,
-        o_bias: bool,
-        mlp_bias: bool,
         tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.self_attn = LlamaAttention(hf_config, rotary_emb, backend, qkv_bias, o_bias, tp)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, mlp_bias, tp)
+        hidden_size, eps = shape.dims.hidden_size, shape.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = LlamaAttention(shape, rotary_emb, backend, tp)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = LlamaMLP(hidden_size, shape.intermediate_size, shape.mlp_bias, tp)
+
+    def projections(self) -> ProjectionLayout:
+        attention, mlp = self.self_attn, self.mlp
+        return ProjectionLayout(
+            attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+        )
 
     def forward(
         self,
@@ -183,31 +238,30 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self,
-        hf_config: Any,
-        backend: AttentionBackend,
-        biases: dict[str, bool],
-        tp: TensorParallel | None = None,
+        self, shape: LlamaShape, backend: AttentionBackend, tp: TensorParallel | None = None
     ) -> None:
         super().__init__()
-        theta, scaling = rope_parameters(hf_config)
+        dims = shape.dims
         self.rotary_emb = RotaryEmbedding(
-            head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling
+            shape.attention.head_dim,
+            dims.max_position_embeddings,
+            shape.rope_theta,
+            shape.rope_scaling,
         )
         self.embed_tokens = (
-            VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+            VocabEmbedding(dims.vocab_size, dims.hidden_size)
             if tp is None
-            else VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
+            else VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, self.rotary_emb, backend, **biases, tp=tp)
-            for _ in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(shape, self.rotary_emb, backend, tp=tp)
+            for _ in range(shape.num_layers)
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.norm = RMSNorm(dims.hidden_size, shape.rms_norm_eps)
         # Decode steps on the CPU run their layers in one C++ call (tensor-parallel ranks keep
         # the Python forward: their layers all-reduce between the ops).
         self.cpu_decode_stack = (
-            self._cpu_decode_stack(backend, hf_config.rms_norm_eps)
+            self._cpu_decode_stack(backend, shape.rms_norm_eps)
             if tp is None and isinstance(backend, TorchAttentionBackend)
             else None
         )
@@ -215,14 +269,7 @@ class LlamaModel(nn.Module):
     def _cpu_decode_stack(self, backend: TorchAttentionBackend, eps: float) -> CpuDecodeStack:
         parts = [
             DecoderLayerParts(
-                layer.input_layernorm,
-                layer.post_attention_layernorm,
-                (
-                    layer.self_attn.qkv_proj,
-                    layer.self_attn.o_proj,
-                    layer.mlp.gate_up_proj,
-                    layer.mlp.down_proj,
-                ),
+                layer.input_layernorm, layer.post_attention_layernorm, layer.projections()
             )
             for layer in self.layers
         ]
@@ -264,37 +311,46 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    # Fused parameter -> the checkpoint projections stacked into it, in row order.
-    packed_modules = {
-        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-        "gate_up_proj": ("gate_proj", "up_proj"),
-    }
+class LlamaForCausalLM(CausalLM):
+    weight_mapping = WeightMapping(
+        packed={
+            "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+            "gate_up_proj": ("gate_proj", "up_proj"),
+        },
+        ignored_suffixes=("rotary_emb.inv_freq",),  # old checkpoints store the rope table
+    )
 
     def __init__(
         self,
-        hf_config: Any,
+        hf_config: PretrainedConfig,
         backend: AttentionBackend,
-        qkv_bias: bool | None = None,
+        *,
         tp: TensorParallel | None = None,
     ) -> None:
         """tp: this rank's place in a tensor-parallel group; None: the whole model here."""
-        super().__init__()
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        biases = {
-            "qkv_bias": attention_bias if qkv_bias is None else qkv_bias,
-            "o_bias": attention_bias,
-            "mlp_bias": bool(getattr(hf_config, "mlp_bias", False)),
-        }
-        self.config = hf_config
-        self.model = LlamaModel(hf_config, backend, biases, tp)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        shape = self.read_config(hf_config)
+        super().__init__(shape.dims)
+        self.model = LlamaModel(shape, backend, tp)
         self.lm_head = (
-            Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+            Linear(shape.dims.hidden_size, shape.dims.vocab_size, bias=False)
             if tp is None
-            else ParallelLMHead(hf_config.hidden_size, hf_config.vocab_size, tp)
+            else ParallelLMHead(shape.dims.hidden_size, shape.dims.vocab_size, tp)
         )
         self.tie_weights()
+
+    @classmethod
+    def read_config(cls, hf_config: PretrainedConfig) -> LlamaShape:
+        return read_llama_config(hf_config)
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        return self.model.layers[layer].self_attn.spec
+
+    def projections(self, layer: int) -> ProjectionLayout:
+        return self.model.layers[layer].projections()
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -306,12 +362,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: KVCaches,
         attn_meta: AttentionMetadata,
-        output_rows: torch.Tensor | None = None,
+        sample_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, hidden], or [R, hidden]
-        for the rows `output_rows` [R] int64 names (every token's K/V is stored either way)."""
-        return self.model(input_ids, positions, kv_caches, attn_meta, output_rows)
+        return self.model(input_ids, positions, kv_caches, attn_meta, sample_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, hidden] -> float32 logits [S, vocab]."""
         return self.lm_head(hidden).float()

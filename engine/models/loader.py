@@ -3,7 +3,7 @@
 The model is built on the meta device (no memory, no random init) and materialized empty on
 the target device; every parameter is then written exactly once. Checkpoint tensors named after
 separate projections (q/k/v_proj, gate/up_proj) are copied into their row range of the fused
-parameter, following the model's `packed_modules`. Only safetensors checkpoints are read.
+parameter, following the model's `weight_mapping`. Only safetensors checkpoints are read.
 A tensor-parallel rank reads only the slice of each tensor its layers hold (`checkpoint_slice`).
 """
 
@@ -13,10 +13,9 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from engine.attention.base import AttentionBackend
 from engine.distributed.group import TensorParallel
@@ -24,25 +23,27 @@ from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import ShardedLayer, TensorSlice
-from engine.models import model_factory
+from engine.models import meta_model
 from engine.models.checkpoint import (
     Checkpoint,
     QuantizedCheckpoint,
     SafetensorsCheckpoint,
     WeightLoadError,
 )
+from engine.models.interface import CausalLM
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
 from engine.quantization.methods import quantize_at_load
 from engine.quantization.registry import method_class
 from engine.quantization.weights import QuantizedWeight, concat_rows
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints store the rope table
+logger = logging.getLogger(__name__)
 
 
 def build_model(
-    hf_config: Any,
+    hf_config: PretrainedConfig,
     backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
@@ -53,7 +54,7 @@ def build_model(
     quantization: str | None = None,
     quantization_group_size: int = 32,
     tp: TensorParallel | None = None,
-) -> nn.Module:
+) -> CausalLM:
     """Build the model for hf_config on device/dtype, with checkpoint or dummy weights,
     quantized as `quantization` says (already checked by engine.quantization.resolve_method);
     tp: this rank's shard of a tensor-parallel model."""
@@ -63,9 +64,8 @@ def build_model(
             f"quantization={quantization!r} with tensor_parallel_size={tp.size}: quantized "
             "weights are not sharded across ranks yet; use one of them alone"
         )
-    factory = model_factory(hf_config)
-    with _default_dtype(dtype), torch.device("meta"):
-        model = factory(hf_config, backend, tp=tp)
+    with _default_dtype(dtype):
+        model = meta_model(hf_config, backend, tp)
     model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "init_buffers"):
@@ -100,7 +100,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_weights(
-    model: nn.Module, checkpoint: Checkpoint, method: type[QuantizedLinearMethod] | None = None
+    model: CausalLM, checkpoint: Checkpoint, method: type[QuantizedLinearMethod] | None = None
 ) -> None:
     """Copy checkpoint tensors into the model; raise if any parameter is left unfilled.
 
@@ -108,22 +108,18 @@ def load_weights(
     scheme `method`'s; the shards of a fused projection are stacked once all are read.
     """
     params = dict(model.named_parameters())  # a tied lm_head is listed under the embedding
-    shard_of = {
-        checkpoint_name: (fused_name, shard)
-        for fused_name, parts in getattr(model, "packed_modules", {}).items()
-        for shard, checkpoint_name in enumerate(parts)
-    }
+    mapping = model.weight_mapping
     quantized_names = (
         checkpoint.quantized_names() if isinstance(checkpoint, QuantizedCheckpoint) else set()
     )
     quantized: dict[str, dict[int, QuantizedWeight]] = {}
-    tied = getattr(model, "tie_word_embeddings", False)
+    tied = model.tie_word_embeddings
     filled: dict[str, set[int]] = {name: set() for name in params}
     with torch.no_grad():
         for name in checkpoint.names():
-            if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            if mapping.ignores(name) or (tied and name == "lm_head.weight"):
                 continue
-            target, shard = _target_of(name, shard_of)
+            target, shard = mapping.target_of(name)
             param = params.get(target)
             if param is None:
                 logger.warning("checkpoint tensor %s has no place in the model; skipped", name)
@@ -186,7 +182,7 @@ def _read_slice(
 
 
 def _use_quantized(
-    model: nn.Module,
+    model: CausalLM,
     target: str,
     weight: QuantizedWeight,
     tied: bool,
@@ -207,28 +203,18 @@ def _use_quantized(
         module.use_method(method.from_checkpoint(weight))
 
 
-def _target_of(name: str, shard_of: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
-    """Map a checkpoint name to (model parameter name, shard index or None)."""
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in shard_of:
-            fused, shard = shard_of[part]
-            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
-    return name, None
-
-
-def _num_shards(model: nn.Module, param_name: str) -> int:
+def _num_shards(model: CausalLM, param_name: str) -> int:
     module = model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model
     return len(module.shard_sizes) if isinstance(module, MergedLinear) else 1
 
 
-def init_dummy_weights(model: nn.Module, seed: int) -> None:
+def init_dummy_weights(model: CausalLM, seed: int) -> None:
     """Random weights of a sane scale, deterministic for a seed on a given device.
 
     Matrices and biases ~ N(0, initializer_range); norm scales are 1, so activations keep the
     magnitude of a trained model's at init and logits stay finite at any depth.
     """
-    std = float(getattr(getattr(model, "config", None), "initializer_range", 0.02) or 0.02)
+    std = model.dims.initializer_range
     generators: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         for _, param in module.named_parameters(recurse=False):

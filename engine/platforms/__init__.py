@@ -7,7 +7,7 @@ the loaded model, and runs each step's forward inside its `step`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,13 +16,16 @@ from engine.config import EngineConfig
 from engine.distributed.group import TensorParallel
 from engine.platforms.base import Platform
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 __all__ = ["Platform", "platform_for"]
 
 
 def platform_for(
     device: torch.device,
     config: EngineConfig,
-    hf_config: Any,
+    hf_config: PretrainedConfig,
     attention: AttentionBackend,
     tp: TensorParallel | None,
 ) -> Platform:

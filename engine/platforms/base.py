@@ -6,9 +6,9 @@ import contextlib
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 if TYPE_CHECKING:
+    from engine.models.interface import CausalLM
     from engine.platforms.cpu.greedy_screen import ScreenedLMHead
 
 
@@ -22,7 +22,7 @@ class Platform:
         """The dtype for EngineConfig.dtype "auto" where the device has no rule of its own."""
         return torch.float32
 
-    def prepare(self, model: nn.Module, dtype: torch.dtype) -> None:
+    def prepare(self, model: CausalLM, dtype: torch.dtype) -> None:
         """Set the loaded model up for this device's fast paths (once, before any step)."""
 
     @property

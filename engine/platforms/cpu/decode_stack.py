@@ -23,9 +23,9 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.interface import ProjectionLayout
 from engine.platforms.cpu import glue as cpu_glue
 from engine.platforms.cpu.matmul import SMALL_ROWS
 from kernels import cpu_ops
@@ -42,11 +42,12 @@ class _LayerArgs:
 
 @dataclass(frozen=True)
 class DecoderLayerParts:
-    """What the stack reads of one decoder layer (engine.models.llama builds these)."""
+    """What the stack reads of one pre-norm decoder layer (a family whose layers run the
+    stack's op sequence builds these): its projections run in the layout's order."""
 
     input_norm: RMSNorm
     post_attention_norm: RMSNorm
-    projections: tuple[Linear, Linear, Linear, Linear]  # qkv, o, gate_up, down
+    projections: ProjectionLayout
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.distributed.group import TensorParallel
 from engine.layers.linear import Linear, shared_parameter_ids
-from engine.models import model_factory
+from engine.models import meta_model
 from engine.platforms.cpu.machine_cache import cached, lookup, machine_key
 from engine.platforms.cpu.matmul import (
     SMALL_ROWS,
@@ -40,6 +40,9 @@ from engine.platforms.cpu.matmul import (
     run,
     uniform,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +88,13 @@ class Tuning:
 
 
 def linear_shapes(
-    hf_config: Any, attention: AttentionBackend, tp: TensorParallel | None = None
+    hf_config: PretrainedConfig, attention: AttentionBackend, tp: TensorParallel | None = None
 ) -> list[Shape]:
     """The distinct (out, in) of the model's linear layers, lm_head included, in model order
     (of this rank's shards under tensor parallelism).
 
     The model is built on the meta device, which costs no memory and no initialisation."""
-    with torch.device("meta"):
-        model = model_factory(hf_config)(hf_config, attention, tp=tp)
+    model = meta_model(hf_config, attention, tp)
     shapes = ((m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear))
     return list(dict.fromkeys(shapes))
 

@@ -9,14 +9,13 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch import nn
+from transformers import PretrainedConfig
 
 from engine.attention.base import AttentionBackend
 from engine.config import EngineConfig
 from engine.distributed import tensor_parallel
 from engine.distributed.group import TensorParallel
-from engine.layers.linear import Linear
-from engine.models.llama import head_dim_of
+from engine.models.interface import CausalLM
 from engine.platforms.base import Platform
 from engine.platforms.cpu import glue as cpu_glue
 from engine.platforms.cpu import greedy_screen, matmul_tuning
@@ -34,12 +33,11 @@ class CpuPlatform(Platform):
     def __init__(
         self,
         config: EngineConfig,
-        hf_config: Any,
+        hf_config: PretrainedConfig,
         attention: AttentionBackend,
         tp: TensorParallel | None,
     ) -> None:
         self._config = config
-        self._hf_config = hf_config
         self._tp = tp
         self._linear_shapes = matmul_tuning.linear_shapes(hf_config, attention, tp)
         self.greedy_screen: ScreenedLMHead | None = None
@@ -50,17 +48,15 @@ class CpuPlatform(Platform):
     def auto_dtype(self) -> torch.dtype:
         return matmul_tuning.auto_dtype(self._linear_shapes, self._config.cpu_matmul)
 
-    def prepare(self, model: nn.Module, dtype: torch.dtype) -> None:
+    def prepare(self, model: CausalLM, dtype: torch.dtype) -> None:
         config = self._config
         matmul_tuning.tune_model(model, self._linear_shapes, dtype, config.cpu_matmul)
         if self._tp is None and dtype == torch.float32:
-            lm_head = model.get_submodule("lm_head")
-            assert isinstance(lm_head, Linear)
             self.greedy_screen = greedy_screen.build(
-                lm_head, self._hf_config.vocab_size, config.cpu_greedy_screen
+                model.lm_head, model.vocab_size, config.cpu_greedy_screen
             )
         if not config.enforce_eager:
-            self._compile_glue(dtype)
+            self._compile_glue(model, dtype)
         # Tuning packed (and quantizing replaced) the weights the stacks read.
         for stack in stacks_of(model):
             stack.prepare()
@@ -87,19 +83,19 @@ class CpuPlatform(Platform):
             return cpu_glue.native()
         return self._compiled_glue
 
-    def _compile_glue(self, dtype: torch.dtype) -> None:
+    def _compile_glue(self, model: CausalLM, dtype: torch.dtype) -> None:
         """Compile the forward's glue now, not in the first request, and measure from how many
         tokens per step it pays; the answer is kept per machine (machine_cache), and where it
         is "never" later starts skip compiling. A failure leaves the forward eager, never the
         worker down."""
         started = time.perf_counter()
-        local = tensor_parallel.local_sizes(self._hf_config, self._tp)
+        local = tensor_parallel.local_sizes(model)
         shapes = cpu_glue.GlueShapes(
-            hidden_size=self._hf_config.hidden_size,
+            hidden_size=model.hidden_size,
             intermediate_size=local.intermediate_size,
             num_heads=local.num_heads,
             num_kv_heads=local.num_kv_heads,
-            head_dim=head_dim_of(self._hf_config),
+            head_dim=model.attention_spec(0).head_dim,
             dtype=dtype,
         )
         budget = self._config.max_num_batched_tokens

@@ -1,0 +1,181 @@
+"""What the engine knows of a model: the `CausalLM` interface every model family implements.
+
+The runner, the loader, tensor parallelism, the KV cache, quantization and the CPU decode stack
+read a model through this interface only; a family's HF config fields are read in the family's
+own file. Shapes are this rank's (a tensor-parallel shard holds its share of the heads).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.distributed.group import TensorParallel
+from engine.layers.linear import Linear, MergedLinear
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+
+
+class AttentionKind(enum.Enum):
+    FULL = "full"
+    SLIDING = "sliding"  # each token sees the last `window` positions
+    NONE = "none"  # the layer attends to nothing (its KV cache entry goes unused)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One decoder layer's attention as this rank holds it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kind: AttentionKind = AttentionKind.FULL
+    window: int | None = None  # tokens, for SLIDING only
+
+    def __post_init__(self) -> None:
+        if (self.kind is AttentionKind.SLIDING) != (self.window is not None):
+            raise ValueError(f"a window goes with sliding attention only: {self}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class ProjectionLayout:
+    """A decoder layer's linears, iterated in the order a decode step runs them."""
+
+    qkv: MergedLinear  # [q; k; v] rows
+    o: Linear
+    gate_up: MergedLinear  # [gate; up] rows
+    down: Linear
+
+    def __iter__(self) -> Iterator[Linear]:
+        return iter((self.qkv, self.o, self.gate_up, self.down))
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """How a checkpoint's tensor names map to the model's parameters."""
+
+    # fused parameter's module name -> the checkpoint projections stacked into it, in row order
+    packed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # checkpoint tensors the model does not hold (e.g. a stored rope table)
+    ignored_suffixes: tuple[str, ...] = ()
+
+    def ignores(self, name: str) -> bool:
+        return name.endswith(self.ignored_suffixes)
+
+    def target_of(self, name: str) -> tuple[str, int | None]:
+        """A checkpoint name -> (model parameter name, shard of a fused parameter or None)."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            for fused, sources in self.packed.items():
+                if part in sources:
+                    return ".".join([*parts[:i], fused, *parts[i + 1 :]]), sources.index(part)
+        return name, None
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The model-wide sizes the engine reads."""
+
+    vocab_size: int  # real tokens (a tensor-parallel lm_head may pad its rows)
+    hidden_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    initializer_range: float = 0.02  # the scale of dummy weights
+
+
+class CausalLM(nn.Module, metaclass=abc.ABCMeta):
+    """A decoder-only language model as the engine runs it.
+
+    A family subclasses this, is constructed as `Family(hf_config, backend, tp=tp)` (tp: this
+    rank's place in a tensor-parallel group; None: the whole model here) and is registered in
+    engine.models by its HF architecture name.
+    """
+
+    weight_mapping: ClassVar[WeightMapping] = WeightMapping()
+    lm_head: Linear
+
+    def __init__(self, dims: ModelDims) -> None:
+        super().__init__()
+        self.dims = dims
+
+    @property
+    def vocab_size(self) -> int:
+        return self.dims.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.dims.hidden_size
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.dims.tie_word_embeddings
+
+    @property
+    @abc.abstractmethod
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        """The decoder layers, in order; the KV cache holds one entry per layer."""
+
+    @abc.abstractmethod
+    def attention_spec(self, layer: int) -> AttentionSpec: ...
+
+    @abc.abstractmethod
+    def projections(self, layer: int) -> ProjectionLayout: ...
+
+    @abc.abstractmethod
+    def tie_weights(self) -> None:
+        """Point the lm_head at the embedding where the embeddings are tied (after loading)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        attn_meta: AttentionMetadata,
+        sample_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden], or [R, hidden]
+        for the rows `sample_rows` [R] int64 names (every token's K/V is stored either way)."""
+
+    @abc.abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] -> float32 logits [S, vocab (padded under tensor parallelism)]."""
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        return [self.attention_spec(i) for i in range(len(self.decoder_layers))]
+
+    def sliding_window(self) -> int | None:
+        """The smallest sliding window of any layer (None: no layer has one).
+
+        The attention backends compute full attention for every layer, which equals a sliding
+        window's only up to the window (e.g. Mistral 7B v0.1: 4096), so the runner caps the
+        context there."""
+        return min((spec.window for spec in self.attention_specs() if spec.window), default=None)
+
+
+class ModelFactory(Protocol):
+    def __call__(
+        self,
+        hf_config: PretrainedConfig,
+        backend: AttentionBackend,
+        *,
+        tp: TensorParallel | None = None,
+    ) -> CausalLM: ...
