@@ -241,7 +241,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.kv_spec, num_blocks, self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
-            hidden = self._forward([ScheduledSeq(seq, num_tokens)], [])
+            hidden = self._run_forward(self.prepare_inputs([ScheduledSeq(seq, num_tokens)]), [])
             assert hidden is not None  # the whole prompt in one step: its last row samples
             logits = self.model.compute_logits(hidden)
             # The sampler works on up to max_num_seqs rows of logits and a softmax of them.
@@ -260,7 +260,28 @@ class ModelRunner:
         give each sampling row of `batch` what it asks for. Greedy rows of a step that asks
         nothing else go through the greedy screen where the platform has one: the same
         tokens, for less than the LM head's full cost."""
-        hidden = self._forward(sched.scheduled, sched.block_copies)
+        inputs = self.prepare_inputs(sched.scheduled) if sched.scheduled else None
+        if self.step_sender is None:
+            return self._outputs(self._run_forward(inputs, sched.block_copies), batch)
+        # Under tensor parallelism the greedy screen is off: every rank takes part in the logits.
+        with tensor_parallel.fatal_step_errors(self.tp_ranks):
+            self.step_sender.send(tensor_parallel.message_of(inputs, sched.block_copies))
+            hidden = self._run_forward(inputs, sched.block_copies)
+            logits = None if hidden is None else self.model.compute_logits(hidden)
+        return ModelRunnerOutput() if logits is None else pick_tokens(logits, batch, self.sampler)
+
+    def follow_driver(self, receiver: StepReceiver) -> None:
+        """An executor rank's life: run each step the driver sends until it says stop. The
+        LM head's vocabulary shards are gathered across ranks, so every rank computes the
+        logits; only the driver samples."""
+        while (message := receiver.receive()) is not None:
+            with torch.inference_mode():
+                inputs = tensor_parallel.inputs_of(message, self.device)
+                hidden = self._run_forward(inputs, message.block_copies)
+                if hidden is not None:
+                    self.model.compute_logits(hidden)
+
+    def _outputs(self, hidden: torch.Tensor | None, batch: SamplingBatch) -> ModelRunnerOutput:
         if hidden is None:
             return ModelRunnerOutput()
         screen = self.greedy_screen
@@ -270,26 +291,6 @@ class ModelRunner:
             entries = [row.entry for row in batch.rows]
             return ModelRunnerOutput(list(zip(entries, picks, strict=True)))
         return pick_tokens(self.model.compute_logits(hidden), batch, self.sampler)
-
-    def follow_driver(self, receiver: StepReceiver) -> None:
-        """An executor rank's life: run the forward of each step the driver sends (sampling is
-        the driver's) until it says stop."""
-        while (message := receiver.receive()) is not None:
-            with torch.inference_mode():
-                inputs = tensor_parallel.inputs_of(message, self.device)
-                self._run_forward(inputs, message.block_copies)
-
-    def _forward(
-        self, batch: list[ScheduledSeq], block_copies: list[tuple[int, int]]
-    ) -> torch.Tensor | None:
-        """The final hidden states of the step's sampling rows (None where none samples); a
-        tensor-parallel driver first sends the step to its executors."""
-        inputs = self.prepare_inputs(batch) if batch else None
-        if self.step_sender is None:
-            return self._run_forward(inputs, block_copies)
-        with tensor_parallel.fatal_step_errors(self.tp_ranks):
-            self.step_sender.send(tensor_parallel.message_of(inputs, block_copies))
-            return self._run_forward(inputs, block_copies)
 
     def _run_forward(
         self, inputs: StepInputs | None, block_copies: list[tuple[int, int]]
