@@ -25,8 +25,8 @@ from engine.distributed.step_channel import StepReceiver, StepSender
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.models.loader import build_model
 from engine.picking import pick_tokens
-from engine.platforms import platform_for
 from engine.platforms.cpu.greedy_screen import ScreenedLMHead
+from engine.platforms.select import platform_for
 from engine.quantization.methods import resolve_method, weight_bytes
 from engine.runner_io import ModelRunnerOutput, SamplingBatch, TokenPick
 from engine.sampler import Sampler

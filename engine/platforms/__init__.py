@@ -1,40 +1,12 @@
 """Device platforms: each device's fast paths behind one object the model runner calls.
 
-`platform_for` gives the CPU platform (engine.platforms.cpu) on the CPU and the do-nothing
-`Platform` on every other device; the runner asks it for the "auto" dtype, lets it `prepare`
-the loaded model, and runs each step's forward inside its `step`.
+`engine.platforms.select.platform_for` gives the CPU platform (engine.platforms.cpu) on the CPU
+and the do-nothing `Platform` (engine.platforms.base) on every other device; the runner asks it
+for the "auto" dtype, lets it `prepare` the loaded model, and runs each step's forward inside
+its `step`.
+
+Nothing is imported here: a CPU worker imports `engine.platforms.cpu.runtime` before it
+re-executes itself under the tuned runtime and before its engine thread exists, and loading
+torch (and with it OpenMP, which binds the loading thread) on the event loop's thread then
+would leave the engine's threads sharing a core.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-import torch
-
-from engine.attention.base import AttentionBackend
-from engine.config import EngineConfig
-from engine.distributed.group import TensorParallel
-from engine.platforms.base import Platform
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
-__all__ = ["Platform", "platform_for"]
-
-
-def platform_for(
-    device: torch.device,
-    config: EngineConfig,
-    hf_config: PretrainedConfig,
-    attention: AttentionBackend,
-    tp: TensorParallel | None,
-) -> Platform:
-    """The platform of device for the model hf_config describes (this rank's shards under
-    tensor parallelism)."""
-    if device.type != "cpu":
-        return Platform()
-    # Imported here: engine.layers imports the CPU matmul from this package, so the package
-    # must not import the layers back while they load.
-    from engine.platforms.cpu.platform import CpuPlatform
-
-    return CpuPlatform(config, hf_config, attention, tp)

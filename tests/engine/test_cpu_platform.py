@@ -12,10 +12,11 @@ from transformers import AutoConfig
 from engine import LLM
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
-from engine.platforms import Platform, platform_for
+from engine.platforms.base import Platform
 from engine.platforms.cpu import glue as cpu_glue
 from engine.platforms.cpu.decode_stack import stacks_of
 from engine.platforms.cpu.platform import CpuPlatform
+from engine.platforms.select import platform_for
 from kernels import cpu_ops
 from schemas.sampling import SamplingParams
 
