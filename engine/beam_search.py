@@ -29,7 +29,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput
 from engine.scheduler import Scheduler
-from engine.sequence import ScheduledSeq, Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus
 from engine.stop import Stop
 from schemas.chunks import FinishReason
 from schemas.sampling import SamplingParams
@@ -74,14 +74,6 @@ class Hypothesis:
     stop_reason: str | int | None = None
 
 
-@dataclass
-class ScheduledLogits:
-    """Some of a step's sampling entries and their logits rows, in the same order."""
-
-    entries: list[ScheduledSeq]
-    logits: torch.Tensor
-
-
 @dataclass(eq=False)
 class _Beam:
     seq: Sequence
@@ -94,35 +86,6 @@ def beam_logprobs(logits: torch.Tensor, vocab_size: int, temperature: float) -> 
     if temperature > 0:
         raw = raw / temperature
     return raw.log_softmax(dim=-1)
-
-
-def split_beam_rows(
-    logits: torch.Tensor, entries: list[ScheduledSeq]
-) -> tuple[ScheduledLogits, ScheduledLogits]:
-    """(beam entries and their logits rows, the other entries and theirs), rows in order.
-    A beam entry never carries drafts, so it has exactly one row."""
-    beam_rows: list[int] = []
-    other_rows: list[int] = []
-    beams: list[ScheduledSeq] = []
-    others: list[ScheduledSeq] = []
-    row = 0
-    for entry in entries:
-        rows = list(range(row, row + entry.num_logits))
-        row += entry.num_logits
-        if entry.seq.params.use_beam_search:
-            beams.append(entry)
-            beam_rows += rows
-        else:
-            others.append(entry)
-            other_rows += rows
-    if not beams:
-        return ScheduledLogits([], logits[:0]), ScheduledLogits(others, logits)
-    index = torch.tensor(beam_rows, dtype=torch.long, device=logits.device)
-    other_index = torch.tensor(other_rows, dtype=torch.long, device=logits.device)
-    return (
-        ScheduledLogits(beams, logits.index_select(0, index)),
-        ScheduledLogits(others, logits.index_select(0, other_index)),
-    )
 
 
 class BeamSearch:

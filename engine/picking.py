@@ -31,23 +31,26 @@ def pick_tokens(logits: torch.Tensor, batch: SamplingBatch, sampler: Sampler) ->
         index = torch.tensor(positions, dtype=torch.long, device=logits.device)
         return logits.index_select(0, index)
 
-    picks: dict[int, TokenPick] = {}
     argmax_rows, _ = groups[RowMode.ARGMAX]
+    argmax_picks: list[TokenPick] = []
     if argmax_rows:
         token_ids = argmax(rows_of(RowMode.ARGMAX)[:, : sampler.vocab_size]).tolist()
-        for row, token_id in zip(argmax_rows, token_ids, strict=True):
-            picks[id(row)] = TokenPick.single(token_id)
+        argmax_picks = [TokenPick.single(token_id) for token_id in token_ids]
     sampled_rows, _ = groups[RowMode.SAMPLE]
+    sampled_picks: list[TokenPick] = []
     if sampled_rows:
         sampled = rows_of(RowMode.SAMPLE)
         # One logits row per sampled token position: 1 + k for a sequence verifying k drafts.
         row_seqs = [row.entry.seq for row in sampled_rows for _ in range(row.num_logits)]
         for processor in batch.processors:
             processor(sampled, row_seqs)
-        for row, pick in zip(sampled_rows, _sample(sampler, sampled, sampled_rows), strict=True):
-            picks[id(row)] = pick
+        sampled_picks = _sample(sampler, sampled, sampled_rows)
+    # Back into batch order: each mode's picks are in batch order among that mode's rows.
+    by_mode = {RowMode.ARGMAX: iter(argmax_picks), RowMode.SAMPLE: iter(sampled_picks)}
     output = ModelRunnerOutput()
-    output.picks = [(row.entry, picks[id(row)]) for row in batch.rows if id(row) in picks]
+    output.picks = [
+        (row.entry, next(by_mode[row.mode])) for row in batch.rows if row.mode in by_mode
+    ]
     logits_rows, _ = groups[RowMode.LOGITS]
     if logits_rows:
         wanted = rows_of(RowMode.LOGITS)
