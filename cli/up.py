@@ -291,7 +291,10 @@ def wait_ready(
             except httpx.TransportError:
                 pass
             if time.monotonic() - last_note > 15:
-                print("inferq up: waiting for the API and the worker (the model loads) ...")
+                print(
+                    "inferq up: waiting for the API and the worker (it loads the model, after"
+                    " building the CPU kernels where this machine has none yet: see its log) ..."
+                )
                 last_note = time.monotonic()
             time.sleep(0.25)
     raise UpError(f"{base_url}{path} did not answer 200 in {timeout:.0f} s (--ready-timeout)")

@@ -1,9 +1,7 @@
-"""C++ kernels for the CPU path, compiled on first use with torch's extension builder.
-
-The build is cached by torch (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) under a
-name that hashes the source, the flags and this CPU's instruction-set flags, so a process on the
-same machine loads the shared library in milliseconds and a different CPU gets its own build
-(`-march=native`). Building needs a C++ compiler and ninja; where either is missing the caller
+"""C++ kernels for the CPU path, built once per machine (see kernels.cpu_build: keyed on the
+sources, the flags, this CPU's instruction-set flags and torch's version, kept as one shared
+library that later processes load in milliseconds; a different CPU gets its own build,
+`-march=native`). Building needs a C++ compiler and ninja; where either is missing the caller
 keeps its plain-torch path, and `cpu_kernels_available()` says so once in the log.
 """
 
@@ -11,26 +9,17 @@ from __future__ import annotations
 
 import enum
 import functools
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from kernels import cpu_build
+from kernels.cpu_build import load_or_build
+
 logger = logging.getLogger(__name__)
 
-_SOURCES = (
-    Path(__file__).parent / "cpu" / "paged_decode.cpp",
-    Path(__file__).parent / "cpu" / "paged_prefill.cpp",
-    Path(__file__).parent / "cpu" / "small_matmul.cpp",
-    Path(__file__).parent / "cpu" / "decode_glue.cpp",
-    Path(__file__).parent / "cpu" / "decode_stack.cpp",
-    Path(__file__).parent / "cpu" / "int8_matmul.cpp",
-    Path(__file__).parent / "cpu" / "panel_matmul.cpp",
-    Path(__file__).parent / "cpu" / "greedy.cpp",
-)
 # From this many rows of x on, quant_matmul dequantizes tiles of the weight to fp32 and runs
 # at::addmm (compute-bound prefill); below it the weights stream once through registers
 # (memory-bound decode). Measured with bench/micro/quant_matmul.py on an AVX2 Zen 3: at 8 rows the
@@ -69,55 +58,20 @@ _DEFINES = (
 # inputs (attention reads only the valid part of each context). -fopenmp makes at::parallel_for
 # split work across torch's threads (without it the header falls back to one thread); the
 # OpenMP runtime itself is torch's own libgomp, already loaded with libtorch_cpu.
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", *_DEFINES)
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", *_DEFINES)
 
 
-@functools.cache
-def cpu_fields() -> dict[str, str]:
-    """The first CPU's fields of /proc/cpuinfo ("model name", "flags", ...); {} where absent."""
-    fields: dict[str, str] = {}
-    try:
-        with Path("/proc/cpuinfo").open() as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
-def cpu_flags() -> str:
-    """The instruction-set flags (x86 "flags", Arm "Features")."""
-    fields = cpu_fields()
-    return fields.get("flags") or fields.get("Features", "")
-
-
-@functools.cache
 def build_name() -> str:
     """The CPU kernels' build: a hash of their sources, flags, this CPU's flags and torch."""
-    digest = hashlib.sha256()
-    for source in (*_SOURCES, *sorted(_SOURCES[0].parent.glob("*.h"))):
-        digest.update(source.read_bytes())
-    digest.update(" ".join(_CFLAGS).encode())
-    digest.update(cpu_flags().encode())
-    digest.update(torch.__version__.encode())
-    return f"inferq_cpu_{digest.hexdigest()[:16]}"
+    return cpu_build.build_name(CFLAGS)
 
 
 @functools.cache
 def cpu_kernels_available() -> bool:
     """Build (or load the cached build of) the CPU kernels once per process; False if impossible."""
-    from torch.utils import cpp_extension
-
     started = time.perf_counter()
     try:
-        cpp_extension.load(
-            name=build_name(),
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=list(_CFLAGS),
-            is_python_module=False,
-            verbose=False,
-        )
+        load_or_build(CFLAGS)
     except Exception as error:  # a missing compiler or ninja: the plain-torch path still works
         logger.warning(
             "CPU attention kernels unavailable (%s); decoding gathers KV blocks and linear layers"

@@ -27,3 +27,6 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$(cat "$st
   echo "$extras" >"$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
+# The C++ CPU kernels: built once per machine (minutes on 2 cores), then loaded by every process
+# of every command in milliseconds; says which, and how long a build took.
+(cd "$ROOT" && "$VENV/bin/python" -m kernels.cpu_build)

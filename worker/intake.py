@@ -236,6 +236,26 @@ class StreamReader:
             entry.reclaimed = True
         return entries
 
+    async def claim_from(self, consumer: str, count: int, min_idle_ms: int) -> list[Entry]:
+        """Take over up to `count` pending entries of `consumer` (a worker known dead) idle for
+        `min_idle_ms`: a claim resets an entry's idle time, so of two workers claiming the same
+        dead worker's entries at once each entry goes to one."""
+        pending = await self.redis.xpending_range(
+            self.stream, self.keys.group, min="-", max="+", count=count, consumername=consumer
+        )
+        ids = [item["message_id"] for item in pending]
+        if not ids:
+            return []
+        claimed = await self.redis.xclaim(
+            self.stream, self.keys.group, self.consumer, min_idle_ms, ids
+        )
+        entries = [
+            _entry(entry_id, fields, self.stream) for entry_id, fields in claimed if entry_id
+        ]
+        for entry in entries:
+            entry.reclaimed = True
+        return entries
+
     async def load(self, entries: list[Entry], policy: CrashPolicy, now: datetime) -> list[Verdict]:
         """Classify entries (one pipeline of HGETALLs) and, for jobs that earlier attempts
         already started, read their published chunks (one more pipeline) to resume from; then

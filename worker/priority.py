@@ -16,6 +16,7 @@ from schemas.redis_scripts import READ_NEW_JOBS_SCRIPT
 from worker.crashes import CrashPolicy
 from worker.held import HeldJob
 from worker.intake import Entry, StreamReader, Verdict, script_entries
+from worker.janitor import dead_consumers
 
 # After steps at least this long, new entries are read between steps rather than beside them (a
 # round trip is well under a millisecond; shorter steps cost a new job less).
@@ -55,6 +56,20 @@ class PriorityReader:
         claimed = await self.interactive.autoclaim(min_idle_ms, count)
         if count - len(claimed) > 0:
             claimed += await self.bulk.autoclaim(min_idle_ms, count - len(claimed))
+        return claimed
+
+    async def claim_from_dead(self, count: int, min_silence_ms: int) -> list[Entry]:
+        """Take over up to `count` pending entries of workers known dead (see
+        `worker.janitor.dead_consumers`) at once, without waiting out their lease."""
+        claimed: list[Entry] = []
+        for reader in self.readers:
+            dead = await dead_consumers(
+                self.redis, self.keys, reader.stream, self.consumer, min_silence_ms
+            )
+            for consumer in dead:
+                if count - len(claimed) <= 0:
+                    return claimed
+                claimed += await reader.claim_from(consumer, count - len(claimed), min_silence_ms)
         return claimed
 
     async def read_new(

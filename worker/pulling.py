@@ -51,8 +51,16 @@ class EntryPuller:
         self.stopping = stopping  # a stopping worker takes on none of its pending entries
         self.recover_pending = True  # read our own pending entries first
         self._next_janitor = 0.0
+        self._next_dead_check = 0.0
         self._arrivals = True  # new entries may be waiting (a notice, or the last read was full)
         self._next_unprompted_read = 0.0  # monotonic
+
+    @property
+    def _dead_silence_ms(self) -> int:
+        """How long a worker without a heartbeat must also have left the stream alone before
+        its entries are taken: half the heartbeat's TTL (a dead one's silence is already at
+        least its TTL less one beat when the hash expires)."""
+        return self.settings.heartbeat_ttl_s * 500
 
     def note_arrival(self) -> None:
         """The arrivals channel said a new entry came."""
@@ -68,6 +76,22 @@ class EntryPuller:
         if self.recover_pending and not self.stopping():
             entries = self._not_held(await self.reader.read_own_pending())
             self.recover_pending = False
+        if budget > len(entries) and time.monotonic() >= self._next_dead_check:
+            # A dead worker's heartbeat expires well before its entries' lease: look every beat.
+            self._next_dead_check = time.monotonic() + self.settings.heartbeat_interval_s
+            from_dead = self._not_held(
+                await self.reader.claim_from_dead(budget - len(entries), self._dead_silence_ms)
+            )
+            if from_dead:
+                log_event(
+                    logger,
+                    logging.INFO,
+                    "entries_claimed",
+                    worker=self.name,
+                    count=len(from_dead),
+                    reason="dead_worker",
+                )
+            entries += from_dead
         if budget > 0 and time.monotonic() >= self._next_janitor:
             self._next_janitor = time.monotonic() + self.settings.janitor_every_s
             claimed = self._not_held(

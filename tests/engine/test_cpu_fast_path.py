@@ -94,7 +94,10 @@ def test_a_function_the_compiler_rejects_runs_eagerly(caplog: pytest.LogCaptureF
 
 
 def test_without_the_decode_kernel_decoding_gathers_and_agrees(
-    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     from torch.utils import cpp_extension
 
@@ -105,6 +108,8 @@ def test_without_the_decode_kernel_decoding_gathers_and_agrees(
         raise RuntimeError("ninja not found")
 
     monkeypatch.setattr(cpp_extension, "load", no_ninja)
+    # a machine that never built them: nothing to load, and building fails
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "no-builds"))
     cpu_ops.cpu_kernels_available.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):

@@ -247,9 +247,9 @@ def test_the_gated_panel_kernel_is_the_projection_then_silu_and_mul(dtype, rows)
 def test_bf16_panels_run_on_amx_tiles_where_the_cpu_has_them():
     # Elsewhere the AVX-512 tiles serve every shape; on an AMX CPU the tiles must be in use, or
     # the tests below would only check the fallback.
-    from kernels import cpu_ops
+    from kernels import cpu_build, cpu_ops
 
-    if "amx_bf16" not in cpu_ops.cpu_flags().split() or not cpu_ops.cpu_kernels_available():
+    if "amx_bf16" not in cpu_build.cpu_flags().split() or not cpu_ops.cpu_kernels_available():
         pytest.skip("no AMX on this CPU")
     assert cpu_ops.panel_amx_usable()
 

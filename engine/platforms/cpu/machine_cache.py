@@ -22,7 +22,7 @@ import torch
 
 from engine.model_files import inferq_home
 from kernels import cpu_ops
-from kernels.cpu_ops import cpu_fields, cpu_flags
+from kernels.cpu_build import cpu_fields, cpu_flags
 
 logger = logging.getLogger(__name__)
 
