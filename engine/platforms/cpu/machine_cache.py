@@ -3,7 +3,8 @@
 Start-up choices that are measured (the CPU matmul backends, whether compiled glue pays) depend
 on the CPU model, its flags, the torch build, the thread count and the model's shapes, and on
 nothing that changes between two starts of a worker. Each is stored as a JSON file named by a
-hash of that key, so a second start reads it in a millisecond instead of measuring again.
+hash of that key, so a second start reads it in a millisecond instead of measuring again (one
+taken on a busy machine is provisional, see `cached`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # Other processes' share of all cores above which a measurement is not stored.
 BUSY_SHARE_LIMIT = 0.15
+# How long a start watches the CPU before re-measuring a provisional measurement.
+BUSY_PROBE_S = 0.3
 
 Stored = TypeVar("Stored")
 
@@ -62,51 +65,69 @@ def cached(
 
     `read` turns the stored JSON back into the result and raises (KeyError, TypeError,
     ValueError) on anything it does not recognise, which counts as absent. A measurement
-    taken while other processes kept the CPU busy serves this process only: a stored one is
-    kept for good, and load from elsewhere slows the candidates unevenly."""
+    taken while other processes kept the CPU busy is kept as provisional: load from elsewhere
+    slows the candidates unevenly, so the first start that finds the machine quiet measures
+    again and keeps that for good, while starts on a machine still busy reuse it rather than
+    measuring for tens of seconds each (a restarted worker must serve within seconds)."""
     try:
-        return _read_entry(kind, key, read)
+        value, provisional = _read_entry(kind, key, read)
     except LookupError:
         pass
+    else:
+        if not provisional or _busy_now():
+            return value
     before, started = _cpu_ticks(), time.monotonic()
     value = measure()
     share = _others_share(before, _cpu_ticks(), time.monotonic() - started)
-    if share > BUSY_SHARE_LIMIT:
+    busy = share > BUSY_SHARE_LIMIT
+    if busy:
         logger.info(
-            "%s measurement not kept: other processes used %.0f%% of the CPU meanwhile",
+            "%s measurement kept as provisional: other processes used %.0f%% of the CPU"
+            " meanwhile (a start on a quiet machine measures again)",
             kind,
             100 * share,
         )
-    else:
-        _store(kind, key, value)
+    _store(kind, key, value, provisional=busy)
     return value
 
 
 def lookup(kind: str, key: dict[str, Any], read: Callable[[Any], Stored]) -> Stored | None:
-    """The stored measurement of key, read back by `read` (see `cached`); None if absent."""
+    """The stored measurement of key, read back by `read` (see `cached`), provisional or
+    not; None if absent."""
     try:
-        return _read_entry(kind, key, read)
+        return _read_entry(kind, key, read)[0]
     except LookupError:
         return None
 
 
-def _read_entry(kind: str, key: dict[str, Any], read: Callable[[Any], Stored]) -> Stored:
-    """The stored measurement of key (which may itself be None); LookupError if absent."""
+def _read_entry(
+    kind: str, key: dict[str, Any], read: Callable[[Any], Stored]
+) -> tuple[Stored, bool]:
+    """(the stored measurement of key, which may itself be None; whether it is provisional);
+    LookupError if absent."""
     try:
         stored = json.loads(_entry_path(kind, key).read_text())
         if stored["key"] == key:
-            return read(stored["value"])
+            return read(stored["value"]), bool(stored.get("provisional", False))
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         pass  # absent or unreadable
     raise LookupError(kind)
 
 
-def _store(kind: str, key: dict[str, Any], value: Any) -> None:
+def _busy_now(seconds: float = BUSY_PROBE_S) -> bool:
+    """Whether other processes use more than BUSY_SHARE_LIMIT of the CPU right now."""
+    before, started = _cpu_ticks(), time.monotonic()
+    time.sleep(seconds)
+    return _others_share(before, _cpu_ticks(), time.monotonic() - started) > BUSY_SHARE_LIMIT
+
+
+def _store(kind: str, key: dict[str, Any], value: Any, *, provisional: bool) -> None:
     path = _entry_path(kind, key)
+    entry = {"key": key, "value": value, "provisional": provisional}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{time.monotonic_ns()}.tmp")
-        partial.write_text(json.dumps({"key": key, "value": value}, indent=1))
+        partial.write_text(json.dumps(entry, indent=1))
         partial.replace(path)  # atomic: engines starting together never read half a file
     except OSError as exc:
         logger.warning("could not keep the %s measurement in %s: %s", kind, path, exc)
