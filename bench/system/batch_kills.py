@@ -49,7 +49,10 @@ def engine_alone(prompts: list[str], max_tokens: int, dtype: str) -> tuple[float
 
     llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, dtype=dtype)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up, as the worker's start does
+    # Warm-up at the batch sizes the run reaches (first calls measure and tune, as the worker's
+    # start does before it serves), on other prompts so the prefix cache does not help.
+    warm_up = [f"Warm-up {i}: name a colour." for i in range(min(len(prompts), 256))]
+    llm.generate(warm_up, params, use_tqdm=False)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
