@@ -22,12 +22,15 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producer_api.batches.lease_holder import holder_known_dead
 from producer_api.batches.runner import BatchRunner, Lease
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.prompt_tokens import TokenizerCache
 from redis_io.clients import redis_client
+from redis_io.scripts import run_script
 from schemas import RedisKeys
 from schemas.redis_connection import RedisConnectionSettings
+from schemas.redis_scripts import LEASE_RELEASE_SCRIPT
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +98,15 @@ async def resume_batches(ctx: dict[str, Any]) -> int:
     keys: RedisKeys = ctx["keys"]
     resumed = 0
     for batch_id in await redis.smembers(keys.active_batches()):
-        if await redis.exists(keys.batch_lease(batch_id)):
-            continue
+        lease_key = keys.batch_lease(batch_id)
+        holder = await redis.get(lease_key)
+        if holder is not None:
+            if not holder_known_dead(holder):
+                continue
+            # its run's process died on this host: take the batch over now, not at the lease's end
+            if not await run_script(redis, LEASE_RELEASE_SCRIPT, [lease_key], [holder]):
+                continue
+            log.info("batch %s: its run's controller process died; resuming now", batch_id)
         await enqueue_advance(ctx["redis"], keys, batch_id, f"r{time.time_ns()}")
         resumed += 1
     if resumed:

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
 from datetime import UTC, datetime
 
@@ -27,6 +26,7 @@ from redis.asyncio import Redis
 
 from producer_api import queue
 from producer_api.batches.files import OUTPUT_PURPOSE, FileStore
+from producer_api.batches.lease_holder import holder_token
 from producer_api.batches.lines import (
     ParsedLine,
     batch_job_request,
@@ -62,7 +62,7 @@ class Lease:
         self.redis = redis
         self.key = key
         self.ttl_ms = int(ttl_s * 1000)
-        self.token = secrets.token_hex(8)
+        self.token = holder_token()
 
     async def acquire(self) -> bool:
         return bool(await self.redis.set(self.key, self.token, nx=True, px=self.ttl_ms))

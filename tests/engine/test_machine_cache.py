@@ -42,6 +42,7 @@ def test_a_measurement_under_load_is_reused_while_busy_and_redone_once_quiet(
     share = {"now": 0.6}
     monkeypatch.setattr(machine_cache, "_others_share", lambda *args: share["now"])
     monkeypatch.setattr(machine_cache, "BUSY_PROBE_S", 0.0)
+    monkeypatch.setattr(machine_cache, "PROBE_VALID_S", 0.0)  # each start looks again
     calls: list[int] = []
     key = machine_cache.machine_key(shapes=[[1, 2]])
     with caplog.at_level("INFO", logger="engine.platforms.cpu.machine_cache"):

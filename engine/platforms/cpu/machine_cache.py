@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 BUSY_SHARE_LIMIT = 0.15
 # How long a start watches the CPU before re-measuring a provisional measurement.
 BUSY_PROBE_S = 0.3
+PROBE_VALID_S = 60.0
 
 Stored = TypeVar("Stored")
 
@@ -114,11 +115,19 @@ def _read_entry(
     raise LookupError(kind)
 
 
-def _busy_now(seconds: float = BUSY_PROBE_S) -> bool:
-    """Whether other processes use more than BUSY_SHARE_LIMIT of the CPU right now."""
+_last_probe: list[tuple[float, bool]] = []  # (monotonic time, busy): one probe serves a start
+
+
+def _busy_now() -> bool:
+    """Whether other processes use more than BUSY_SHARE_LIMIT of the CPU right now (watched
+    for BUSY_PROBE_S; the answer holds for the rest of a start, PROBE_VALID_S)."""
+    if _last_probe and time.monotonic() - _last_probe[-1][0] < PROBE_VALID_S:
+        return _last_probe[-1][1]
     before, started = _cpu_ticks(), time.monotonic()
-    time.sleep(seconds)
-    return _others_share(before, _cpu_ticks(), time.monotonic() - started) > BUSY_SHARE_LIMIT
+    time.sleep(BUSY_PROBE_S)
+    busy = _others_share(before, _cpu_ticks(), time.monotonic() - started) > BUSY_SHARE_LIMIT
+    _last_probe[:] = [(time.monotonic(), busy)]
+    return busy
 
 
 def _store(kind: str, key: dict[str, Any], value: Any, *, provisional: bool) -> None:
