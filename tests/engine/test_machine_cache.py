@@ -33,9 +33,7 @@ def test_a_quiet_measurement_is_kept_for_the_next_start(monkeypatch):
     assert machine_cache.lookup("kind", key, dict) == {"ms": 1.5}
 
 
-def test_a_measurement_under_load_is_reused_while_busy_and_redone_once_quiet(
-    monkeypatch, caplog
-):
+def test_a_measurement_under_load_is_reused_while_busy_and_redone_once_quiet(monkeypatch, caplog):
     # Other processes using the CPU slow the candidates unevenly: such a measurement is only
     # provisional. Starts on a machine still busy reuse it (a restart must not measure for tens
     # of seconds); the first start on a quiet machine measures again and keeps that for good.
