@@ -162,6 +162,7 @@ def main() -> int:
     """Build the kernels now unless this machine has them; say which, and how long it took."""
     from kernels import cpu_ops
 
+    logger.setLevel(logging.ERROR)  # the lines below say it once, to stdout
     library = built_library(cpu_ops.CFLAGS)
     if library.exists():
         print(f"CPU kernels: built already ({library})", flush=True)
