@@ -27,9 +27,8 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ def build_name(cflags: tuple[str, ...]) -> str:
         digest.update(source.read_bytes())
     digest.update(" ".join(cflags).encode())
     digest.update(cpu_flags().encode())
-    digest.update(torch.__version__.encode())
+    digest.update(metadata.version("torch").encode())  # no torch import: set-up checks are quick
     return f"inferq_cpu_{digest.hexdigest()[:16]}"
 
 
@@ -119,6 +118,8 @@ def load_or_build(cflags: tuple[str, ...]) -> bool:
     """Load the kernels into this process, building them first if no process did on this
     machine; True when this call built them. Raises when building is impossible (no compiler
     or ninja) or the library does not load."""
+    import torch
+
     library = built_library(cflags)
     if not library.exists():
         with _locked(library.with_suffix(".lock")):
@@ -160,13 +161,15 @@ def _build(cflags: tuple[str, ...], library: Path) -> None:
 
 def main() -> int:
     """Build the kernels now unless this machine has them; say which, and how long it took."""
-    from kernels import cpu_ops
+    from kernels.cpu_abi import CFLAGS
 
     logger.setLevel(logging.ERROR)  # the lines below say it once, to stdout
-    library = built_library(cpu_ops.CFLAGS)
+    library = built_library(CFLAGS)
     if library.exists():
         print(f"CPU kernels: built already ({library})", flush=True)
         return 0
+    from kernels import cpu_ops
+
     print(
         f"CPU kernels: building (C++, once per machine and kernel version; {build_estimate()}) ...",
         flush=True,
