@@ -13,6 +13,9 @@ chunks (more than one query token) get one SDPA call each with a causal mask shi
 cached context. Everything that depends only on the batch shape (gather indices, masks) is built
 once per step into a plan cached on the metadata (engine.attention.torch_plan), and gathered K/V
 land in a workspace reused by every layer, so the per-layer work is a few large tensor ops.
+
+A layer with a sliding window passes it to every call: the kernels start each query's sweep at
+its window, the portable path masks the keys before it.
 """
 
 from __future__ import annotations
@@ -64,16 +67,18 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         plan = self._plan(meta, k_cache, q, q.shape[1])
 
         store_kv(k, v, k_cache, v_cache, plan)
         if plan.kernels:
-            return self._attend_paged(q.contiguous(), k_cache, v_cache, plan, scale)
+            return self._attend_paged(q.contiguous(), k_cache, v_cache, plan, scale, window)
         k_buf, v_buf = self._gather_buffers(plan.max_gather_blocks, k_cache)
         num_heads = q.shape[1]
         gqa = num_heads != num_kv_heads
+        masks = plan.masks(window)
 
         decode_out = None
         if plan.num_decodes:
@@ -91,7 +96,7 @@ class TorchAttentionBackend:
                 q_dec.reshape(plan.num_decodes, num_heads, 1, head_dim),
                 keys.view(shape).transpose(1, 2),
                 values.view(shape).transpose(1, 2),
-                attn_mask=plan.decode_mask,
+                attn_mask=masks.decode_mask,
                 scale=scale,
                 enable_gqa=gqa,
             ).view(plan.num_decodes, num_heads, head_dim)
@@ -99,15 +104,14 @@ class TorchAttentionBackend:
                 return decode_out
 
         if len(plan.prefills) == 1 and decode_out is None:
-            return self._prefill(
-                q, k, v, k_cache, v_cache, k_buf, v_buf, plan.prefills[0], scale, gqa
-            )
+            chunk, mask = plan.prefills[0], masks.prefill_masks[0]
+            return self._prefill(q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decode_out is not None:
             out.index_copy_(0, plan.decode_rows, decode_out)
-        for chunk in plan.prefills:
+        for chunk, mask in zip(plan.prefills, masks.prefill_masks, strict=True):
             out[chunk.start : chunk.end] = self._prefill(
-                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
+                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa
             )
         return out
 
@@ -121,6 +125,7 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         """A CPU step from the fused projection qkv [T, (H + 2 Hkv) * D]: Neox rotary
         (cos_sin_cache as in engine.layers.rotary) and KV store in one kernel call, then the
@@ -138,7 +143,7 @@ class TorchAttentionBackend:
         q = rotary_store_kv(
             qkv, positions, cos_sin_cache, plan.token_slots, k_cache, v_cache, num_heads
         )
-        return self._attend_paged(q, k_cache, v_cache, plan, scale)
+        return self._attend_paged(q, k_cache, v_cache, plan, scale, window)
 
     def _attend_paged(
         self,
@@ -147,13 +152,14 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         plan: TorchAttentionPlan,
         scale: float,
+        window: int | None,
     ) -> torch.Tensor:
         """Attention of q [T, H, D] (contiguous, K/V stored) through the CPU kernels (and SDPA
         for prefill chunks where it was chosen)."""
         out = torch.empty_like(q)
         if plan.paged_prefill is None and not plan.prefills:  # every row decodes
             paged_decode_attention(
-                out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale
+                out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, window
             )
             return out
         if plan.decode_tables is not None:
@@ -167,14 +173,16 @@ class TorchAttentionBackend:
                 plan.decode_tables,
                 plan.decode_lens,
                 scale,
+                window,
             )
             out.index_copy_(0, plan.decode_rows, decode_out)
         if plan.prefills:  # through SDPA, context gathered from the cache
             k_buf, v_buf = self._gather_buffers(plan.max_gather_blocks, k_cache)
             gqa = q.shape[1] != k_cache.shape[2]
-            for chunk in plan.prefills:
+            masks = plan.masks(window)
+            for chunk, mask in zip(plan.prefills, masks.prefill_masks, strict=True):
                 out[chunk.start : chunk.end] = self._prefill(
-                    q, None, None, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
+                    q, None, None, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa
                 )
             return out
         batch = plan.paged_prefill
@@ -188,6 +196,7 @@ class TorchAttentionBackend:
             batch.query_lens,
             batch.seq_lens,
             scale,
+            window,
         )
         return out
 
@@ -243,12 +252,13 @@ class TorchAttentionBackend:
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
         chunk: PrefillChunk,
+        mask: torch.Tensor | None,
         scale: float,
         gqa: bool,
     ) -> torch.Tensor:
-        """SDPA over one chunk's context: this step's own K/V rows (k, v) where the chunk has
-        no cached context, else its blocks gathered from the cache; k, v None: always the
-        cache (the kernels stored the step's K/V there)."""
+        """SDPA over one chunk's context under `mask` (None: plain causal): this step's own K/V
+        rows (k, v) where the chunk has no cached context, else its blocks gathered from the
+        cache; k, v None: always the cache (the kernels stored the step's K/V there)."""
         if chunk.mask is None and k is not None and v is not None:
             keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:
@@ -262,8 +272,8 @@ class TorchAttentionBackend:
             q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=gqa,
         )

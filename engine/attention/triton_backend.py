@@ -32,6 +32,7 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -47,6 +48,7 @@ class TritonAttentionBackend:
             meta.max_query_len,
             meta.max_seq_len,
             num_splits=self.num_splits,
+            window=window,
         )
 
     def attend_from_qkv(
@@ -59,5 +61,6 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         return None  # on CUDA, decode steps replay captured graphs of forward

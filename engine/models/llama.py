@@ -156,6 +156,7 @@ class LlamaAttention(nn.Module):
         self.head_dim, self.q_size, self.kv_size = spec.head_dim, spec.q_size, spec.kv_size
         self.rotary_emb = rotary_emb  # shared by all layers
         self.backend = backend
+        self.window = spec.window  # None: full attention
 
     def forward(
         self,
@@ -179,12 +180,15 @@ class LlamaAttention(nn.Module):
             kv_cache[1],
             meta,
             self.scale,
+            window=self.window,
         )
         if out is None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = self.rotary_emb(positions, q, k, cos_sin)
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = self.backend.forward(
+                q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window
+            )
         out = out.reshape(num_tokens, self.q_size)
         if output_rows is not None:
             out = out.index_select(0, output_rows)
@@ -281,6 +285,7 @@ class LlamaModel(nn.Module):
             attention.num_heads,
             eps,
             attention.scale,
+            [layer.self_attn.window or 0 for layer in self.layers],
         )
 
     def forward(
