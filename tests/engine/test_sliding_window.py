@@ -132,3 +132,30 @@ def test_blocks_held_stay_bounded_as_a_sequence_grows(mistral_dir: Path) -> None
     bound = manager.blocks_for_tokens(WINDOW - 1 + 16) + 1
     assert max(held) <= bound
     assert len(held) > 200  # it ran far past the 24 blocks' 96 tokens
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2 windowing its layers from max_window_layers on: layer 0 global, 1 and 2 local."""
+    from tests.engine.conftest import save_tiny_model
+
+    return save_tiny_model(
+        tmp_path_factory.mktemp("hybrid"),
+        "qwen2",
+        seed=5,
+        sliding_window=WINDOW,
+        use_sliding_window=True,
+        max_window_layers=1,
+    )
+
+
+def test_hybrid_local_global_layers_match_transformers(
+    hybrid_dir: Path, prompts: list[list[int]], attention_path: str
+) -> None:
+    """Each layer keeps its own kind, and a model with a global layer keeps every block."""
+    expected = transformers_greedy(hybrid_dir, prompts, NEW_TOKENS)
+    llm = _llm(hybrid_dir, max_num_batched_tokens=16)
+    kinds = [spec.window for spec in llm.engine.runner.model.attention_specs()]
+    assert kinds == [None, WINDOW, WINDOW]
+    assert llm.engine.block_manager.kv_window is None
+    assert _generate(llm, prompts) == expected
