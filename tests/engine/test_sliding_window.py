@@ -159,3 +159,57 @@ def test_hybrid_local_global_layers_match_transformers(
     assert kinds == [None, WINDOW, WINDOW]
     assert llm.engine.block_manager.kv_window is None
     assert _generate(llm, prompts) == expected
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 text: layers 0, 1 local (window, local rope base), 2 global; QK-norm,
+    sandwich norms, scaled embeddings, gelu-tanh, a query_pre_attn_scalar scale."""
+    from tests.engine.conftest import save_tiny_model
+
+    return save_tiny_model(
+        tmp_path_factory.mktemp("gemma3"),
+        "gemma3",
+        seed=11,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        hidden_activation="gelu_pytorch_tanh",
+    )
+
+
+def _uncached_greedy(
+    model_path: Path, prompts: list[list[int]], new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy tokens from its forward over each whole sequence, step by step
+    (no KV cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(new_tokens):
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            outputs.append(ids[len(prompt) :])
+    return outputs
+
+
+def test_gemma3_matches_transformers(
+    gemma3_dir: Path, prompts: list[list[int]], attention_path: str
+) -> None:
+    """Against transformers' forward without a cache: its generate() for Gemma 3 (5.x) takes
+    other tokens than its own forward over the same sequence once past the window (its sliding
+    cache), while Mistral's and Qwen2's agree with their forward."""
+    expected = _uncached_greedy(gemma3_dir, prompts, NEW_TOKENS)
+    llm = _llm(gemma3_dir, max_num_batched_tokens=16)
+    kinds = [spec.window for spec in llm.engine.runner.model.attention_specs()]
+    assert kinds == [WINDOW, WINDOW, None]
+    assert _generate(llm, prompts) == expected
