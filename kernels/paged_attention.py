@@ -44,6 +44,7 @@ def _unified_attention_kernel(
     num_q_heads,
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in tokens (read only when WINDOWED)
+    softcap,  # scores s become softcap * tanh(s / softcap) (read only when SOFTCAP)
     stride_q_t,
     stride_q_h,
     stride_k_b,
@@ -65,6 +66,7 @@ def _unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -149,6 +151,10 @@ def _unified_attention_kernel(
         )
         k = tl.load(k_cache_ptr + k_offsets, mask=dim_valid[:, None] & kv_valid[None, :], other=0.0)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            # in the natural-log domain: c * tanh(s / c), tanh(x) = 1 - 2 / (e^(2x) + 1)
+            capped = s / (softcap * 1.4426950408889634)
+            s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
         causal = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if WINDOWED:
             causal = causal & (kv_pos[None, :] > q_pos[:, None] - window)
@@ -292,6 +298,7 @@ def unified_attention(
     max_seq_len: int,
     num_splits: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context, in one launch.
 
@@ -307,7 +314,8 @@ def unified_attention(
     pass an explicit value; the kernels themselves read lengths from device memory only.
 
     window: each query sees only positions p - window + 1 .. p (its own p included); block
-    table entries for blocks wholly before every query's window are never read.
+    table entries for blocks wholly before every query's window are never read. softcap: each
+    scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -369,6 +377,7 @@ def unified_attention(
         num_q_heads,
         scale * _LOG2E,
         window or 0,
+        softcap or 0.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -390,6 +399,7 @@ def unified_attention(
         NUM_SPLITS=num_splits,
         DECODE_ONLY=decode_only,
         WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         DOT_UPCAST=upcast,
         # fp32 caches get exact fp32 products (no TF32); half types use the default MMA.
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else None,

@@ -49,6 +49,7 @@ class AttentionBackend(Protocol):
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim].
     window: a sliding-window layer's window; the query at position p then sees only positions
     p - window + 1 .. p, and a block table may name freed blocks (any id) before that.
+    softcap: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
     """
 
     def forward(
@@ -61,6 +62,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
     def attend_from_qkv(
@@ -74,6 +76,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor | None:
         """A step straight from the fused projection qkv: rotary, KV store and attention in
         one go, [T, num_heads, head_dim]; None where the backend has no such path for this step

@@ -33,6 +33,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -49,6 +50,7 @@ class TritonAttentionBackend:
             meta.max_seq_len,
             num_splits=self.num_splits,
             window=window,
+            softcap=softcap,
         )
 
     def attend_from_qkv(
@@ -62,5 +64,6 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor | None:
         return None  # on CUDA, decode steps replay captured graphs of forward

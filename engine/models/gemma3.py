@@ -7,7 +7,8 @@ are normed again before their residual add (sandwich norms), the MLP is gelu-tan
 and attention scales by query_pre_attn_scalar ** -0.5. Layers are local or global by the
 config's layer_types (older configs: every sliding_window_pattern-th layer is global); local
 layers rotate by rope_local_base_freq's table, global ones by rope_theta's. The optional final
-logit soft-capping is applied; attention soft-capping (Gemma 2's) is refused.
+logit soft-capping is applied. Gemma 2 (engine.models.gemma2) runs these blocks without QK-norm
+and with its attention scores soft-capped.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
-class Gemma3Shape:
-    """What the Gemma 3 blocks read of an HF config."""
+class GemmaShape:
+    """What the Gemma blocks read of an HF config."""
 
     dims: ModelDims
     intermediate_size: int
@@ -52,11 +53,11 @@ class Gemma3Shape:
     scale: float  # attention's softmax scale
     rope: dict[str, tuple[float, dict[str, Any] | None]]  # layer kind -> (theta, scaling)
     final_logit_softcapping: float | None
+    qk_norm: bool = True  # q and k RMS-normed per head before rotary (Gemma 3)
+    attn_logit_softcapping: float | None = None  # attention scores capped (Gemma 2)
 
 
-def read_gemma3_config(hf_config: PretrainedConfig) -> Gemma3Shape:
-    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported")
+def read_gemma3_config(hf_config: PretrainedConfig) -> GemmaShape:
     num_layers = hf_config.num_hidden_layers
     layer_types = getattr(hf_config, "layer_types", None) or [
         FULL if (i + 1) % getattr(hf_config, "sliding_window_pattern", 6) == 0 else SLIDING
@@ -82,7 +83,8 @@ def read_gemma3_config(hf_config: PretrainedConfig) -> Gemma3Shape:
         local_theta = float(getattr(hf_config, "rope_local_base_freq", 10_000.0))
         rope = {FULL: (theta, scaling), SLIDING: (local_theta, None)}
     softcap = getattr(hf_config, "final_logit_softcapping", None)
-    return Gemma3Shape(
+    attn_softcap = getattr(hf_config, "attn_logit_softcapping", None)
+    return GemmaShape(
         dims=ModelDims(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -96,6 +98,7 @@ def read_gemma3_config(hf_config: PretrainedConfig) -> Gemma3Shape:
         scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
         rope=rope,
         final_logit_softcapping=float(softcap) if softcap else None,
+        attn_logit_softcapping=float(attn_softcap) if attn_softcap else None,
     )
 
 
@@ -127,7 +130,7 @@ class Gemma3MLP(nn.Module):
 class Gemma3Attention(nn.Module):
     def __init__(
         self,
-        shape: Gemma3Shape,
+        shape: GemmaShape,
         spec: AttentionSpec,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
@@ -137,8 +140,9 @@ class Gemma3Attention(nn.Module):
         self.spec = spec
         self.qkv_proj = MergedLinear(hidden, [spec.q_size, spec.kv_size, spec.kv_size])
         self.o_proj = Linear(spec.q_size, hidden, bias=False)
-        self.q_norm = GemmaRMSNorm(spec.head_dim, shape.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(spec.head_dim, shape.rms_norm_eps)
+        self.q_norm = GemmaRMSNorm(spec.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
+        self.k_norm = GemmaRMSNorm(spec.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
+        self.softcap = shape.attn_logit_softcapping
         self.rotary_emb = rotary  # shared by the layers of its kind
         self.backend = backend
         self.scale = shape.scale
@@ -152,8 +156,9 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         spec, num_tokens = self.spec, hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(num_tokens, spec.num_heads, spec.head_dim))
-        k = self.k_norm(k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(num_tokens, spec.num_heads, spec.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, spec.num_kv_heads, spec.head_dim))
         q, k = self.rotary_emb(positions, q.reshape(num_tokens, -1), k.reshape(num_tokens, -1))
         v = v.reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
         out = self.backend.forward(
@@ -165,6 +170,7 @@ class Gemma3Attention(nn.Module):
             meta,
             self.scale,
             window=spec.window,
+            softcap=self.softcap,
         )
         return self.o_proj(out.reshape(num_tokens, spec.q_size))
 
@@ -172,7 +178,7 @@ class Gemma3Attention(nn.Module):
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
         self,
-        shape: Gemma3Shape,
+        shape: GemmaShape,
         spec: AttentionSpec,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
@@ -200,7 +206,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, shape: Gemma3Shape, backend: AttentionBackend) -> None:
+    def __init__(self, shape: GemmaShape, backend: AttentionBackend) -> None:
         super().__init__()
         dims = shape.dims
         head_dim = shape.layers[0].head_dim
@@ -251,13 +257,17 @@ class Gemma3ForCausalLM(CausalLM):
         tp: TensorParallel | None = None,
     ) -> None:
         if tp is not None:
-            raise NotImplementedError("Gemma 3 does not run under tensor parallelism yet")
-        shape = read_gemma3_config(hf_config)
+            raise NotImplementedError("Gemma does not run under tensor parallelism yet")
+        shape = self.read_config(hf_config)
         super().__init__(shape.dims)
         self.model = Gemma3Model(shape, backend)
         self.lm_head = Linear(shape.dims.hidden_size, shape.dims.vocab_size, bias=False)
         self.final_logit_softcapping = shape.final_logit_softcapping
         self.tie_weights()
+
+    @classmethod
+    def read_config(cls, hf_config: PretrainedConfig) -> GemmaShape:
+        return read_gemma3_config(hf_config)
 
     @property
     def decoder_layers(self) -> nn.ModuleList:

@@ -11,6 +11,7 @@
 // threads, since their costs differ (later tiles see longer contexts). Under a sliding window of
 // W tokens a query sees only the last W positions (itself included): an item's context starts
 // at its first query's earliest key, and keys too old for a later query are masked for it.
+// With a soft cap c > 0 (Gemma 2) each scaled score s becomes c * tanh(s / c).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -137,7 +138,7 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const int32_t* tables, int64_t table_width, const int32_t* starts,
                  const int32_t* query_lens, const int32_t* seq_lens, float scale,
-                 int64_t window) {
+                 int64_t window, float softcap) {
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -190,6 +191,12 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
       for (int64_t r = 0; r < kRows; ++r) dst[r] = acc[b][r];
     }
   }
+  if (softcap > 0.f) {
+    const float inv = 1.f / softcap;
+    for (int64_t i = 0; i < len * kRows; ++i) {
+      ws.scores[i] = softcap * std::tanh(ws.scores[i] * inv);
+    }
+  }
   // Causal: row r (query first_pos + r / group) sees keys up to its own position, so token
   // p is hidden from the rows of the tile's first p - first_pos queries.
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
@@ -227,7 +234,7 @@ template <typename scalar_t, int64_t kHeadDim>
 void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                    const at::Tensor& starts, const at::Tensor& query_lens,
-                   const at::Tensor& seq_lens, double scale, int64_t window) {
+                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t group = query.size(1) / num_kv_heads;
   const int64_t tile = std::max<int64_t>(1, kRows / group);
@@ -249,7 +256,7 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                                       block_tables.data_ptr<int32_t>(), block_tables.size(1),
                                       starts.data_ptr<int32_t>(), lens,
                                       seq_lens.data_ptr<int32_t>(), static_cast<float>(scale),
-                                      window);
+                                      window, static_cast<float>(softcap));
     }
   });
 }
@@ -262,7 +269,8 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& starts, const at::Tensor& query_lens,
-                             const at::Tensor& seq_lens, double scale, int64_t window) {
+                             const at::Tensor& seq_lens, double scale, int64_t window,
+                             double softcap) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   for (const at::Tensor* t : {&block_tables, &starts, &query_lens, &seq_lens}) {
@@ -276,10 +284,11 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
     if (query.scalar_type() == at::kFloat) {
       paged_prefill<float, head_dim>(out, query, key_cache, value_cache, block_tables, starts,
-                                     query_lens, seq_lens, scale, window);
+                                     query_lens, seq_lens, scale, window, softcap);
     } else {
       paged_prefill<c10::BFloat16, head_dim>(out, query, key_cache, value_cache, block_tables,
-                                             starts, query_lens, seq_lens, scale, window);
+                                             starts, query_lens, seq_lens, scale, window,
+                                             softcap);
     }
   });
 }
@@ -290,6 +299,6 @@ TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor starts, Tensor query_lens, "
-      "Tensor seq_lens, float scale, int window=0) -> ()");
+      "Tensor seq_lens, float scale, int window=0, float softcap=0) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
 }

@@ -213,3 +213,31 @@ def test_gemma3_matches_transformers(
     kinds = [spec.window for spec in llm.engine.runner.model.attention_specs()]
     assert kinds == [WINDOW, WINDOW, None]
     assert _generate(llm, prompts) == expected
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 2: local and global layers alternating, attention and final logits soft-capped
+    (caps low enough to bend these tiny models' scores)."""
+    from tests.engine.conftest import save_tiny_model
+
+    return save_tiny_model(
+        tmp_path_factory.mktemp("gemma2"),
+        "gemma2",
+        seed=13,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+
+
+def test_gemma2_matches_transformers(
+    gemma2_dir: Path, prompts: list[list[int]], attention_path: str
+) -> None:
+    expected = transformers_greedy(gemma2_dir, prompts, NEW_TOKENS)
+    llm = _llm(gemma2_dir, max_num_batched_tokens=16)
+    kinds = [spec.window for spec in llm.engine.runner.model.attention_specs()]
+    assert kinds == [WINDOW, None, WINDOW]
+    assert _generate(llm, prompts) == expected

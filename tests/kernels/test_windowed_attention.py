@@ -1,5 +1,6 @@
 """Sliding-window attention in every paged kernel (the CPU C++ decode and prefill kernels and
-the Triton kernel, interpreted on the CPU) against dense SDPA restricted to each query's window.
+the Triton kernel, interpreted on the CPU) against dense attention restricted to each query's
+window, with and without soft-capped scores (Gemma 2).
 
 The blocks wholly before every query's window are pointed at a NaN block, as a freed block
 would be: a kernel that reads them poisons its output.
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from paged_cases import PagedBatch, make_paged_batch
 
 from kernels.cpu_ops import cpu_kernels_available, paged_decode_attention, paged_prefill_attention
@@ -33,9 +33,9 @@ CASES = {
 }
 
 
-def _windowed_oracle(batch: PagedBatch, window: int) -> torch.Tensor:
-    """Dense SDPA of each sequence's queries over its keys, each query seeing the last
-    `window` positions up to its own."""
+def _windowed_oracle(batch: PagedBatch, window: int, softcap: float | None = None) -> torch.Tensor:
+    """Dense attention of each sequence's queries over its keys, each query seeing the last
+    `window` positions up to its own (scores soft-capped by softcap)."""
     outs = []
     starts = batch.query_start_loc.tolist()
     for i, seq_len in enumerate(batch.seq_lens.tolist()):
@@ -45,14 +45,13 @@ def _windowed_oracle(batch: PagedBatch, window: int) -> torch.Tensor:
         q_pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.repeat_interleave(group, dim=1).transpose(0, 1),
-            v.repeat_interleave(group, dim=1).transpose(0, 1),
-            attn_mask=mask,
-            scale=SCALE,
-        )
-        outs.append(out.transpose(0, 1))
+        scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(group, 1))
+        scores = scores * SCALE
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out = torch.einsum("hqk,khd->qhd", probs, v.double().repeat_interleave(group, 1))
+        outs.append(out.float())
     return torch.cat(outs)
 
 
@@ -78,7 +77,7 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
 
 
-def _cpu_kernels(batch: PagedBatch, window: int) -> torch.Tensor:
+def _cpu_kernels(batch: PagedBatch, window: int, softcap: float | None = None) -> torch.Tensor:
     """Decode rows through paged_decode_attention, chunks through paged_prefill_attention."""
     out = torch.empty_like(batch.q)
     starts = batch.query_start_loc.tolist()
@@ -97,6 +96,7 @@ def _cpu_kernels(batch: PagedBatch, window: int) -> torch.Tensor:
             batch.seq_lens[index].contiguous(),
             SCALE,
             window,
+            softcap,
         )
         out[rows] = decode_out
     if chunks:
@@ -112,6 +112,7 @@ def _cpu_kernels(batch: PagedBatch, window: int) -> torch.Tensor:
             batch.seq_lens[index].contiguous(),
             SCALE,
             window,
+            softcap,
         )
     return out
 
@@ -155,3 +156,34 @@ def test_reference_twin_attends_within_the_window(case: str) -> None:
     out = torch.empty_like(batch.q)
     unified_attention_ref(*batch.attention_args(out, SCALE), window=window)
     _assert_close(out, _windowed_oracle(batch, window), torch.float32)
+
+
+# Scores of these random inputs spread over about +-4: a cap of 2 bends most of them.
+SOFTCAP = 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["decodes-past-the-window", "mixed-chunks-and-decodes"])
+def test_cpu_kernels_cap_scores(case: str, dtype: torch.dtype) -> None:
+    if not cpu_kernels_available():
+        pytest.skip("the CPU kernels cannot be built here")
+    batch = _batch(case, dtype, torch.device("cpu"))
+    window = CASES[case][3]
+    expected = _windowed_oracle(batch, window, SOFTCAP)
+    _assert_close(_cpu_kernels(batch, window, SOFTCAP), expected, dtype)
+    assert not torch.allclose(_windowed_oracle(batch, window), expected, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", ["decodes-past-the-window", "mixed-chunks-and-decodes"])
+def test_triton_kernel_caps_scores(case: str, device: torch.device) -> None:
+    pytest.importorskip("triton")
+    from kernels import unified_attention
+
+    batch = _batch(case, torch.float32, device)
+    window = CASES[case][3]
+    out = torch.empty_like(batch.q)
+    unified_attention(*batch.attention_args(out, SCALE), window=window, softcap=SOFTCAP)
+    _assert_close(out.cpu(), _windowed_oracle(batch, window, SOFTCAP), torch.float32)
+    ref = torch.empty_like(batch.q)
+    unified_attention_ref(*batch.attention_args(ref, SCALE), window=window, softcap=SOFTCAP)
+    _assert_close(ref, _windowed_oracle(batch, window, SOFTCAP), torch.float32)
