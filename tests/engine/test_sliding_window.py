@@ -4,6 +4,8 @@ running sequence's KV blocks stop growing once it is longer than the window.
 Tiny random Mistral models with windows of a few blocks run prompts several windows long
 through the offline LLM: alone, batched with other requests, in small prefill chunks, and
 after a prefix-cache hit; through the CPU kernels we ship and through the plain-torch path.
+Hybrid local/global models (Qwen2 with max_window_layers, Gemma 2 with soft-capped scores,
+Gemma 3) run batched in small chunks on both paths.
 """
 
 from __future__ import annotations
