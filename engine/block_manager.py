@@ -14,6 +14,15 @@ between sequences in two ways, both counted by reference counts:
 Freed blocks keep their cached content until reallocated: the free queue is in LRU order, so
 recently freed prefixes survive longest (freed blocks holding no cached prefix go to its
 head: nothing is lost by reusing them first). Every operation costs O(blocks touched).
+
+Where every layer of the model attends over a sliding window (`kv_window`: the largest), a
+running sequence gives back the blocks wholly before the window of its next step's first
+query: no layer reads them again. Their table entries become FREED (positions keep their
+index), and their cached content stays in the prefix cache like any freed block's. A prefix
+hit then needs only the blocks inside the window of the hit's end: the blocks before it may be
+missing from the cache (their tokens' hashes still chain), and the new sequence's table holds
+FREED there. A sequence never registers a FREED entry, so it publishes hashes only for blocks
+it holds.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from dataclasses import dataclass
 from engine.sequence import Sequence
 
 BlockCopy = tuple[int, int]  # (src block, dst block): copy the KV data before the step runs
+FREED = -1  # a block table entry whose block was given back (before every layer's window)
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
@@ -50,11 +60,22 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_window: int | None = None,
+    ):
+        """kv_window: where every layer attends over a sliding window, the largest window (a
+        running sequence then gives back the blocks before it); None: keep every block."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if kv_window is not None and kv_window <= 0:
+            raise ValueError(f"kv_window must be positive (got {kv_window})")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.kv_window = kv_window
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # Ref-count-0 blocks; allocation pops the head (least recently freed).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -95,6 +116,39 @@ class BlockManager:
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
+
+    def blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens holds while a step computes up to
+        step_tokens of them: all of them, or under kv_window those of the step and the window
+        before it."""
+        every = self.blocks_for_tokens(num_tokens)
+        if self.kv_window is None:
+            return every
+        # keys start - window + 1 .. start + step - 1, starting anywhere in a block
+        return min(every, self.blocks_for_tokens(self.kv_window - 1 + step_tokens) + 1)
+
+    @property
+    def step_token_limit(self) -> int | None:
+        """Under kv_window: the most new tokens one sequence's step may take so that the step's
+        blocks and its window's fit the whole cache (None: no such limit, or no window fits)."""
+        if self.kv_window is None:
+            return None
+        limit = (len(self._blocks) - 1) * self.block_size - self.kv_window + 1
+        return limit if limit > 0 else None
+
+    def longest_sequence(self, step_tokens: int) -> int | None:
+        """The most tokens one sequence can ever reach in this cache (steps of up to
+        step_tokens, cut to step_token_limit); None: no bound (its window's blocks always fit)."""
+        limit = self.step_token_limit
+        if limit is not None and self.blocks_held(2**62, min(step_tokens, limit)) <= len(
+            self._blocks
+        ):
+            return None
+        return self.token_capacity
+
+    def held_blocks(self, seq: Sequence) -> int:
+        """Blocks seq's table still holds (FREED entries left out)."""
+        return sum(1 for block_id in seq.block_table if block_id != FREED)
 
     # ---- introspection (tests, metrics) ----------------------------------------------------
 
@@ -138,17 +192,49 @@ class BlockManager:
         parent: int | None = None
         for i in range(num_blocks):
             block_id = self._cached.get(hashes[i])
-            if block_id is None:
-                break
-            block = self._blocks[block_id]
+            block = None if block_id is None else self._blocks[block_id]
             # Guards against hash collisions: same parent chain and same tokens.
-            if block.parent_hash != parent or block.token_ids != tuple(
-                seq.token_ids[i * bs : (i + 1) * bs]
+            if block is None or (
+                block.parent_hash != parent
+                or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs])
             ):
-                break
-            hits.append(block_id)
+                if self.kv_window is None:
+                    break
+                hits.append(FREED)  # usable only where it ends up before the hit's window
+            else:
+                hits.append(block.block_id)
             parent = hashes[i]
-        return hits
+        if self.kv_window is None:
+            return hits
+        return self._windowed_hits(hits)
+
+    def _windowed_hits(self, chain: list[int]) -> list[int]:
+        """The longest prefix of chain (block ids, FREED where missing) whose blocks inside
+        the window of its end are all there, with FREED for every block before that window."""
+        for length in range(len(chain), 0, -1):
+            first = self._first_needed_block(length * self.block_size)
+            if all(block_id != FREED for block_id in chain[first:length]):
+                return [FREED] * first + chain[first:length]
+        return []
+
+    def _first_needed_block(self, start: int) -> int:
+        """Under kv_window: the first block a step whose first query sits at `start` reads."""
+        assert self.kv_window is not None
+        return max(0, start - self.kv_window + 1) // self.block_size
+
+    def _release_outside_window(self, seq: Sequence) -> None:
+        """Give back seq's blocks wholly before the window of its next step (FREED entries
+        always form a prefix of the table, so this walks back from the window only over the
+        blocks it frees)."""
+        if self.kv_window is None:
+            return
+        table = seq.block_table
+        end = min(self._first_needed_block(seq.num_computed_tokens), len(table))
+        for i in range(end - 1, -1, -1):
+            if table[i] == FREED:
+                break
+            self._release(table[i])
+            table[i] = FREED
 
     def allocate_prompt(self, seq: Sequence, prefix_hits: list[int] | None = None) -> None:
         """Start a sequence that holds no blocks: take its cached prefix blocks.
@@ -160,7 +246,8 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} already holds blocks")
         hits = self.find_prefix_hits(seq) if prefix_hits is None else prefix_hits
         for block_id in hits:
-            self._take(block_id)
+            if block_id != FREED:
+                self._take(block_id)
         seq.block_table = list(hits)
         seq.num_registered_blocks = len(hits)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
@@ -178,6 +265,8 @@ class BlockManager:
             return
         hashes = self._ensure_hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
+            if seq.block_table[i] == FREED:  # given back: its content is not ours to publish
+                continue
             block = self._blocks[seq.block_table[i]]
             # A block already registered (a hit), or a hash another block holds (the same
             # prefix computed twice, or a collision), stays as it is.
@@ -230,7 +319,7 @@ class BlockManager:
             return self._num_blocks_needed(seq.block_table, seq.num_computed_tokens, num_new_tokens)
         computed = len(prefix_hits) * self.block_size
         # Hit blocks sitting in the free queue leave it.
-        idle_hits = sum(1 for b in prefix_hits if self._blocks[b].ref_count == 0)
+        idle_hits = sum(1 for b in prefix_hits if b != FREED and self._blocks[b].ref_count == 0)
         return idle_hits + self._num_blocks_needed(prefix_hits, computed, num_new_tokens)
 
     def _num_blocks_needed(self, table: list[int], start: int, num_new_tokens: int) -> int:
@@ -262,6 +351,7 @@ class BlockManager:
 
     def try_allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[BlockCopy] | None:
         """allocate_slots in one pass (the scheduler's hot path); None when blocks run short."""
+        self._release_outside_window(seq)
         table = seq.block_table
         start = seq.num_computed_tokens
         first_written = start // self.block_size
@@ -306,9 +396,19 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's blocks, tail first, so its last blocks are evicted first."""
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            if block_id != FREED:
+                self._release(block_id)
         seq.block_table = []
         seq.num_registered_blocks = 0
+
+    def can_fork(self, parent: Sequence, num_computed_tokens: int) -> bool:
+        """Whether parent still holds every block a child resuming at num_computed_tokens
+        reads (under kv_window the parent may have given back the ones it needs)."""
+        if self.kv_window is None:
+            return True
+        first = self._first_needed_block(num_computed_tokens)
+        end = self.blocks_for_tokens(num_computed_tokens)
+        return all(block_id != FREED for block_id in parent.block_table[first:end])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Child shares the parent's blocks that cover its tokens (a prefix of the parent's).
@@ -320,7 +420,8 @@ class BlockManager:
         num_shared = min(len(parent.block_table), self.blocks_for_tokens(child.num_tokens))
         child.block_table = parent.block_table[:num_shared]
         for block_id in child.block_table:
-            self._blocks[block_id].ref_count += 1
+            if block_id != FREED:
+                self._blocks[block_id].ref_count += 1
         child.block_hashes = parent.block_hashes[: child.num_tokens // self.block_size]
         child.num_registered_blocks = min(
             parent.num_registered_blocks, child.num_computed_tokens // self.block_size, num_shared

@@ -58,10 +58,15 @@ class Engine:
         )
         self.block_size = self.runner.block_size
         self.block_manager = BlockManager(
-            self.runner.num_kv_blocks, self.block_size, config.enable_prefix_caching
+            self.runner.num_kv_blocks,
+            self.block_size,
+            config.enable_prefix_caching,
+            kv_window=self.runner.model.kv_window(),
         )
-        # A sequence longer than the whole cache would preempt itself forever.
-        self.max_model_len = min(self.runner.max_model_len, self.block_manager.token_capacity)
+        # A sequence longer than the whole cache would preempt itself forever (unless only a
+        # sliding window of it is kept).
+        longest = self.block_manager.longest_sequence(config.max_num_batched_tokens)
+        self.max_model_len = min(self.runner.max_model_len, longest or self.runner.max_model_len)
         self.stop_rules = StopRules.of(self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, self.block_manager, self.stop_rules)
         self.speculator = make_speculator(config, self.max_model_len, self.vocab_size)

@@ -142,14 +142,6 @@ class ModelRunner:
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model.dims.max_position_embeddings
-        window = self.model.sliding_window()
-        if window is not None and window < limit:
-            logger.warning(
-                "model uses sliding-window attention (%d); full attention is exact only up to "
-                "that length, so max_model_len is capped there",
-                window,
-            )
-            limit = window
         requested = self.config.max_model_len
         if requested is None:
             return limit

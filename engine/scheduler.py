@@ -125,6 +125,11 @@ class Scheduler:
         self.stop_rules = stop_rules or StopRules(frozenset(), block_manager.token_capacity)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # Under a sliding window one sequence's step is cut so that its blocks fit the cache.
+        self.max_seq_step_tokens = min(
+            self.max_num_batched_tokens,
+            block_manager.step_token_limit or self.max_num_batched_tokens,
+        )
         self._running: list[Sequence] = []
         self._waiting = WaitingQueue()
         # Per waiting sequence: (blocks its prompt will take + 1 reserve, seq slots it takes),
@@ -172,7 +177,9 @@ class Scheduler:
         (none when all its remaining output fits the last block)."""
         bm = self.block_manager
         with_output = bm.blocks_for_tokens(num_tokens + max(max_new_tokens, 0))
-        return min(with_output, bm.blocks_for_tokens(num_tokens) + 1)
+        # Under a sliding window a sequence holds at most a step's and its window's blocks.
+        held = bm.blocks_held(num_tokens + max(max_new_tokens, 0), self.max_seq_step_tokens)
+        return min(with_output, bm.blocks_for_tokens(num_tokens) + 1, held + 1)
 
     def _track_waiting(self, seq: Sequence) -> None:
         remaining_output = seq.params.max_tokens - seq.num_output_tokens
@@ -252,10 +259,13 @@ class Scheduler:
         """
         child = parent.new_choice(choice_index, with_output=False)
         self._by_request.setdefault(child.request_id, []).append(child)
-        if parent.status is SequenceStatus.RUNNING and parent.block_table:
-            child.num_computed_tokens = min(
-                parent.num_prompt_tokens - 1, parent.num_computed_tokens
-            )
+        resume_at = min(parent.num_prompt_tokens - 1, parent.num_computed_tokens)
+        if (
+            parent.status is SequenceStatus.RUNNING
+            and parent.block_table
+            and self.block_manager.can_fork(parent, resume_at)
+        ):
+            child.num_computed_tokens = resume_at
             self.block_manager.fork(parent, child)
             child.status = SequenceStatus.RUNNING
             self._running.insert(_after_siblings(self._running, self._running.index(parent)), child)
@@ -314,7 +324,9 @@ class Scheduler:
         index = 0
         while index < len(self._running) and budget > 0:
             seq = self._running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(
+                seq.num_tokens - seq.num_computed_tokens, budget, self.max_seq_step_tokens
+            )
             if num_new <= 0:
                 index += 1
                 continue
@@ -380,7 +392,9 @@ class Scheduler:
             if len(self._running) + self._slots_needed(seq) > self.max_num_seqs:
                 break
             hits = bm.find_prefix_hits(seq)
-            num_new = min(seq.num_tokens - len(hits) * bm.block_size, budget)
+            num_new = min(
+                seq.num_tokens - len(hits) * bm.block_size, budget, self.max_seq_step_tokens
+            )
             if not bm.can_allocate(seq, num_new, hits):
                 break
             self._waiting.pop()

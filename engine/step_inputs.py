@@ -55,7 +55,8 @@ def prepare_inputs(batch: list[ScheduledSeq], block_size: int, to_device: ToDevi
                 f"sequence {s.seq.seq_id} needs {needed} KV blocks for {seq_lens[i]} tokens "
                 f"but its block table has {len(table)}"
             )
-        block_tables[i, :needed] = table[:needed]
+        # FREED entries (before every layer's window: never read) point at block 0.
+        block_tables[i, :needed] = np.maximum(table[:needed], 0)
     slots = (
         block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
         + positions % block_size

@@ -55,13 +55,25 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """out [S, H, D] <- attention of one query row per sequence over its paged context.
 
     key/value_cache [num_blocks, block_size, Hkv, D]; block_tables [S, W] and seq_lens [S] int32.
+    window: the query sees only the last `window` tokens (the blocks before are never read).
+    softcap: scaled scores s become softcap * tanh(s / softcap) before the softmax.
     """
     torch.ops.inferq_cpu.paged_decode_attention(
-        out, query, key_cache, value_cache, block_tables, seq_lens, scale
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        window or 0,
+        softcap or 0.0,
     )
 
 
@@ -75,14 +87,28 @@ def paged_prefill_attention(
     query_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """out rows of every prefill chunk <- causal attention over the chunk's paged context.
 
     Chunk c is query rows starts[c]:starts[c] + query_lens[c] of query [T, H, D], the last
     query_lens[c] of its sequence's seq_lens[c] tokens, whose K/V (these rows' included) are in
-    key/value_cache [num_blocks, block_size, Hkv, D] through block_tables[c]; all int32."""
+    key/value_cache [num_blocks, block_size, Hkv, D] through block_tables[c]; all int32.
+    window: each query sees only the last `window` positions up to its own. softcap: as
+    paged_decode_attention's."""
     torch.ops.inferq_cpu.paged_prefill_attention(
-        out, query, key_cache, value_cache, block_tables, starts, query_lens, seq_lens, scale
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        starts,
+        query_lens,
+        seq_lens,
+        scale,
+        window or 0,
+        softcap or 0.0,
     )
 
 
@@ -258,13 +284,14 @@ def decode_layers(
     num_heads: int,
     eps: float,
     scale: float,
+    windows: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every decoder layer of a decode-only step (one query row per sequence) in one call:
     (hidden, residual) after the last layer, before the final norm.
 
     norm_weights: input and post-attention norm per layer; linear_tensors / linear_ints: the
     qkv, o, gate_up and down projections of each layer (`NativeLinear.tensors()` / `.ints()`
-    apiece)."""
+    apiece); windows: each layer's sliding window (0: full attention)."""
     return torch.ops.inferq_cpu.decode_layers(
         hidden,
         positions,
@@ -281,4 +308,5 @@ def decode_layers(
         eps,
         scale,
         QUANT_GEMM_MIN_ROWS,
+        windows,
     )

@@ -5,6 +5,8 @@ KV head (GQA), stacked into BLOCK_M rows, so every K/V tile is loaded once per g
 the sequence's block table tile by tile with an fp32 online softmax (exp2 domain). Long
 contexts at small batch can instead be split along the context (flash decoding): each split
 writes a partial output with its running max and sum, and a second small kernel merges them.
+Under a sliding window a program starts at the first tile its earliest query sees, so blocks
+wholly before every query's window are never read (they may be freed).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def _unified_attention_kernel(
     num_seqs,
     num_q_heads,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window in tokens (read only when WINDOWED)
+    softcap,  # scores s become softcap * tanh(s / softcap) (read only when SOFTCAP)
     stride_q_t,
     stride_q_h,
     stride_k_b,
@@ -61,6 +65,8 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -113,12 +119,18 @@ def _unified_attention_kernel(
     last_q_idx = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_len = context_before + last_q_idx + 1
     num_tiles = (kv_len + TILE_N - 1) // TILE_N
+    kv_lo = 0
+    if WINDOWED:
+        # The block's first query sees keys from its position - window + 1 on; earlier slots
+        # (possibly of freed blocks) are never loaded.
+        kv_lo = tl.maximum(context_before + q_block * BLOCK_Q - window + 1, 0)
+    first_tile = kv_lo // TILE_N
     if NUM_SPLITS == 1:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
     else:
-        tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-        tile_lo = split * tiles_per_split
+        tiles_per_split = (num_tiles - first_tile + NUM_SPLITS - 1) // NUM_SPLITS
+        tile_lo = first_tile + split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -127,7 +139,7 @@ def _unified_attention_kernel(
     block_table = block_tables_ptr + seq * stride_bt
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * TILE_N + tl.arange(0, TILE_N)
-        kv_valid = kv_pos < kv_len
+        kv_valid = (kv_pos < kv_len) & (kv_pos >= kv_lo)
         physical = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
         in_block = kv_pos % BLOCK_SIZE
 
@@ -139,7 +151,13 @@ def _unified_attention_kernel(
         )
         k = tl.load(k_cache_ptr + k_offsets, mask=dim_valid[:, None] & kv_valid[None, :], other=0.0)
         s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            # in the natural-log domain: c * tanh(s / c), tanh(x) = 1 - 2 / (e^(2x) + 1)
+            capped = s / (softcap * 1.4426950408889634)
+            s = softcap * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
         causal = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        if WINDOWED:
+            causal = causal & (kv_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -279,6 +297,8 @@ def unified_attention(
     max_query_len: int,
     max_seq_len: int,
     num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context, in one launch.
 
@@ -292,6 +312,10 @@ def unified_attention(
     contexts and few sequences); 1 forces the single pass; > 1 forces that many splits. The
     heuristic reads the host ints max_query_len / max_seq_len, so a CUDA-graph capture should
     pass an explicit value; the kernels themselves read lengths from device memory only.
+
+    window: each query sees only positions p - window + 1 .. p (its own p included); block
+    table entries for blocks wholly before every query's window are never read. softcap: each
+    scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -316,7 +340,8 @@ def unified_attention(
     head_dim_pad = padded_head_dim(head_dim)
     shape = _launch_shape(queries_per_kv, max_query_len, head_dim_pad)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, q.device)
+        keys = max_seq_len if window is None else min(max_seq_len, window)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_query_len, keys, q.device)
     num_splits = max(int(num_splits), 1)
 
     if num_splits > 1:
@@ -351,6 +376,8 @@ def unified_attention(
         num_seqs,
         num_q_heads,
         scale * _LOG2E,
+        window or 0,
+        softcap or 0.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -371,6 +398,8 @@ def unified_attention(
         TILE_N=shape.tile_n,
         NUM_SPLITS=num_splits,
         DECODE_ONLY=decode_only,
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         DOT_UPCAST=upcast,
         # fp32 caches get exact fp32 products (no TF32); half types use the default MMA.
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else None,

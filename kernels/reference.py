@@ -22,11 +22,14 @@ def unified_attention_ref(
     max_query_len: int,
     max_seq_len: int,
     num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention, one sequence at a time, in fp32; writes and returns `out`.
 
     Query token j of sequence i sits at position seq_lens[i] - qlen_i + j and attends to the
-    context positions 0..that position, gathered through block_tables[i]. max_query_len,
+    context positions 0..that position (only the last `window` of them under a sliding
+    window; scores soft-capped by softcap), gathered through block_tables[i]. max_query_len,
     max_seq_len and num_splits only tune the kernel and are ignored here.
     """
     del max_query_len, max_seq_len, num_splits
@@ -43,9 +46,16 @@ def unified_attention_ref(
         k = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
         v = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         visible = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
+        # Blocks wholly outside every query's window may be freed (any content): never read.
+        k = k.masked_fill(~visible.any(0)[:, None, None], 0.0)
+        v = v.masked_fill(~visible.any(0)[:, None, None], 0.0)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

@@ -47,6 +47,9 @@ class AttentionBackend(Protocol):
 
     k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim] for one layer.
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim].
+    window: a sliding-window layer's window; the query at position p then sees only positions
+    p - window + 1 .. p, and a block table may name freed blocks (any id) before that.
+    softcap: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
     """
 
     def forward(
@@ -58,6 +61,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
     def attend_from_qkv(
@@ -70,6 +75,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor | None:
         """A step straight from the fused projection qkv: rotary, KV store and attention in
         one go, [T, num_heads, head_dim]; None where the backend has no such path for this step

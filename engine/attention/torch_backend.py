@@ -13,6 +13,9 @@ chunks (more than one query token) get one SDPA call each with a causal mask shi
 cached context. Everything that depends only on the batch shape (gather indices, masks) is built
 once per step into a plan cached on the metadata (engine.attention.torch_plan), and gathered K/V
 land in a workspace reused by every layer, so the per-layer work is a few large tensor ops.
+
+A layer with a sliding window passes it to every call: the kernels start each query's sweep at
+its window, the portable path masks the keys before it.
 """
 
 from __future__ import annotations
@@ -64,16 +67,21 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         plan = self._plan(meta, k_cache, q, q.shape[1])
 
         store_kv(k, v, k_cache, v_cache, plan)
         if plan.kernels:
-            return self._attend_paged(q.contiguous(), k_cache, v_cache, plan, scale)
+            return self._attend_paged(
+                q.contiguous(), k_cache, v_cache, plan, scale, window, softcap
+            )
         k_buf, v_buf = self._gather_buffers(plan.max_gather_blocks, k_cache)
         num_heads = q.shape[1]
         gqa = num_heads != num_kv_heads
+        masks = plan.masks(window)
 
         decode_out = None
         if plan.num_decodes:
@@ -87,27 +95,30 @@ class TorchAttentionBackend:
                 num_kv_heads,
                 head_dim,
             )
-            decode_out = F.scaled_dot_product_attention(
+            decode_out = _sdpa(
                 q_dec.reshape(plan.num_decodes, num_heads, 1, head_dim),
                 keys.view(shape).transpose(1, 2),
                 values.view(shape).transpose(1, 2),
-                attn_mask=plan.decode_mask,
-                scale=scale,
-                enable_gqa=gqa,
+                masks.decode_mask,
+                False,
+                scale,
+                gqa,
+                softcap,
             ).view(plan.num_decodes, num_heads, head_dim)
             if plan.decode_rows is None:
                 return decode_out
 
         if len(plan.prefills) == 1 and decode_out is None:
+            chunk, mask = plan.prefills[0], masks.prefill_masks[0]
             return self._prefill(
-                q, k, v, k_cache, v_cache, k_buf, v_buf, plan.prefills[0], scale, gqa
+                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa, softcap
             )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decode_out is not None:
             out.index_copy_(0, plan.decode_rows, decode_out)
-        for chunk in plan.prefills:
+        for chunk, mask in zip(plan.prefills, masks.prefill_masks, strict=True):
             out[chunk.start : chunk.end] = self._prefill(
-                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
+                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa, softcap
             )
         return out
 
@@ -121,6 +132,8 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor | None:
         """A CPU step from the fused projection qkv [T, (H + 2 Hkv) * D]: Neox rotary
         (cos_sin_cache as in engine.layers.rotary) and KV store in one kernel call, then the
@@ -138,7 +151,7 @@ class TorchAttentionBackend:
         q = rotary_store_kv(
             qkv, positions, cos_sin_cache, plan.token_slots, k_cache, v_cache, num_heads
         )
-        return self._attend_paged(q, k_cache, v_cache, plan, scale)
+        return self._attend_paged(q, k_cache, v_cache, plan, scale, window, softcap)
 
     def _attend_paged(
         self,
@@ -147,13 +160,23 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         plan: TorchAttentionPlan,
         scale: float,
+        window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of q [T, H, D] (contiguous, K/V stored) through the CPU kernels (and SDPA
         for prefill chunks where it was chosen)."""
         out = torch.empty_like(q)
         if plan.paged_prefill is None and not plan.prefills:  # every row decodes
             paged_decode_attention(
-                out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale
+                out,
+                q,
+                k_cache,
+                v_cache,
+                plan.decode_tables,
+                plan.decode_lens,
+                scale,
+                window,
+                softcap,
             )
             return out
         if plan.decode_tables is not None:
@@ -167,14 +190,17 @@ class TorchAttentionBackend:
                 plan.decode_tables,
                 plan.decode_lens,
                 scale,
+                window,
+                softcap,
             )
             out.index_copy_(0, plan.decode_rows, decode_out)
         if plan.prefills:  # through SDPA, context gathered from the cache
             k_buf, v_buf = self._gather_buffers(plan.max_gather_blocks, k_cache)
             gqa = q.shape[1] != k_cache.shape[2]
-            for chunk in plan.prefills:
+            masks = plan.masks(window)
+            for chunk, mask in zip(plan.prefills, masks.prefill_masks, strict=True):
                 out[chunk.start : chunk.end] = self._prefill(
-                    q, None, None, k_cache, v_cache, k_buf, v_buf, chunk, scale, gqa
+                    q, None, None, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa, softcap
                 )
             return out
         batch = plan.paged_prefill
@@ -188,6 +214,8 @@ class TorchAttentionBackend:
             batch.query_lens,
             batch.seq_lens,
             scale,
+            window,
+            softcap,
         )
         return out
 
@@ -243,12 +271,14 @@ class TorchAttentionBackend:
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
         chunk: PrefillChunk,
+        mask: torch.Tensor | None,
         scale: float,
         gqa: bool,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """SDPA over one chunk's context: this step's own K/V rows (k, v) where the chunk has
-        no cached context, else its blocks gathered from the cache; k, v None: always the
-        cache (the kernels stored the step's K/V there)."""
+        """SDPA over one chunk's context under `mask` (None: plain causal): this step's own K/V
+        rows (k, v) where the chunk has no cached context, else its blocks gathered from the
+        cache; k, v None: always the cache (the kernels stored the step's K/V there)."""
         if chunk.mask is None and k is not None and v is not None:
             keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:
@@ -258,14 +288,15 @@ class TorchAttentionBackend:
             values = torch.index_select(v_cache, 0, chunk.blocks, out=v_buf[:num_blocks])
             keys = keys.view(kv_shape)[: chunk.seq_len]
             values = values.view(kv_shape)[: chunk.seq_len]
-        out = F.scaled_dot_product_attention(
+        out = _sdpa(
             q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=gqa,
+            mask,
+            mask is None,
+            scale,
+            gqa,
+            softcap,
         )
         return out.squeeze(0).transpose(0, 1)
 
@@ -288,6 +319,37 @@ class TorchAttentionBackend:
         return ws[:half].view(num_blocks, *block_shape), ws[half:needed].view(
             num_blocks, *block_shape
         )
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    gqa: bool,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA of q [B, H, L, D] over k, v [B, Hkv, S, D] under an additive mask, or causal
+    (L == S), or neither; with a soft cap the scores are capped before the mask, so SDPA's fused
+    kernels give way to plain matmuls."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask.float()
+    elif causal:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu_(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def store_kv(

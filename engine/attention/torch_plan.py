@@ -2,11 +2,13 @@
 
 Everything that depends only on the batch shape is derived once per step from the attention
 metadata (`build_plan`) and kept on it, so every layer reuses it (engine.attention.torch_backend).
+The portable path's masks under a sliding window are built on first use per window size
+(`TorchAttentionPlan.masks`), so layers of a hybrid local/global model share them too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +37,25 @@ class PrefillChunk:
     mask: (
         torch.Tensor | None
     )  # [query_len, seq_len] additive; None: plain causal (no cached context)
+
+    def windowed_mask(self, window: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The chunk's mask where each query sees only the last `window` positions up to its
+        own; None where that is plain causal (no cached context, nothing older than a window)."""
+        n = self.end - self.start
+        if self.mask is None and self.seq_len <= window:
+            return None
+        device = self.blocks.device
+        key_pos = torch.arange(self.seq_len, device=device)[None, :]
+        query_pos = torch.arange(self.seq_len - n, self.seq_len, device=device)[:, None]
+        return _additive((key_pos > query_pos) | (key_pos <= query_pos - window), dtype)
+
+
+@dataclass(frozen=True)
+class WindowMasks:
+    """The portable path's masks for one sliding-window size."""
+
+    decode_mask: torch.Tensor | None  # as TorchAttentionPlan.decode_mask
+    prefill_masks: list[torch.Tensor | None]  # one per TorchAttentionPlan.prefills entry
 
 
 @dataclass
@@ -68,6 +89,29 @@ class TorchAttentionPlan:
     kernels: bool = False
     # ... and every sequence decodes one token (the C++ decode stack runs such steps).
     decodes_only_fused: bool = False
+    decode_lens_cpu: list[int] = field(default_factory=list)  # the portable decodes' lengths
+    decode_context: int = 0  # the portable decodes' gathered keys per sequence
+    dtype: torch.dtype = torch.float32
+    _window_masks: dict[int, WindowMasks] = field(default_factory=dict)
+
+    def masks(self, window: int | None) -> WindowMasks:
+        """The portable path's decode and prefill masks under `window` (None: full attention)."""
+        if window is None:
+            return WindowMasks(self.decode_mask, [chunk.mask for chunk in self.prefills])
+        if window not in self._window_masks:
+            decode_mask = self.decode_mask
+            if any(n > window for n in self.decode_lens_cpu):
+                decode_mask = _decode_mask(
+                    self.decode_lens_cpu,
+                    self.decode_context,
+                    window,
+                    self.dtype,
+                    self.token_slots.device,
+                )
+            self._window_masks[window] = WindowMasks(
+                decode_mask, [chunk.windowed_mask(window, self.dtype) for chunk in self.prefills]
+            )
+        return self._window_masks[window]
 
 
 def build_plan(
@@ -119,9 +163,7 @@ def build_plan(
         decode_blocks = table.reshape(-1).to(torch.int64)
         ctx = decode_blocks_per_seq * block_size
         if any(n != ctx for n in decode_lens):
-            lens = torch.tensor(decode_lens, device=device)
-            padded = torch.arange(ctx, device=device)[None, :] >= lens[:, None]
-            decode_mask = _additive(padded, dtype).view(len(decode_seqs), 1, 1, ctx)
+            decode_mask = _decode_mask(decode_lens, ctx, None, dtype, device)
 
     prefill_seqs = [i for i, n in enumerate(query_lens) if n > 1]
     prefills = []
@@ -165,7 +207,23 @@ def build_plan(
         kernels=paged_kernels,
         decodes_only_fused=decode_tables is not None and decode_rows is None and not prefill_seqs,
         paged_prefill=paged_prefill,
+        decode_lens_cpu=decode_lens if isinstance(decode_lens, list) else [],
+        decode_context=decode_blocks_per_seq * block_size,
+        dtype=dtype,
     )
+
+
+def _decode_mask(
+    lens: list[int], ctx: int, window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[S, 1, 1, ctx] additive: each decode row sees its first lens[s] keys, or only the last
+    `window` of them."""
+    lens_t = torch.tensor(lens, device=device)[:, None]
+    key_pos = torch.arange(ctx, device=device)[None, :]
+    hidden = key_pos >= lens_t
+    if window is not None:
+        hidden |= key_pos < lens_t - window
+    return _additive(hidden, dtype).view(len(lens), 1, 1, ctx)
 
 
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:

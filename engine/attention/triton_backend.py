@@ -32,6 +32,8 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -47,6 +49,8 @@ class TritonAttentionBackend:
             meta.max_query_len,
             meta.max_seq_len,
             num_splits=self.num_splits,
+            window=window,
+            softcap=softcap,
         )
 
     def attend_from_qkv(
@@ -59,5 +63,7 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor | None:
         return None  # on CUDA, decode steps replay captured graphs of forward

@@ -34,6 +34,8 @@ _FAMILIES: dict[str, Registration] = {
         Registration("LlamaForCausalLM", "llama", "llama:LlamaForCausalLM"),
         Registration("MistralForCausalLM", "mistral", "llama:LlamaForCausalLM"),
         Registration("Qwen2ForCausalLM", "qwen2", "qwen2:Qwen2ForCausalLM"),
+        Registration("Gemma2ForCausalLM", "gemma2", "gemma2:Gemma2ForCausalLM"),
+        Registration("Gemma3ForCausalLM", "gemma3_text", "gemma3:Gemma3ForCausalLM"),
     )
 }
 

@@ -163,12 +163,19 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
         return [self.attention_spec(i) for i in range(len(self.decoder_layers))]
 
     def sliding_window(self) -> int | None:
-        """The smallest sliding window of any layer (None: no layer has one).
-
-        The attention backends compute full attention for every layer, which equals a sliding
-        window's only up to the window (e.g. Mistral 7B v0.1: 4096), so the runner caps the
-        context there."""
+        """The smallest sliding window of any layer (None: no layer has one)."""
         return min((spec.window for spec in self.attention_specs() if spec.window), default=None)
+
+    def kv_window(self) -> int | None:
+        """How many of a sequence's latest positions any layer still reads, where every layer
+        has a sliding window (the largest); None where some layer reads the whole context.
+
+        Blocks wholly before a running sequence's last kv_window positions are read by no
+        layer again, so they can be freed while it runs."""
+        windows = [spec.window for spec in self.attention_specs()]
+        if not windows or any(window is None for window in windows):
+            return None
+        return max(window for window in windows if window is not None)
 
 
 class ModelFactory(Protocol):

@@ -59,6 +59,14 @@ class LlamaShape:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    # Per layer where layers differ (hybrid local/global attention); empty: `attention` for all.
+    layer_attention: tuple[AttentionSpec, ...] = ()
+
+    def for_layer(self, layer: int) -> LlamaShape:
+        """This shape with layer's own attention."""
+        if not self.layer_attention:
+            return self
+        return replace(self, attention=self.layer_attention[layer])
 
 
 def read_llama_config(hf_config: PretrainedConfig) -> LlamaShape:
@@ -70,6 +78,25 @@ def read_llama_config(hf_config: PretrainedConfig) -> LlamaShape:
         window = None
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     theta, scaling = rope_parameters(hf_config)
+    attention = AttentionSpec(
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        kind=AttentionKind.SLIDING if window else AttentionKind.FULL,
+        window=int(window) if window else None,
+    )
+    # Configs naming each layer's kind (e.g. Qwen2 windows only layers from max_window_layers).
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    layer_attention = (
+        tuple(
+            attention
+            if kind == "sliding_attention"
+            else replace(attention, kind=AttentionKind.FULL, window=None)
+            for kind in layer_types
+        )
+        if window
+        else ()
+    )
     return LlamaShape(
         dims=ModelDims(
             vocab_size=hf_config.vocab_size,
@@ -80,19 +107,14 @@ def read_llama_config(hf_config: PretrainedConfig) -> LlamaShape:
         ),
         num_layers=hf_config.num_hidden_layers,
         intermediate_size=hf_config.intermediate_size,
-        attention=AttentionSpec(
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            kind=AttentionKind.SLIDING if window else AttentionKind.FULL,
-            window=int(window) if window else None,
-        ),
+        attention=attention,
         rms_norm_eps=hf_config.rms_norm_eps,
         rope_theta=theta,
         rope_scaling=scaling,
         qkv_bias=attention_bias,
         o_bias=attention_bias,
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        layer_attention=layer_attention,
     )
 
 
@@ -156,6 +178,7 @@ class LlamaAttention(nn.Module):
         self.head_dim, self.q_size, self.kv_size = spec.head_dim, spec.q_size, spec.kv_size
         self.rotary_emb = rotary_emb  # shared by all layers
         self.backend = backend
+        self.window = spec.window  # None: full attention
 
     def forward(
         self,
@@ -179,12 +202,15 @@ class LlamaAttention(nn.Module):
             kv_cache[1],
             meta,
             self.scale,
+            window=self.window,
         )
         if out is None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q, k = self.rotary_emb(positions, q, k, cos_sin)
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = self.backend.forward(
+                q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, window=self.window
+            )
         out = out.reshape(num_tokens, self.q_size)
         if output_rows is not None:
             out = out.index_select(0, output_rows)
@@ -254,8 +280,8 @@ class LlamaModel(nn.Module):
             else VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, self.rotary_emb, backend, tp=tp)
-            for _ in range(shape.num_layers)
+            LlamaDecoderLayer(shape.for_layer(i), self.rotary_emb, backend, tp=tp)
+            for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(dims.hidden_size, shape.rms_norm_eps)
         # Decode steps on the CPU run their layers in one C++ call (tensor-parallel ranks keep
@@ -281,6 +307,7 @@ class LlamaModel(nn.Module):
             attention.num_heads,
             eps,
             attention.scale,
+            [layer.self_attn.window or 0 for layer in self.layers],
         )
 
     def forward(

@@ -134,7 +134,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos_sin_cache,
     at::TensorList key_caches, at::TensorList value_caches, at::TensorList norm_weights,
     const c10::List<std::optional<at::Tensor>>& linear_tensors, c10::IntArrayRef linear_ints,
-    int64_t num_heads, double eps, double scale, int64_t quant_gemm_min_rows) {
+    int64_t num_heads, double eps, double scale, int64_t quant_gemm_min_rows,
+    c10::IntArrayRef windows) {
   static const c10::OperatorHandle rms_norm = find_op("inferq_cpu::rms_norm");
   static const c10::OperatorHandle rotary_store_kv = find_op("inferq_cpu::rotary_store_kv");
   static const c10::OperatorHandle attention = find_op("inferq_cpu::paged_decode_attention");
@@ -145,6 +146,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == num_layers &&
                   static_cast<int64_t>(norm_weights.size()) == 2 * num_layers,
               "one key cache, value cache and two norm weights per layer");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == num_layers,
+              "one sliding window (0: none) per layer");
   const std::vector<Linear> linears =
       read_linears(linear_tensors, linear_ints, num_layers * kLinearsPerLayer);
   const int64_t num_tokens = hidden_in.size(0);
@@ -174,7 +177,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::Tensor attended = at::empty_like(q);
     std::vector<c10::IValue> stack{attended,          q,          key_caches[layer],
                                    value_caches[layer], block_tables, seq_lens,
-                                   c10::IValue(scale)};
+                                   c10::IValue(scale), c10::IValue(windows[layer]),
+                                   c10::IValue(0.0)};
     attention.callBoxed(&stack);
     const at::Tensor projected =
         run_linear(proj[1], attended.view({num_tokens, -1}), quant_gemm_min_rows);
@@ -193,7 +197,7 @@ TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
       "decode_layers(Tensor hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor cos_sin_cache, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor[] norm_weights, Tensor?[] linear_tensors, int[] linear_ints, int num_heads, "
-      "float eps, float scale, int quant_gemm_min_rows) -> (Tensor, Tensor)");
+      "float eps, float scale, int quant_gemm_min_rows, int[] windows) -> (Tensor, Tensor)");
   m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
   // oneDNN-packed weights are tensors of their own backend; dispatch sees them among the args.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &decode_layers);

@@ -19,13 +19,18 @@ inline void prefetch_row(const scalar_t* row, int64_t count) {
   }
 }
 
-// One sequence's context in a cache tensor: `len` tokens spread over the blocks of `table`.
+// One sequence's context in a cache tensor: tokens begin .. len - 1 of the `len` spread over
+// the blocks of `table` (begin > 0 under a sliding window: the blocks wholly before it are never
+// read, so they may be freed). Visitors see tokens numbered from `begin` (t = 0 is token begin).
 template <typename scalar_t>
 struct ContextRows {
   const int32_t* table;
   int64_t len, block_size, block_stride, token_stride;
   int64_t row_offset;  // where this work item's KV heads start within a token's row
   int64_t row_size;    // how many elements of a token's row this work item reads
+  int64_t begin = 0;   // the first token read
+
+  int64_t count() const { return len - begin; }
 
   // visit(row, t) for every token t in order. Blocks lie anywhere in the cache, beyond the
   // hardware prefetcher's sight, so the next block's rows are requested while this one's are
@@ -34,21 +39,22 @@ struct ContextRows {
   // about half the memory bandwidth that L2 prefetches reach).
   template <typename Visit>
   void visit(const scalar_t* cache, Visit&& visit_row) const {
-    for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
+    for (int64_t block = begin / block_size, first = block * block_size; first < len;
+         ++block, first += block_size) {
       const scalar_t* rows = cache + table[block] * block_stride + row_offset;
       const int64_t count = std::min(block_size, len - first);
       const bool has_next = first + block_size < len;
       const scalar_t* next = has_next ? cache + table[block + 1] * block_stride + row_offset : rows;
-      for (int64_t i = 0; i < count; ++i) {
+      for (int64_t i = std::max<int64_t>(0, begin - first); i < count; ++i) {
         if (has_next) prefetch_row(next + i * token_stride, row_size);
-        visit_row(rows + i * token_stride, first + i);
+        visit_row(rows + i * token_stride, first + i - begin);
       }
     }
   }
 
-  // The rows of the context's first block in `cache`.
+  // The rows of the context's first block read in `cache`.
   const scalar_t* first_block(const scalar_t* cache) const {
-    return cache + table[0] * block_stride + row_offset;
+    return cache + table[begin / block_size] * block_stride + row_offset;
   }
 
   // visit_block(rows, next_rows, first, count) for every block in order: its `count` token
@@ -57,16 +63,19 @@ struct ContextRows {
   // `visit` does. For the last block it is `after_last` (nullptr: nothing), the block the
   // caller reads next, so that a sweep does not start on a cold block; its rows past a short
   // last block's `count` are requested here.
+  // A first block entered part way (begin inside it) is visited from token begin on.
   template <typename VisitBlock>
   void visit_blocks(const scalar_t* cache, VisitBlock&& visit_block,
                     const scalar_t* after_last = nullptr) const {
-    for (int64_t block = 0, first = 0; first < len; ++block, first += block_size) {
+    for (int64_t block = begin / block_size, first = block * block_size; first < len;
+         ++block, first += block_size) {
+      const int64_t skip = std::max<int64_t>(0, begin - first);
       const scalar_t* rows = cache + table[block] * block_stride + row_offset;
       const bool has_next = first + block_size < len;
       const scalar_t* next = has_next ? cache + table[block + 1] * block_stride + row_offset
                                       : after_last;
       const int64_t count = std::min(block_size, len - first);
-      visit_block(rows, next, first, count);
+      visit_block(rows + skip * token_stride, next, first + skip - begin, count - skip);
       if (!has_next && after_last != nullptr) {
         for (int64_t i = count; i < block_size; ++i) {
           prefetch_row(after_last + i * token_stride, row_size);

@@ -5,6 +5,9 @@
 // from memory once per step. Scores are kept
 // for the whole context (at most max_model_len floats per head), then softmaxed and used to
 // weight V in a second pass: two sequential sweeps over the blocks, accumulated in float32.
+// Under a sliding window of W tokens a query sees only the last W positions of its context
+// (itself included): the sweeps start there and never touch the blocks before. With a soft cap
+// c > 0 (Gemma 2) each scaled score s becomes c * tanh(s / c) before the softmax.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -57,8 +60,9 @@ struct DecodeItem {
   const scalar_t* key_cache;
   const scalar_t* value_cache;
   const scalar_t* next_item_keys;  // the thread's next item's first K block (nullptr: none)
-  int64_t len, q_heads, group, head_dim, token_stride;
+  int64_t len, q_heads, group, head_dim, token_stride;  // len: the tokens attended
   float scale;
+  float softcap;          // > 0: scores become softcap * tanh(score / softcap)
   const float* q_scaled;  // q * scale in float32
   float* scores;          // [q_heads, len]
   float* acc;             // [q_heads, head_dim], zero: softmax(scores) v, unnormalised
@@ -77,7 +81,7 @@ template <typename scalar_t, typename Attend>
 void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, int64_t head_dim, double scale,
-                          Attend&& attend) {
+                          int64_t window, double softcap, Attend&& attend) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t block_size = key_cache.size(1);
@@ -95,6 +99,11 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const float scale_f = static_cast<float>(scale);
+  // the first context token a sequence's query sees
+  const auto begin_of = [&](int64_t seq) -> int64_t {
+    return window > 0 ? std::max<int64_t>(0, lens[seq] - window) : 0;
+  };
+  const auto attended = [&](int64_t seq) { return lens[seq] - begin_of(seq); };
 
   const int64_t num_items = num_seqs * splits;
   // Each thread takes one run of items, the runs holding equal shares of the context to read
@@ -104,11 +113,11 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
   {
     constexpr int64_t kItemCost = 16;  // tokens' worth of fixed work per item
     int64_t total = 0;
-    for (int64_t seq = 0; seq < num_seqs; ++seq) total += splits * (lens[seq] + kItemCost);
+    for (int64_t seq = 0; seq < num_seqs; ++seq) total += splits * (attended(seq) + kItemCost);
     int64_t done = 0;
     for (int64_t item = 0, part = 0; item < num_items; ++item) {
       while (part < parts && done * parts >= total * part) part_start[part++] = item;
-      done += lens[item / splits] + kItemCost;
+      done += attended(item / splits) + kItemCost;
     }
   }
   const scalar_t* k_data = key_cache.data_ptr<scalar_t>();
@@ -116,7 +125,7 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
     const int64_t seq = item / splits;
     return ContextRows<scalar_t>{tables + seq * table_width, lens[seq], block_size,
                                  block_stride, token_stride, (item % splits) * kv_per_item * head_dim,
-                                 kv_per_item * head_dim};
+                                 kv_per_item * head_dim, begin_of(seq)};
   };
 
   at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
@@ -129,7 +138,7 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
     for (int64_t item = part_start[part_begin]; item < end; ++item) {
       const int64_t seq = item / splits;
       const int64_t first_kv = (item % splits) * kv_per_item;
-      const int64_t len = lens[seq];
+      const int64_t len = attended(seq);
       const int64_t first_row = (seq * num_heads + first_kv * group) * head_dim;
       for (int64_t i = 0; i < q_per_item * head_dim; ++i) {
         q_scaled[i] = as_float(q[first_row + i]) * scale_f;
@@ -146,7 +155,8 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
               : nullptr;
       attend(DecodeItem<scalar_t>{q + first_row, item_context(item), k_data,
                                   value_cache.data_ptr<scalar_t>(), next_keys, len, q_per_item,
-                                  group, head_dim, token_stride, scale_f, q_scaled.data(),
+                                  group, head_dim, token_stride, scale_f,
+                                  static_cast<float>(softcap), q_scaled.data(),
                                   scores.data(), acc.data(), inv_sums.data(), probs.data(),
                                   probs_stride});
       for (int64_t h = 0; h < q_per_item; ++h) {
@@ -157,6 +167,13 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
       }
     }
   });
+}
+
+// scores[i] = softcap * tanh(scores[i] / softcap) for the first n (softcap > 0 only).
+inline void cap_scores(float* scores, int64_t n, float softcap) {
+  if (softcap <= 0.f) return;
+  const float inv = 1.f / softcap;
+  for (int64_t i = 0; i < n; ++i) scores[i] = softcap * std::tanh(scores[i] * inv);
 }
 
 // kHeadDim > 0 fixes the head size at compile time, so the per-row loops over it unroll into a
@@ -184,6 +201,7 @@ void attend_portable(const DecodeItem<scalar_t>& item) {
       item.scores[h * len + t] = dot;
     }
   });
+  cap_scores(item.scores, item.q_heads * len, item.softcap);
   for (int64_t h = 0; h < item.q_heads; ++h) {
     float* row = item.scores + h * len;
     const float top = *std::max_element(row, row + len);
@@ -442,6 +460,7 @@ void attend_avx512(const DecodeItem<scalar_t>& item) {
     }
   }, item.context.first_block(item.value_cache));
 
+  cap_scores(scores, item.q_heads * len, item.softcap);
   softmax_rows(scores, item.q_heads, len, item.inv_sums);
 
 #ifdef INFERQ_DECODE_BF16_DOT
@@ -468,9 +487,11 @@ void attend_avx512(const DecodeItem<scalar_t>& item) {
 
 // out [S, H, D] = softmax(q k^T * scale) v for q [S, H, D] over each sequence's cached context
 // (key/value_cache [num_blocks, block_size, Hkv, D], block_tables [S, W] int32, seq_lens [S] int32).
+// window > 0: each query sees only the last `window` tokens of its context.
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, int64_t window,
+                            double softcap) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -490,7 +511,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
       attend_portable<scalar_t, kHeadDim>(item);
     };
     for_each_decode_item<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                   query.size(2), scale, attend);
+                                   query.size(2), scale, window, softcap, attend);
   };
   inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
     if (query.scalar_type() == at::kFloat) {
@@ -506,6 +527,6 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 TORCH_LIBRARY(inferq_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, float scale, int window=0, float softcap=0) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

@@ -8,7 +8,10 @@
 // blocked passes run over it: scores for 4 keys x kRows rows at a time (16 accumulators of 16
 // lanes), softmax down each row, and the weighted sum for a few rows' whole heads at a time.
 // All arithmetic is fp32, whatever the cache's dtype. Items are handed out one at a time to the
-// threads, since their costs differ (later tiles see longer contexts).
+// threads, since their costs differ (later tiles see longer contexts). Under a sliding window of
+// W tokens a query sees only the last W positions (itself included): an item's context starts
+// at its first query's earliest key, and keys too old for a later query are masked for it.
+// With a soft cap c > 0 (Gemma 2) each scaled score s becomes c * tanh(s / c).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -134,7 +137,8 @@ template <typename scalar_t, int64_t kHeadDim>
 void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Tensor& query,
                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const int32_t* tables, int64_t table_width, const int32_t* starts,
-                 const int32_t* query_lens, const int32_t* seq_lens, float scale) {
+                 const int32_t* query_lens, const int32_t* seq_lens, float scale,
+                 int64_t window, float softcap) {
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -144,7 +148,9 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
   // Query i of the chunk sits at position cached + i and sees keys 0..cached + i.
   const int64_t cached = seq_lens[item.chunk] - query_lens[item.chunk];
   const int64_t first_pos = cached + item.first_query;
-  const int64_t len = first_pos + item.num_queries;
+  const int64_t end = first_pos + item.num_queries;
+  const int64_t begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t len = end - begin;  // keys read; key t of the workspace is token begin + t
   const int64_t first_row = starts[item.chunk] + item.first_query;
 
   ws.q.assign(head_dim * kRows, 0.f);
@@ -159,9 +165,9 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
   ws.values.resize(len * head_dim);
   ws.scores.resize(padded * kRows);
   std::fill(ws.keys.begin() + len * head_dim, ws.keys.end(), 0.f);
-  const ContextRows<scalar_t> rows{tables + item.chunk * table_width, len, block_size,
+  const ContextRows<scalar_t> rows{tables + item.chunk * table_width, end, block_size,
                                    block_size * token_stride, token_stride,
-                                   item.kv_head * head_dim, head_dim};
+                                   item.kv_head * head_dim, head_dim, begin};
   widen_rows(rows, key_cache.data_ptr<scalar_t>(), head_dim, ws.keys.data());
   widen_rows(rows, value_cache.data_ptr<scalar_t>(), head_dim, ws.values.data());
 
@@ -185,12 +191,27 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
       for (int64_t r = 0; r < kRows; ++r) dst[r] = acc[b][r];
     }
   }
-  // Causal: row r (query first_pos + r / group) sees keys up to its own position, so key t
-  // is hidden from the rows of the tile's first t - first_pos queries.
+  if (softcap > 0.f) {
+    const float inv = 1.f / softcap;
+    for (int64_t i = 0; i < len * kRows; ++i) {
+      ws.scores[i] = softcap * std::tanh(ws.scores[i] * inv);
+    }
+  }
+  // Causal: row r (query first_pos + r / group) sees keys up to its own position, so token
+  // p is hidden from the rows of the tile's first p - first_pos queries.
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  for (int64_t t = first_pos + 1; t < len; ++t) {
-    float* row = ws.scores.data() + t * kRows;
-    std::fill(row, row + (t - first_pos) * group, kMasked);
+  for (int64_t p = first_pos + 1; p < end; ++p) {
+    float* row = ws.scores.data() + (p - begin) * kRows;
+    std::fill(row, row + (p - first_pos) * group, kMasked);
+  }
+  // Window: token p is hidden from the queries at positions p + window on.
+  if (window > 0) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first_hidden = (p + window - first_pos) * group;
+      if (first_hidden >= rows_used) break;
+      float* row = ws.scores.data() + (p - begin) * kRows;
+      std::fill(row + first_hidden, row + rows_used, kMasked);
+    }
   }
 
   float top[kRows], sums[kRows];
@@ -213,7 +234,7 @@ template <typename scalar_t, int64_t kHeadDim>
 void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                    const at::Tensor& starts, const at::Tensor& query_lens,
-                   const at::Tensor& seq_lens, double scale) {
+                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t group = query.size(1) / num_kv_heads;
   const int64_t tile = std::max<int64_t>(1, kRows / group);
@@ -234,7 +255,8 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       attend_item<scalar_t, kHeadDim>(items[i], ws, out, query, key_cache, value_cache,
                                       block_tables.data_ptr<int32_t>(), block_tables.size(1),
                                       starts.data_ptr<int32_t>(), lens,
-                                      seq_lens.data_ptr<int32_t>(), static_cast<float>(scale));
+                                      seq_lens.data_ptr<int32_t>(), static_cast<float>(scale),
+                                      window, static_cast<float>(softcap));
     }
   });
 }
@@ -242,11 +264,13 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 // out [T, H, D] rows of every prefill chunk = causal softmax(q k^T * scale) v, for query
 // [T, H, D] whose chunk c holds rows starts[c] .. starts[c] + query_lens[c] and ends its
 // sequence at seq_lens[c] tokens, all in the cache (key/value_cache [num_blocks, block_size,
-// Hkv, D], block_tables [C, W] int32). Rows of no chunk are left as they are.
+// Hkv, D], block_tables [C, W] int32). Rows of no chunk are left as they are. window > 0: each
+// query sees only the last `window` positions up to its own.
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& starts, const at::Tensor& query_lens,
-                             const at::Tensor& seq_lens, double scale) {
+                             const at::Tensor& seq_lens, double scale, int64_t window,
+                             double softcap) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   for (const at::Tensor* t : {&block_tables, &starts, &query_lens, &seq_lens}) {
@@ -260,10 +284,11 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
     if (query.scalar_type() == at::kFloat) {
       paged_prefill<float, head_dim>(out, query, key_cache, value_cache, block_tables, starts,
-                                     query_lens, seq_lens, scale);
+                                     query_lens, seq_lens, scale, window, softcap);
     } else {
       paged_prefill<c10::BFloat16, head_dim>(out, query, key_cache, value_cache, block_tables,
-                                             starts, query_lens, seq_lens, scale);
+                                             starts, query_lens, seq_lens, scale, window,
+                                             softcap);
     }
   });
 }
@@ -274,6 +299,6 @@ TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor starts, Tensor query_lens, "
-      "Tensor seq_lens, float scale) -> ()");
+      "Tensor seq_lens, float scale, int window=0, float softcap=0) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
 }

@@ -48,13 +48,16 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Save a random tiny HF model folder; kind is "llama", "qwen2" or "mistral"."""
+    """Save a random tiny HF model folder; kind is "llama", "qwen2", "mistral", "gemma2" or
+    "gemma3"."""
     import transformers as tf
 
     classes = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     config = config_cls(**{**TINY_SIZES, **overrides})

@@ -32,6 +32,7 @@ class Case:
     block_size: int = 4
     skip_slots: tuple[int, ...] = ()  # flat token rows whose slot is -1
     head_dim: int = HEAD_DIM
+    window: int | None = None  # sliding window: each query sees its last `window` positions
 
 
 def _layout(case: Case, rng: random.Random) -> tuple[list[list[int]], list[int], AttentionMetadata]:
@@ -88,7 +89,7 @@ def _run_case(
     before = (k_cache.clone(), v_cache.clone())
     scale = case.head_dim**-0.5
     backend = TorchAttentionBackend(paged_kernels, sdpa_prefill)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window=case.window)
     expected = _dense_oracle(q, k, v, before, tables, case, scale)
     return out, expected, before, (k_cache, v_cache), slots
 
@@ -107,7 +108,10 @@ def _dense_oracle(q, k, v, cache, tables, case: Case, scale: float) -> torch.Ten
         scores = torch.einsum("qhd,khd->hqk", q[row : row + n].double(), keys) * scale
         key_pos = torch.arange(context + n)[None, :]
         query_pos = torch.arange(context, context + n)[:, None]
-        scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+        hidden = key_pos > query_pos
+        if case.window is not None:
+            hidden |= key_pos <= query_pos - case.window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[row : row + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
         row += n
     return out.to(q.dtype)
@@ -146,6 +150,15 @@ CASES = {
     ),
     "one head per kv head, long chunk": Case(contexts=[5], query_lens=[130], group=1),
     "head_dim 6": Case(contexts=[2, 0], query_lens=[9, 4], head_dim=6),
+    # sliding windows shorter than the contexts, not aligned to blocks
+    "window: decodes": Case(contexts=[0, 5, 12, 31, 7], query_lens=[1] * 5, window=6),
+    "window: prefill from scratch": Case(contexts=[0], query_lens=[37], window=5, group=3),
+    "window: chunks and decodes": Case(
+        contexts=[9, 0, 40, 17, 3], query_lens=[1, 30, 11, 1, 1], block_size=8, window=11
+    ),
+    "window: head_dim 64 tiles": Case(
+        contexts=[0, 40], query_lens=[150, 70], group=3, head_dim=64, block_size=16, window=24
+    ),
 }
 
 

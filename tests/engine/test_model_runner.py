@@ -123,12 +123,12 @@ def test_short_block_table_is_an_error(tiny_llama_dir) -> None:
         step_logits(runner, [ScheduledSeq(seq, 9)])
 
 
-def test_sliding_window_models_are_capped_to_their_window() -> None:
-    """Full attention equals a sliding window only up to the window, so longer is refused."""
+def test_sliding_window_models_serve_past_their_window() -> None:
+    """The attention applies the window, so the context is not capped there."""
     from transformers import MistralConfig
 
     windowed = _dummy_runner(MistralConfig(**TINY_SIZES, sliding_window=64), num_kv_blocks=4)
-    assert windowed.max_model_len == 64
+    assert windowed.max_model_len == TINY_SIZES["max_position_embeddings"]
     unwindowed = _dummy_runner(Qwen2Config(**TINY_SIZES), num_kv_blocks=4)  # window off
     assert unwindowed.max_model_len == TINY_SIZES["max_position_embeddings"]
     with pytest.raises(ValueError, match="max_model_len"):

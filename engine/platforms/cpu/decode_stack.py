@@ -70,13 +70,16 @@ class CpuDecodeStack(nn.Module):
         num_heads: int,
         eps: float,
         scale: float,
+        windows: list[int] | None = None,
     ) -> None:
+        """windows: each layer's sliding window (0: full attention); None: none has one."""
         super().__init__()
         self._layers = list(layers)
         self._shared = _SharedParts(backend, rotary)
         self._num_heads = num_heads
         self._eps = eps
         self._scale = scale
+        self._windows = list(windows) if windows is not None else [0] * len(self._layers)
         # Per row class (small or not): the arguments (None: some layer has no C++ path), read
         # on the first step after `prepare`.
         self._args: dict[bool, _LayerArgs | None] = {}
@@ -122,6 +125,7 @@ class CpuDecodeStack(nn.Module):
             self._num_heads,
             self._eps,
             self._scale,
+            self._windows,
         )
 
     def _layer_args(self, rows: int) -> _LayerArgs | None:
