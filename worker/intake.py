@@ -19,6 +19,7 @@ from schemas import (
     JobField,
     JobStatus,
     RedisKeys,
+    RunState,
     TokenChunk,
     error_from_validation,
     is_valid_job_id,
@@ -150,12 +151,15 @@ def _classify(entry: Entry, stored: StoredJob, now: datetime) -> Verdict:
     return Admit(HeldJob.fresh(job, entry.entry_id))
 
 
-def settle(entry: Entry, verdict: Verdict, policy: CrashPolicy) -> Verdict:
-    """An admitted job, or its dead letter when its earlier starts leave it no more."""
+def settle(
+    entry: Entry, verdict: Verdict, policy: CrashPolicy, died_in_first_step: bool = False
+) -> Verdict:
+    """An admitted job, or its dead letter when its earlier starts leave it no more.
+    `died_in_first_step`: the job is in its last worker's first-step marker."""
     if not isinstance(verdict, Admit):
         return verdict
     held = verdict.held
-    error = settle_cut_off_start(held, entry.reclaimed, policy)
+    error = settle_cut_off_start(held, entry.reclaimed, died_in_first_step, policy)
     if error is None:
         return verdict
     fields = entry.fields or {}
@@ -238,8 +242,9 @@ class StreamReader:
 
     async def load(self, entries: list[Entry], policy: CrashPolicy, now: datetime) -> list[Verdict]:
         """Classify entries (one pipeline of HGETALLs) and, for jobs that earlier attempts
-        already started, read their published chunks (one more pipeline) to resume from; then
-        settle their cut-off starts (worker.crashes)."""
+        already started, read their published chunks to resume from and whether their last
+        worker died in their first step (one more pipeline); then settle their cut-off starts
+        (worker.crashes)."""
         if not entries:
             return []
         job_ids = {  # entry id -> the job it names
@@ -265,14 +270,29 @@ class StreamReader:
                 or v.held.job.run_state is not None
             )
         ]
+        in_first_step: set[str] = set()
         if resuming:
+            suspects = [h for h in resuming if h.job.run_state is RunState.STARTED and h.job.worker]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for held in resuming:
                     pipe.xrange(self.keys.out_stream(held.job_id), "-", "+")
-                replays = await pipe.execute(raise_on_error=False)
+                for held in suspects:
+                    pipe.sismember(self.keys.first_step(held.job.worker or ""), held.job_id)
+                replies = await pipe.execute(raise_on_error=False)
+            replays, marks = replies[: len(resuming)], replies[len(resuming) :]
             for held, replay in zip(resuming, replays, strict=True):
                 held.resume_from(_chunks(held.job_id, replay))
-        return [settle(e, v, policy) for e, v in zip(entries, verdicts, strict=True)]
+            for held, mark in zip(suspects, marks, strict=True):
+                if isinstance(mark, ResponseError):  # not a set: no evidence
+                    continue
+                if isinstance(mark, Exception):
+                    raise mark
+                if mark:
+                    in_first_step.add(held.job_id)
+        return [
+            settle(e, v, policy, isinstance(v, Admit) and v.held.job_id in in_first_step)
+            for e, v in zip(entries, verdicts, strict=True)
+        ]
 
 
 # XREADGROUP's reply, undecoded: per stream, its entries as (id, fields); fields None for a

@@ -59,28 +59,44 @@ def _held(attempts: int = 0, run: RunState | None = None, crash_resumes: int = 0
 
 
 STARTED, PROGRESSED = RunState.STARTED, RunState.PROGRESSED
-# (attempts, how far the last start got, crash_resumes, reclaimed) ->
-# (dead-lettered, quarantined, crash_resumes to store)
+# (attempts, how far the last start got, crash_resumes, reclaimed, in the dead worker's
+# first-step marker) -> (dead-lettered, quarantined, crash_resumes to store)
 RULE = {
-    "fresh job": ((0, None, 0, False), (False, False, 0)),
-    "progressed, then its worker died": ((1, PROGRESSED, 0, True), (False, False, 1)),
-    "many deaths, each after progress": ((4, PROGRESSED, 3, True), (False, False, 4)),
-    "past the bound on deaths after progress": ((5, PROGRESSED, 4, True), (True, False, 5)),
-    "at its first step when its worker died": ((1, STARTED, 0, True), (False, True, 0)),
-    "second start without progress": ((2, STARTED, 0, True), (False, True, 0)),
-    "third start without progress": ((3, STARTED, 0, True), (True, True, 0)),
-    "no progress, charged starts below the limit": ((5, STARTED, 3, True), (False, True, 3)),
-    "taken over before its start was stored": ((0, None, 0, True), (False, True, 0)),
-    "handed back (start ended), not charged": ((1, None, 0, False), (False, False, 0)),
-    "started too often (no crash record)": ((3, None, 0, False), (True, False, 0)),
+    "fresh job": ((0, None, 0, False, False), (False, False, 0)),
+    "progressed, then its worker died": ((1, PROGRESSED, 0, True, False), (False, False, 1)),
+    "progressed (a marker not yet deleted)": ((1, PROGRESSED, 0, True, True), (False, False, 1)),
+    "many deaths, each after progress": ((4, PROGRESSED, 3, True, False), (False, False, 4)),
+    "past the bound on forgiven deaths": ((5, PROGRESSED, 4, True, False), (True, False, 5)),
+    "its worker died in its first step": ((1, STARTED, 0, True, True), (False, True, 0)),
+    "second death in its first step": ((2, STARTED, 0, True, True), (False, True, 0)),
+    "third death in its first step": ((3, STARTED, 0, True, True), (True, True, 0)),
+    "no output yet, but not in the step its worker died in": (
+        (1, STARTED, 0, True, False),
+        (False, False, 1),
+    ),
+    "three starts without output, never in the fatal step": (
+        (3, STARTED, 2, True, False),
+        (False, False, 3),
+    ),
+    "past the bound, deaths outside its first step": (
+        (5, STARTED, 4, True, False),
+        (True, False, 5),
+    ),
+    "died in its first step, charged starts below the limit": (
+        (5, STARTED, 3, True, True),
+        (False, True, 3),
+    ),
+    "taken over before its start was stored": ((0, None, 0, True, False), (False, True, 0)),
+    "handed back (start ended), not charged": ((1, None, 0, False, False), (False, False, 0)),
+    "started too often (no crash record)": ((3, None, 0, False, False), (True, False, 0)),
 }
 
 
 @pytest.mark.parametrize("case", list(RULE))
-def test_cut_off_starts_are_charged_only_without_progress(case):
-    (attempts, run, resumes, reclaimed), expected = RULE[case]
+def test_cut_off_starts_are_charged_only_when_the_worker_died_in_their_first_step(case):
+    (attempts, run, resumes, reclaimed, marked), expected = RULE[case]
     held = _held(attempts, run, resumes)
-    error = settle_cut_off_start(held, reclaimed, POLICY)
+    error = settle_cut_off_start(held, reclaimed, marked, POLICY)
     assert (error is not None, held.quarantined, held.crash_resumes) == expected
     if error is not None:
         assert error.code is ErrorCode.MAX_ATTEMPTS_EXCEEDED
@@ -113,7 +129,7 @@ def test_a_quarantined_job_joins_as_the_only_newcomer_and_alone_until_it_progres
     step()
     batch.prepare_turn()
     assert set(batch.held) == {running.job_id, suspect.job_id}  # only the suspect joins
-    assert batch.quarantine_start_unsent
+    assert batch.first_step_unsent
     batch.prepare_turn()
     assert later.job_id not in batch.held
     step()
@@ -174,9 +190,19 @@ async def _all_progressed(redis: Redis, jobs: list[Job], worker: str) -> bool:
     return True
 
 
-async def _orphan(redis: Redis, job: Job, attempts: int, run: RunState, published: int = 0) -> None:
+async def _orphan(
+    redis: Redis,
+    job: Job,
+    attempts: int,
+    run: RunState,
+    published: int = 0,
+    in_first_step: bool = False,
+) -> None:
     """A job as a dead worker left it: running, its entry pending under that worker, how far its
-    start got recorded, `published` chunks in its replay stream."""
+    start got recorded, `published` chunks in its replay stream, and (`in_first_step`) in that
+    worker's first-step marker."""
+    if in_first_step:
+        await redis.sadd(KEYS.first_step("dead"), job.id)
     stream = KEYS.jobs_stream(MODEL)
     with contextlib.suppress(Exception):
         await redis.xgroup_create(stream, KEYS.group, id="0", mkstream=True)
@@ -201,7 +227,7 @@ async def _orphan(redis: Redis, job: Job, attempts: int, run: RunState, publishe
         )
 
 
-async def test_a_dead_workers_jobs_are_charged_only_when_they_made_no_progress(redis_url):
+async def test_a_dead_workers_jobs_are_charged_only_when_it_died_in_their_first_step(redis_url):
     redis = Redis.from_url(redis_url, decode_responses=True)
 
     def new() -> Job:
@@ -209,19 +235,21 @@ async def test_a_dead_workers_jobs_are_charged_only_when_they_made_no_progress(r
             JobRequest(model=MODEL, prompt_token_ids=[33, 34], sampling={"max_tokens": 8})
         )
 
-    progressed, stalled, doomed = new(), new(), new()
+    progressed, waited, stalled, doomed = new(), new(), new(), new()
     await _orphan(redis, progressed, attempts=3, run=PROGRESSED, published=5)
-    await _orphan(redis, stalled, attempts=2, run=STARTED, published=3)
-    await _orphan(redis, doomed, attempts=3, run=STARTED, published=3)
+    await _orphan(redis, waited, attempts=2, run=STARTED, published=3)
+    await _orphan(redis, stalled, attempts=2, run=STARTED, published=3, in_first_step=True)
+    await _orphan(redis, doomed, attempts=3, run=STARTED, published=3, in_first_step=True)
     async with (
         AsyncRedisClient(redis_url) as client,
         running_worker(redis_url, FakeEngine(), model=MODEL, claim_min_idle_ms=50),
     ):
-        ok = [await client.wait(job.id, timeout=20) for job in (progressed, stalled)]
+        ok = [await client.wait(job.id, timeout=20) for job in (progressed, waited, stalled)]
         failed = await client.wait(doomed.id, timeout=20)
-    assert [job.status for job in ok] == [JobStatus.SUCCEEDED] * 2
+    assert [job.status for job in ok] == [JobStatus.SUCCEEDED] * 3
     assert (ok[0].attempts, ok[0].crash_resumes) == (4, 1)  # forgiven: it had progressed
-    assert (ok[1].attempts, ok[1].crash_resumes) == (3, 0)  # charged twice, ran in quarantine
+    assert (ok[1].attempts, ok[1].crash_resumes) == (3, 1)  # forgiven: not in the fatal step
+    assert (ok[2].attempts, ok[2].crash_resumes) == (3, 0)  # charged twice, ran in quarantine
     assert failed.status is JobStatus.FAILED
     assert failed.error.code is ErrorCode.MAX_ATTEMPTS_EXCEEDED
     [(_, letter)] = await redis.xrange(KEYS.dead_letters(MODEL), "-", "+")
