@@ -137,6 +137,46 @@ def test_a_quarantined_job_joins_as_the_only_newcomer_and_alone_until_it_progres
     assert set(batch.held) == {running.job_id, suspect.job_id, later.job_id}
 
 
+def _marker_writes(outbox: Outbox) -> list[tuple]:
+    key = KEYS.first_step("w")
+    return [c for op in outbox.ops for c in op.commands if len(c) > 1 and c[1] == key]
+
+
+def test_the_first_step_marker_names_only_the_newcomers_of_one_step():
+    engine = FakeEngine()
+    outbox = Outbox(RedisKeys(), KEYS.jobs_stream(MODEL), "w")
+    batch = Batch(
+        engine,
+        outbox,
+        worker_name="w",
+        policy=ChunkPolicy(1, 0.0),
+        metrics=WorkerMetrics(MODEL),
+        tracer=ChunkTracer(None),
+        prompt_estimate=8,
+    )
+    first, second = _held(), _held()
+    batch.queue(first)
+    batch.prepare_turn()
+    assert batch.first_step_unsent  # sent before the step
+    assert ("SADD", KEYS.first_step("w"), first.job_id) in _marker_writes(outbox)
+    outbox.ops.clear()
+    batch.first_step_unsent = False
+    batch.collect(engine.step(), None, 0.0)
+    assert _marker_writes(outbox) == [("DEL", KEYS.first_step("w"))]
+    outbox.ops.clear()
+    batch.queue(second)
+    batch.prepare_turn()
+    assert [c[2:] for c in _marker_writes(outbox) if c[0] == "SADD"] == [(second.job_id,)]
+    outbox.ops.clear()
+    batch.collect(engine.step(), None, 0.0)
+    batch.first_step_unsent = False
+    batch.prepare_turn()  # no newcomer: nothing marked, nothing to send first
+    assert not batch.first_step_unsent
+    outbox.ops.clear()
+    batch.collect(engine.step(), None, 0.0)
+    assert _marker_writes(outbox) == []
+
+
 async def _crash(worker: Worker, task: asyncio.Task[None]) -> None:
     """End a worker the way SIGKILL would: no hand-back, unsent writes lost, leases left."""
     task.cancel()

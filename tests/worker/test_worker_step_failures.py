@@ -48,7 +48,9 @@ def test_a_probe_group_keeps_under_the_engine_cap():
     assert bisect.suspects == ["j0", "j1", "j2"]
 
 
-async def _enqueue(client: AsyncRedisClient, prompts: list[list[int]], max_tokens: int) -> list[Job]:
+async def _enqueue(
+    client: AsyncRedisClient, prompts: list[list[int]], max_tokens: int
+) -> list[Job]:
     return [
         await client.enqueue(
             model=MODEL, prompt_token_ids=p, stream=True, sampling={"max_tokens": max_tokens}
