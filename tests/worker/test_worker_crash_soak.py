@@ -1,6 +1,6 @@
 """Soak (slow): the default model in two worker processes, one of them SIGKILLed every 5-8 s
-(one that is up and serving: a kill then cuts jobs off, however long a restart takes on a busy
-machine) and restarted, 20 times, while 60 streaming jobs arrive, 3 per interval. Every job finishes exactly once with
+(one that is up and serving, so that a kill cuts jobs off however long a restart takes on a busy
+machine; 5-8 s after one is up again when both were restarting) and restarted, 20 times, while 60 streaming jobs arrive, 3 per interval. Every job finishes exactly once with
 the greedy text of a run without kills: deaths the jobs did not cause fail none of them, however
 often they ride along or were just admitted. A job that kills every worker running it is
 dead-lettered after `max_attempts` of its own crashes (worker.crashes; real Redis)."""
@@ -119,12 +119,17 @@ async def test_60_jobs_on_the_real_model_while_a_worker_is_sigkilled_20_times(re
                     poison = await client.enqueue(
                         model=MODEL, prompt=POISON_PROMPT, sampling=greedy_params(MAX_TOKENS)
                     )
-                wake = time.monotonic() + (rng.uniform(*KILL_EVERY_S) if kills < KILLS else 1.0)
+                gap = rng.uniform(*KILL_EVERY_S) if kills < KILLS else 1.0
+                wake = time.monotonic() + gap
                 up: list[int] = []
                 while time.monotonic() < wake or (kills < KILLS and not up):
                     restart_the_dead()
                     await asyncio.sleep(0.1)
                     up = await serving() if kills < KILLS else []
+                    if kills < KILLS and not up:
+                        # both restarting: the next kill comes `gap` after one is up again, not
+                        # the moment it is (a kill timed to a worker's first step every time)
+                        wake = time.monotonic() + gap
                 if kills < KILLS:
                     victim = workers[rng.choice(up)]
                     if victim.process.poll() is not None:
