@@ -27,7 +27,7 @@ from schemas.keys import DEFAULT_MAX_ATTEMPTS
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.model]
 logger = logging.getLogger(__name__)
-JOBS, MAX_TOKENS = 60, 24
+JOBS, MAX_TOKENS = 60, 48
 KILLS = 20
 KILL_EVERY_S = (5.0, 8.0)
 POISON_AT_KILL = 4  # the poison job arrives with the jobs of this interval
