@@ -182,7 +182,8 @@ class Batch:
             room = self._room()
             return self.ready if room is None else self.ready[: max(room, 0)]
         if all(h.progressed for h in self.held.values()):
-            return waiting[:1]
+            # the least-charged first: unlucky deaths spread over the suspects (worker.crashes)
+            return [min(waiting, key=lambda h: h.job.attempts - h.crash_resumes)]
         return []  # the engine's newcomers make progress first (no new ones meanwhile)
 
     def _admit_ready(self) -> None:

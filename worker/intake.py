@@ -27,7 +27,7 @@ from schemas import (
 from schemas.chunks import REPLAY_FIELD
 from schemas.jobs import as_text
 from schemas.keys import JOB_ENTRY_FIELD
-from worker.crashes import CrashPolicy, settle_cut_off_start
+from worker.crashes import CrashPolicy, FirstStep, settle_cut_off_start
 from worker.held import HeldJob
 from worker.logs import log_event
 
@@ -152,14 +152,14 @@ def _classify(entry: Entry, stored: StoredJob, now: datetime) -> Verdict:
 
 
 def settle(
-    entry: Entry, verdict: Verdict, policy: CrashPolicy, died_in_first_step: bool = False
+    entry: Entry, verdict: Verdict, policy: CrashPolicy, first_step: FirstStep = FirstStep.OUTSIDE
 ) -> Verdict:
     """An admitted job, or its dead letter when its earlier starts leave it no more.
-    `died_in_first_step`: the job is in its last worker's first-step marker."""
+    `first_step`: how the job stood in its last worker's first-step marker."""
     if not isinstance(verdict, Admit):
         return verdict
     held = verdict.held
-    error = settle_cut_off_start(held, entry.reclaimed, died_in_first_step, policy)
+    error = settle_cut_off_start(held, entry.reclaimed, first_step, policy)
     if error is None:
         return verdict
     fields = entry.fields or {}
@@ -270,27 +270,39 @@ class StreamReader:
                 or v.held.job.run_state is not None
             )
         ]
-        in_first_step: set[str] = set()
+        first_steps: dict[str, FirstStep] = {}
         if resuming:
             suspects = [h for h in resuming if h.job.run_state is RunState.STARTED and h.job.worker]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for held in resuming:
                     pipe.xrange(self.keys.out_stream(held.job_id), "-", "+")
                 for held in suspects:
-                    pipe.sismember(self.keys.first_step(held.job.worker or ""), held.job_id)
+                    marker = self.keys.first_step(held.job.worker or "")
+                    pipe.sismember(marker, held.job_id)
+                    pipe.scard(marker)
                 replies = await pipe.execute(raise_on_error=False)
             replays, marks = replies[: len(resuming)], replies[len(resuming) :]
+            marks = list(zip(marks[0::2], marks[1::2], strict=True))
             for held, replay in zip(resuming, replays, strict=True):
                 held.resume_from(_chunks(held.job_id, replay))
-            for held, mark in zip(suspects, marks, strict=True):
-                if isinstance(mark, ResponseError):  # not a set: no evidence
+            for held, (member, size) in zip(suspects, marks, strict=True):
+                if isinstance(member, ResponseError):  # not a set: no evidence
                     continue
-                if isinstance(mark, Exception):
-                    raise mark
-                if mark:
-                    in_first_step.add(held.job_id)
+                for reply in (member, size):
+                    if isinstance(reply, Exception):
+                        raise reply
+                if member:
+                    alone = size == 1
+                    first_steps[held.job_id] = FirstStep.ALONE if alone else FirstStep.SHARED
         return [
-            settle(e, v, policy, isinstance(v, Admit) and v.held.job_id in in_first_step)
+            settle(
+                e,
+                v,
+                policy,
+                first_steps.get(v.held.job_id, FirstStep.OUTSIDE)
+                if isinstance(v, Admit)
+                else FirstStep.OUTSIDE,
+            )
             for e, v in zip(entries, verdicts, strict=True)
         ]
 

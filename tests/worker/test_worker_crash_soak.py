@@ -3,7 +3,7 @@
 machine; 5-8 s after one is up again when both were restarting) and restarted, 20 times, while 60 streaming jobs arrive, 3 per interval. Every job finishes exactly once with
 the greedy text of a run without kills: deaths the jobs did not cause fail none of them, however
 often they ride along or were just admitted. A job that kills every worker running it is
-dead-lettered after `max_attempts` of its own crashes (worker.crashes; real Redis)."""
+dead-lettered after `max_attempts` crashes it alone explains (worker.crashes; real Redis)."""
 
 from __future__ import annotations
 
@@ -169,7 +169,9 @@ async def test_60_jobs_on_the_real_model_while_a_worker_is_sigkilled_20_times(re
         assert dead.status is JobStatus.FAILED
         assert dead.error.code is ErrorCode.MAX_ATTEMPTS_EXCEEDED
         assert dead.attempts - dead.crash_resumes == DEFAULT_MAX_ATTEMPTS
-        assert own_deaths == DEFAULT_MAX_ATTEMPTS  # each charged start was its own crash
+        # each charged start was its own crash; its first may have been shared with the jobs
+        # that arrived with it (a suspect then, not charged)
+        assert DEFAULT_MAX_ATTEMPTS <= own_deaths <= DEFAULT_MAX_ATTEMPTS + 1
         letters = await redis.xrange(KEYS.dead_letters(MODEL), "-", "+")
         assert [fields["job"] for _, fields in letters] == [poison.id]
     await redis.aclose()
