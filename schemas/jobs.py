@@ -204,7 +204,8 @@ class JobField(StrEnum):
     FINISHED_AT = "finished_at"
     ATTEMPTS = "attempts"  # how many times a worker started it (less starts handed back)
     # starts cut off by a worker's death that are not held against the job (it made progress
-    # in them); `attempts - crash_resumes` is what `max_attempts` limits (see worker.crashes)
+    # in them, or the worker did not die in its first step); `attempts - crash_resumes` is what
+    # `max_attempts` limits (see worker.crashes)
     CRASH_RESUMES = "crash_resumes"
     # how far the latest start got (a RunState); present while a start has not ended (cleared
     # by a graceful hand-back), so whoever takes the job over after its worker died can tell

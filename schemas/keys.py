@@ -13,6 +13,8 @@ Layout (prefix `p`, default "inferq"; one Redis instance, not Redis Cluster)
                                                         whoever ends a job
     {p}:dead:{model}                  stream            workers             operators, API
     {p}:worker:{name}                 hash, TTL         that worker         API (health)
+    {p}:first-step:{name}             set, TTL          that worker         workers taking over
+                                                                            its jobs
     {p}:control                       pub/sub channel   cancel              workers
     {p}:arrivals:{model}              pub/sub channel   enqueue, hand-back  workers
     {p}:idem:{owner}:{key}            string, TTL       enqueue             enqueue
@@ -62,6 +64,13 @@ Dead letters `{p}:dead:{model}`: `XADD ... MAXLEN ~ DEAD_LETTER_MAXLEN *` with f
 
 Worker heartbeat `{p}:worker:{name}`: see `schemas.workers.WorkerInfo`; refreshed every
 HEARTBEAT_INTERVAL_S with TTL HEARTBEAT_TTL_S, so a dead worker's hash disappears.
+
+First-step marker `{p}:first-step:{name}`: the ids of the jobs whose first engine step of
+their current start is running in that worker now. The worker adds them (SADD, EXPIRE
+`FIRST_STEP_TTL_S`) and sends that before the step, and deletes the key with the round trip
+after it, so the set costs two writes per admission turn and none per token. Whoever takes
+over a dead worker's job reads it (SISMEMBER) to tell whether the job was in the step that the
+worker died in (see worker.crashes).
 
 Control channel `{p}:control`: `schemas.events.ControlMessage` JSON (cancel broadcasts).
 
@@ -113,12 +122,14 @@ IDEMPOTENCY_TTL_S = 24 * 3600
 DEAD_LETTER_MAXLEN = 100_000
 HEARTBEAT_INTERVAL_S = 2.0
 HEARTBEAT_TTL_S = 10
+# how long a dead worker's first-step marker stays readable for whoever takes its jobs over
+FIRST_STEP_TTL_S = 24 * 3600
 JOB_ENTRY_FIELD = "job"  # the one field of a jobs-stream entry
 # Worker policy defaults (a worker's config may override them):
-# starts held against a job (it failed to finish in them and is suspected of the worker's
-# death, see worker.crashes) before it is dead-lettered with max_attempts_exceeded
+# starts held against a job (its worker died during the job's first step in them, see
+# worker.crashes) before it is dead-lettered with max_attempts_exceeded
 DEFAULT_MAX_ATTEMPTS = 3
-# starts cut off by worker deaths the job is not suspected of, before it is dead-lettered all
+# starts cut off by worker deaths the job is not charged with, before it is dead-lettered all
 # the same: the bound that keeps a job from cycling forever
 DEFAULT_MAX_CRASH_RESUMES = 20
 DEFAULT_CLAIM_MIN_IDLE_MS = 30_000  # XAUTOCLAIM min-idle: a job's lease if not renewed
@@ -200,6 +211,10 @@ class RedisKeys:
     # workers
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{encode_segment(name)}"
+
+    def first_step(self, name: str) -> str:
+        """Set of the job ids whose first engine step in this start that worker runs now."""
+        return f"{self.prefix}:first-step:{encode_segment(name)}"
 
     def workers_pattern(self) -> str:
         """SCAN pattern matching every live worker's heartbeat hash."""

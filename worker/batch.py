@@ -1,5 +1,7 @@
 """The engine side of a worker: which jobs are in the engine, how many more it admits, and
-turning each step's deltas into chunks, results and status changes queued in the outbox.
+turning each step's deltas into chunks, results and status changes queued in the outbox. A
+step that raises is answered by worker.step_failures' search, which leaves the jobs it did not
+find at fault running.
 
 Every method here touches the engine and must run while no step is in flight."""
 
@@ -34,6 +36,7 @@ from worker.logs import log_event
 from worker.metrics import WorkerMetrics
 from worker.publisher import Outbox
 from worker.results import job_result
+from worker.step_failures import MAX_UNEXPLAINED_FAILURES, Bisect, is_out_of_memory
 from worker.tracing import ChunkTracer
 
 logger = logging.getLogger(__name__)
@@ -71,14 +74,20 @@ class Batch:
         self.metrics = metrics
         self.tracer = tracer
         self.ttfts = TtftBuffer()
-        self.held: dict[str, HeldJob] = {}  # in the engine
+        self.held: dict[str, HeldJob] = {}  # admitted: in the engine, or out after a failed step
         self.ready: list[HeldJob] = []  # read from the stream, added to the engine next turn
         self.outcomes: dict[str, int] = {}
         self._aborts: dict[str, AbortReason] = {}
         self._buffered: set[str] = set()  # jobs with output held back by chunk coalescing
-        # a quarantined job joined the engine this turn: its start must reach Redis before the
-        # step (see worker.crashes); the worker sends the outbox first and clears it
-        self.quarantine_start_unsent = False
+        # jobs joined the engine this turn: their start and first-step marker must reach Redis
+        # before the step (see worker.crashes); the worker sends the outbox first and clears it
+        self.first_step_unsent = False
+        self._first_step: list[str] = []  # jobs whose first step in this start is the next one
+        self._marked = False  # the outbox holds a first-step marker to delete after the step
+        self._bisect: Bisect | None = None
+        self._unexplained = 0  # searches in a row that reproduced no failure
+        # the most jobs in the engine after it ran out of memory (None: no limit)
+        self.engine_cap: int | None = None
         self._prompt_estimate = float(prompt_estimate)
         self._max_tokens_estimate = 16.0
 
@@ -116,13 +125,30 @@ class Batch:
     # ------------------------------------------------------------------ between steps
 
     def prepare_turn(self) -> None:
-        """Deadlines, aborts, then the jobs read last turn into the engine."""
+        """Deadlines, aborts, jobs out of the engine after a failed step back in, then the
+        jobs read last turn; the first-step marker of the newcomers into the outbox."""
         now = utc_now()
         for held in self.held.values():
             if held.job.request.is_past_deadline(now):
                 self._aborts.setdefault(held.job_id, AbortReason.DEADLINE)
         self._apply_aborts()
-        self._admit_ready()
+        self._rejoin_parked()
+        if not self._bisect and not self._parked():
+            self._admit_ready()
+        if self._first_step:
+            self.outbox.mark_first_step(self._first_step)
+            self._first_step = []
+            self._marked = True
+            self.first_step_unsent = True
+
+    def _parked(self) -> list[HeldJob]:
+        return [h for h in self.held.values() if not h.in_engine]
+
+    def _room(self) -> int | None:
+        """How many more jobs the engine takes under `engine_cap` (None: no limit)."""
+        if self.engine_cap is None:
+            return None
+        return max(0, self.engine_cap - sum(h.in_engine for h in self.held.values()))
 
     def pull_budget(self, max_pull: int) -> int:
         """How many more jobs the engine admits now (free KV blocks and sequence slots, minus
@@ -131,8 +157,11 @@ class Batch:
             max(1, round(self._prompt_estimate)), max(1, round(self._max_tokens_estimate))
         )
         admissible -= len(self.ready)
-        if self._quarantine_holds_admission():
+        if self._quarantine_holds_admission() or self._bisect or self._parked():
             return 0  # whoever was read would wait; leave them to other workers
+        room = self._room()
+        if room is not None:
+            admissible = min(admissible, room - len(self.ready))
         if admissible <= 0 and not self.engine.has_unfinished() and not self.ready:
             admissible = 1  # an idle engine always tries one job, whatever the estimate says
         return max(0, min(admissible, max_pull))
@@ -147,12 +176,14 @@ class Batch:
     def _admissions(self) -> list[HeldJob]:
         """The ready jobs that join the engine now; the rest stay ready."""
         waiting = [h for h in self.ready if h.quarantined]
-        if any(h.quarantined and not h.progressed for h in self.held.values()):
+        if self._room() == 0 or any(h.quarantined and not h.progressed for h in self.held.values()):
             return []
         if not waiting:
-            return self.ready
+            room = self._room()
+            return self.ready if room is None else self.ready[: max(room, 0)]
         if all(h.progressed for h in self.held.values()):
-            return waiting[:1]
+            # the least-charged first: unlucky deaths spread over the suspects (worker.crashes)
+            return [min(waiting, key=lambda h: h.job.attempts - h.crash_resumes)]
         return []  # the engine's newcomers make progress first (no new ones meanwhile)
 
     def _admit_ready(self) -> None:
@@ -185,11 +216,57 @@ class Batch:
                 self._dead_letter(held, ErrorBody.of(ErrorCode.ENGINE_ERROR, error))
                 continue
             held.prompt_len = len(prompt_ids)
+            held.prompt_ids = prompt_ids
+            held.in_engine = True
             held.started_at = utc_now()
-            self.quarantine_start_unsent |= held.quarantined
             self.held[held.job_id] = held
+            self._first_step.append(held.job_id)
             self._learn_size(held.prompt_len, request.sampling.max_tokens)
             self._start(held)
+
+    def _rejoin_parked(self) -> None:
+        """Jobs out of the engine after a failed step back in: the search's next probe group
+        while it runs, else all of them (as many as `engine_cap` lets)."""
+        parked = self._parked()
+        if not parked:
+            if self._bisect is not None and not self._bisect.probe:
+                self._bisect = None  # every suspect ended meanwhile
+            return
+        if self._bisect is not None:
+            probe = set(self._bisect.next_probe(self.held, self.engine_cap))
+            if probe:
+                parked = [h for h in parked if h.job_id in probe]
+            else:
+                self._bisect = None
+        room = self._room()
+        for held in parked if room is None else parked[:room]:
+            request = held.job.request
+            try:
+                self.engine.add_request(
+                    EngineRequest(
+                        held.job_id,
+                        held.prompt_ids or [],
+                        request.sampling,
+                        priority=request.priority,
+                        prior_output_token_ids=held.prior_output_token_ids,
+                    )
+                )
+            except Exception as exc:
+                del self.held[held.job_id]
+                error = ErrorBody.of(
+                    ErrorCode.ENGINE_ERROR, f"the engine refused the job back: {exc}"
+                )
+                self._fail_with_final_chunk(held, error)
+                continue
+            held.in_engine = True
+            if not held.progressed:
+                self._first_step.append(held.job_id)
+
+    def _park(self, held: HeldJob) -> None:
+        """Out of the engine, to rejoin later from the output it has produced so far."""
+        self._abort_in_engine(held.job_id)
+        held.in_engine = False
+        held.fold_run_output()
 
     def _refuse(self, held: HeldJob, error: ErrorBody) -> None:
         _log_error(logging.INFO, "job_refused", held.job_id, error)
@@ -278,8 +355,11 @@ class Batch:
         self, deltas: list[RequestDelta], error: BaseException | None, emitted_at: float
     ) -> None:
         """Queue the chunks due after a step, and the results of the jobs it finished."""
+        if self._marked:
+            self.outbox.clear_first_step()
+            self._marked = False
         if error is not None:
-            self._fail_all(error)
+            self._step_failed(error)
             return
         now = time.monotonic()
         wall = utc_now()
@@ -313,6 +393,7 @@ class Batch:
         for held, output in finished:
             self._complete(held, output, wall)
         self.tracer.flush()
+        self._step_passed()
 
     def _mark_progress(self, held: HeldJob) -> None:
         """Record that this start got past the job's first step: if the worker dies now, the
@@ -355,6 +436,8 @@ class Batch:
         )
         self.count("succeeded")
         self._observe_timings(held.job, result)
+        if self.engine_cap is not None:
+            self.engine_cap += 1  # feel for the size that fits again, one job at a time
 
     def _observe_timings(self, job: Job, result: JobResult) -> None:
         t, m = result.timings, self.metrics.model
@@ -380,23 +463,102 @@ class Batch:
         )
         self.count(status.value)
 
-    def _fail_all(self, error: BaseException) -> None:
-        """A step raised: the engine cannot say which job caused it, so the batch fails (with a
-        final `error` chunk for streaming readers) and the worker serves on."""
-        logger.error(
-            "engine step failed; failing the %d jobs in the batch", len(self.held), exc_info=error
+    # ------------------------------------------------------------------ failed steps
+
+    def _step_passed(self) -> None:
+        bisect = self._bisect
+        if bisect is None:
+            if all(h.in_engine for h in self.held.values()):
+                self._unexplained = 0
+            return
+        probe = [self.held[j] for j in bisect.probe if j in self.held]
+        if bisect.probe_passed():
+            self._unexplained += 1
+            self._bisect = None
+            log_event(
+                logger,
+                logging.WARNING,
+                "engine_error_not_reproduced",
+                steps=bisect.steps,
+                error=bisect.error,
+            )
+            return
+        for held in probe:
+            self._park(held)
+
+    def _step_failed(self, error: BaseException) -> None:
+        """A step raised (see worker.step_failures): its jobs leave the engine and are searched
+        for the one at fault, or rejoin fewer at a time after running out of memory."""
+        stepped = [h for h in self.held.values() if h.in_engine]
+        for held in stepped:
+            self._park(held)
+        text = f"{type(error).__name__}: {error}"
+        if is_out_of_memory(error):
+            self._out_of_memory(stepped, text)
+            return
+        bisect = self._bisect
+        if bisect is None:
+            if self._unexplained >= MAX_UNEXPLAINED_FAILURES:
+                self._unexplained = 0
+                logger.error(
+                    "engine step failed again after %d searches found no job at fault; "
+                    "failing its %d jobs",
+                    MAX_UNEXPLAINED_FAILURES,
+                    len(stepped),
+                    exc_info=error,
+                )
+                body = ErrorBody.of(ErrorCode.ENGINE_ERROR, f"the engine failed: {text}")
+                for held in stepped:
+                    del self.held[held.job_id]
+                    self._fail_with_final_chunk(held, body)
+                return
+            self._bisect = Bisect(text, [h.job_id for h in stepped])
+            logger.warning(
+                "engine step failed; searching its %d jobs for the one at fault",
+                len(stepped),
+                exc_info=error,
+            )
+            return
+        culprit = bisect.probe_failed()
+        if culprit is None:
+            return
+        self._bisect = None
+        held = self.held.pop(culprit)
+        log_event(
+            logger, logging.WARNING, "engine_error_reproduced", job=culprit, steps=bisect.steps
         )
-        body = ErrorBody.of(ErrorCode.ENGINE_ERROR, f"the engine failed: {error}")
-        now = time.monotonic()
-        for held in list(self.held.values()):
-            self._abort_in_engine(held.job_id)
-            for choice in held.choices:
-                choice.finish_reason = choice.finish_reason or "error"
-            for chunk in take_chunks(held, self.policy, now, force=True):
-                self.outbox.chunk(chunk)
-            self._finish_with_error(held, body)
-        self.held.clear()
-        self._buffered.clear()
+        body = ErrorBody.of(ErrorCode.ENGINE_ERROR, f"the engine failed on this job: {text}")
+        self._fail_with_final_chunk(held, body)
+
+    def _out_of_memory(self, stepped: list[HeldJob], text: str) -> None:
+        if len(stepped) == 1:
+            held = stepped[0]
+            del self.held[held.job_id]
+            body = ErrorBody.of(
+                ErrorCode.ENGINE_ERROR, f"the engine ran out of memory with this job alone: {text}"
+            )
+            self._fail_with_final_chunk(held, body)
+            return
+        self.engine_cap = max(1, len(stepped) // 2)
+        if self._bisect is not None:
+            self._bisect.probe = []  # a smaller probe group next
+        log_event(
+            logger,
+            logging.WARNING,
+            "engine_out_of_memory",
+            jobs=len(stepped),
+            engine_cap=self.engine_cap,
+            error=text,
+        )
+
+    def _fail_with_final_chunk(self, held: HeldJob, error: ErrorBody) -> None:
+        """Fail a job no longer in `held`, with a final `error` chunk for streaming readers."""
+        self._buffered.discard(held.job_id)
+        for choice in held.choices:
+            choice.finish_reason = choice.finish_reason or "error"
+        for chunk in take_chunks(held, self.policy, time.monotonic(), force=True):
+            self.outbox.chunk(chunk)
+        self._finish_with_error(held, error)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -411,6 +573,7 @@ class Batch:
         self.held.clear()
         self.ready = []
         self._buffered.clear()
+        self._bisect = None
         return jobs
 
 

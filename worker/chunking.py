@@ -65,10 +65,11 @@ def absorb(held: HeldJob, delta: outputs.RequestDelta, now: float) -> None:
         if choice.pending_since is None:
             choice.pending_since = now
         choice.pending_token_ids.extend(delta.token_ids)
+        choice.run_token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
-            choice.pending_logprobs = (choice.pending_logprobs or []) + convert_logprobs(
-                delta.logprobs
-            )
+            logprobs = convert_logprobs(delta.logprobs)
+            choice.pending_logprobs = (choice.pending_logprobs or []) + logprobs
+            choice.run_logprobs = (choice.run_logprobs or []) + logprobs
     choice.pending_text += delta.text
     if delta.finish_reason is not None and choice.finish_reason is None:
         choice.finish_reason = delta.finish_reason

@@ -22,6 +22,9 @@ class ChoiceState:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     finish_published: bool = False
+    # produced in this run and not yet folded into prior_token_ids (see HeldJob.fold_run_output)
+    run_token_ids: list[int] = field(default_factory=list)
+    run_logprobs: list[TokenLogprob] | None = None
 
     @property
     def has_pending(self) -> bool:
@@ -48,6 +51,8 @@ class HeldJob:
     crash_resumes: int = 0  # stored with this run's start (see worker.crashes)
     quarantined: bool = False  # suspected of a worker's death: runs as the only newcomer
     progressed: bool = False  # the engine produced output for it in this run
+    prompt_ids: list[int] | None = None  # as the engine was given them
+    in_engine: bool = False  # False while it waits out of the engine after a failed step
 
     @property
     def job_id(self) -> str:
@@ -66,6 +71,17 @@ class HeldJob:
         if not any(choice.prior_token_ids for choice in self.choices):
             return None
         return [list(choice.prior_token_ids) for choice in self.choices]
+
+    def fold_run_output(self) -> None:
+        """Count what this run produced as output to rejoin the engine from (it left the engine
+        after a failed step): the engine re-prefills it, like a crash resume's published
+        chunks. What is not published yet stays pending."""
+        for choice in self.choices:
+            choice.prior_token_ids.extend(choice.run_token_ids)
+            if choice.run_logprobs is not None:
+                choice.prior_logprobs = (choice.prior_logprobs or []) + choice.run_logprobs
+            choice.run_token_ids = []
+            choice.run_logprobs = None
 
     @classmethod
     def fresh(cls, job: Job, entry_id: str, stream: str = "") -> HeldJob:

@@ -19,6 +19,7 @@ from schemas import (
     JobField,
     JobStatus,
     RedisKeys,
+    RunState,
     TokenChunk,
     error_from_validation,
     is_valid_job_id,
@@ -26,7 +27,7 @@ from schemas import (
 from schemas.chunks import REPLAY_FIELD
 from schemas.jobs import as_text
 from schemas.keys import JOB_ENTRY_FIELD
-from worker.crashes import CrashPolicy, settle_cut_off_start
+from worker.crashes import CrashPolicy, FirstStep, settle_cut_off_start
 from worker.held import HeldJob
 from worker.logs import log_event
 
@@ -150,12 +151,15 @@ def _classify(entry: Entry, stored: StoredJob, now: datetime) -> Verdict:
     return Admit(HeldJob.fresh(job, entry.entry_id))
 
 
-def settle(entry: Entry, verdict: Verdict, policy: CrashPolicy) -> Verdict:
-    """An admitted job, or its dead letter when its earlier starts leave it no more."""
+def settle(
+    entry: Entry, verdict: Verdict, policy: CrashPolicy, first_step: FirstStep = FirstStep.OUTSIDE
+) -> Verdict:
+    """An admitted job, or its dead letter when its earlier starts leave it no more.
+    `first_step`: how the job stood in its last worker's first-step marker."""
     if not isinstance(verdict, Admit):
         return verdict
     held = verdict.held
-    error = settle_cut_off_start(held, entry.reclaimed, policy)
+    error = settle_cut_off_start(held, entry.reclaimed, first_step, policy)
     if error is None:
         return verdict
     fields = entry.fields or {}
@@ -258,8 +262,9 @@ class StreamReader:
 
     async def load(self, entries: list[Entry], policy: CrashPolicy, now: datetime) -> list[Verdict]:
         """Classify entries (one pipeline of HGETALLs) and, for jobs that earlier attempts
-        already started, read their published chunks (one more pipeline) to resume from; then
-        settle their cut-off starts (worker.crashes)."""
+        already started, read their published chunks to resume from and whether their last
+        worker died in their first step (one more pipeline); then settle their cut-off starts
+        (worker.crashes)."""
         if not entries:
             return []
         job_ids = {  # entry id -> the job it names
@@ -285,14 +290,41 @@ class StreamReader:
                 or v.held.job.run_state is not None
             )
         ]
+        first_steps: dict[str, FirstStep] = {}
         if resuming:
+            suspects = [h for h in resuming if h.job.run_state is RunState.STARTED and h.job.worker]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for held in resuming:
                     pipe.xrange(self.keys.out_stream(held.job_id), "-", "+")
-                replays = await pipe.execute(raise_on_error=False)
+                for held in suspects:
+                    marker = self.keys.first_step(held.job.worker or "")
+                    pipe.sismember(marker, held.job_id)
+                    pipe.scard(marker)
+                replies = await pipe.execute(raise_on_error=False)
+            replays, marks = replies[: len(resuming)], replies[len(resuming) :]
+            marks = list(zip(marks[0::2], marks[1::2], strict=True))
             for held, replay in zip(resuming, replays, strict=True):
                 held.resume_from(_chunks(held.job_id, replay))
-        return [settle(e, v, policy) for e, v in zip(entries, verdicts, strict=True)]
+            for held, (member, size) in zip(suspects, marks, strict=True):
+                if isinstance(member, ResponseError):  # not a set: no evidence
+                    continue
+                for reply in (member, size):
+                    if isinstance(reply, Exception):
+                        raise reply
+                if member:
+                    alone = size == 1
+                    first_steps[held.job_id] = FirstStep.ALONE if alone else FirstStep.SHARED
+        return [
+            settle(
+                e,
+                v,
+                policy,
+                first_steps.get(v.held.job_id, FirstStep.OUTSIDE)
+                if isinstance(v, Admit)
+                else FirstStep.OUTSIDE,
+            )
+            for e, v in zip(entries, verdicts, strict=True)
+        ]
 
 
 # XREADGROUP's reply, undecoded: per stream, its entries as (id, fields); fields None for a

@@ -32,7 +32,7 @@ from schemas import (
     utc_now,
 )
 from schemas.chunks import REPLAY_FIELD, ChunkWrite
-from schemas.keys import DEAD_LETTER_MAXLEN, JOB_ENTRY_FIELD
+from schemas.keys import DEAD_LETTER_MAXLEN, FIRST_STEP_TTL_S, JOB_ENTRY_FIELD
 from schemas.redis_connection import ReplicaWait
 from schemas.redis_scripts import CHUNKS_SCRIPT, chunks_call
 from worker.logs import log_event
@@ -111,6 +111,15 @@ class Outbox:
 
         command = ("EVAL", TRANSITION_SCRIPT, 2, *script_keys, *args)
         self.ops.append(_Op([command], handle, job_id=job_id))
+
+    def mark_first_step(self, job_ids: list[str]) -> None:
+        """Add jobs to this worker's first-step marker (see worker.crashes)."""
+        key = self.keys.first_step(self.worker_name)
+        self.ops.append(_Op([("SADD", key, *job_ids), ("EXPIRE", key, FIRST_STEP_TTL_S)]))
+
+    def clear_first_step(self) -> None:
+        """The step that the marker named is over."""
+        self.ops.append(_Op([("DEL", self.keys.first_step(self.worker_name))]))
 
     def ack(self, entry_id: str, stream: str | None = None) -> None:
         """Done with a jobs-stream entry: XACK then XDEL (XLEN is the backlog). `stream`: the

@@ -136,12 +136,12 @@ class RedisRounds:
         await self.outbox.flush(self.redis)
         self.metrics.flush_time.labels(self.model).observe(time.perf_counter() - started)
 
-    async def send_quarantine_start(self) -> None:
-        """Store a quarantined job's start before the engine runs it: the step that follows
-        may kill this process, and only a stored start lets the next worker charge the job
-        with it (otherwise the start is sent concurrently with the step). Redis being away
-        does not stop the engine for it: the start then goes with the next round."""
-        self.batch.quarantine_start_unsent = False
+    async def send_first_step(self) -> None:
+        """Store the starts and the first-step marker of the jobs that joined the engine
+        before the engine runs them: the step that follows may kill this process, and only
+        stored evidence lets the next worker charge a job with it (worker.crashes). Redis
+        being away does not stop the engine for it: they then go with the next round."""
+        self.batch.first_step_unsent = False
         if not self.backoff.ready():
             return
         try:

@@ -64,13 +64,15 @@ class WorkerSettings(RedisConnectionSettings, EngineSettings):
         DEFAULT_MAX_ATTEMPTS,
         ge=1,
         description="starts held against a job before it is dead-lettered: starts cut off by "
-        "a worker's death before the job made progress in them (see worker/crashes.py)",
+        "a worker's death during their first engine step, as its only newcomer "
+        "(see worker/crashes.py)",
     )
     max_crash_resumes: int = Field(
         DEFAULT_MAX_CRASH_RESUMES,
         ge=0,
-        description="starts cut off by a worker's death after the job made progress in them "
-        "(not held against it) before it is dead-lettered all the same",
+        description="starts cut off by a worker's death not held against the job (outside its "
+        "first step, or a first step shared with other newcomers) before it is dead-lettered "
+        "all the same",
     )
     claim_min_idle_ms: int = Field(DEFAULT_CLAIM_MIN_IDLE_MS, ge=10)
     janitor_interval_s: float | None = Field(

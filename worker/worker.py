@@ -202,8 +202,8 @@ class Worker:
             if self._stop_requested and (not busy or time.monotonic() >= self._drain_deadline):
                 return
             budget = 0 if self._stop_requested else self.batch.pull_budget(self.settings.max_pull)
-            if busy and self.batch.quarantine_start_unsent:
-                await self.rounds.send_quarantine_start()
+            if busy and self.batch.first_step_unsent:
+                await self.rounds.send_first_step()
                 continue
             if busy:
                 turn_started = time.perf_counter()

@@ -84,6 +84,7 @@ class FakeEngine:
     weight_bytes: int = 0
     step_seconds: float = 0.0
     fail_on_prompt_token: int | None = None  # a prompt holding this id makes step() raise
+    fail_after_tokens: int = 0  # ... once its sequence has generated this many tokens
     kill_on_prompt_token: int | None = None  # ... makes step() SIGKILL this process
     steps: int = 0
     _requests: dict[str, _Request] = field(default_factory=dict)
@@ -198,7 +199,9 @@ class FakeEngine:
         if not self._running:
             return deltas
         if self.fail_on_prompt_token is not None and any(
-            self.fail_on_prompt_token in s.prompt_ids for s in self._running
+            self.fail_on_prompt_token in s.prompt_ids
+            and len(s.output_ids) >= self.fail_after_tokens
+            for s in self._running
         ):
             raise RuntimeError("fake engine failure")
         if self.step_seconds:
