@@ -15,8 +15,9 @@ transformers' early_stopping=True does, once beam_width hypotheses finished.
 Exact beam search needs every live beam's row before a step: a running beam left out of a
 model step (past the step's token budget) is waited for while the others keep their rows and
 sit idle (nothing left to compute, so the scheduler passes them over). A beam preempted for
-memory is dropped instead, unless it is the last: waiting for its recompute while its siblings
-hold their blocks could wait forever. Under such memory pressure the search is not exact.
+memory is dropped instead, unless every live beam was: waiting for its recompute while its
+siblings hold their blocks could wait forever. Beams that all recompute give their rows again
+once recomputed. Under such memory pressure the search is not exact.
 """
 
 from __future__ import annotations
@@ -159,11 +160,14 @@ class BeamSearch:
 
     def _drop_preempted(self, scheduler: Scheduler) -> None:
         preempted = [b for b in self.live if b.seq.status is SequenceStatus.WAITING]
+        for beam in preempted:
+            # Its recompute samples the row again; a row kept meanwhile would let the step
+            # run and append a token to a beam still recomputing its prefix.
+            self._rows.pop(beam.seq, None)
         if not preempted or len(preempted) == len(self.live):
             return
         for beam in preempted:
             scheduler.finish(beam.seq, "abort")
-            self._rows.pop(beam.seq, None)
         self.live = [beam for beam in self.live if beam not in preempted]
 
     def _continue(

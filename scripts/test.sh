@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Run the test suite on a fresh or prepared machine: venv, redis-server, default model, pytest.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh -m slow`).
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -m slow`). `--all` first: the fast
+# suite, then the slow one (end-to-end through the API on the real model), as CI runs them.
 set -euo pipefail
+all=0
+if [ "${1:-}" = "--all" ]; then
+  all=1
+  shift
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 # Tests start their own redis-server (they kill and restart it), so the binary must exist; the
@@ -21,4 +27,12 @@ inferq model pull >/dev/null
 # Tests run the engine in several processes at once (pytest, worker subprocesses) on few cores:
 # spinning OpenMP threads then starve each other, passive waiting keeps every step fast.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
-exec pytest -q -p no:cacheprovider "$@"
+if [ "$all" -eq 0 ]; then
+  exec pytest -q -p no:cacheprovider "$@"
+fi
+started=$SECONDS
+pytest -q -p no:cacheprovider "$@"
+echo "fast suite: $((SECONDS - started)) s"
+started=$SECONDS
+pytest -q -p no:cacheprovider -m slow --durations=15 "$@"
+echo "slow suite: $((SECONDS - started)) s"
