@@ -142,6 +142,9 @@ def _build(cflags: tuple[str, ...], library: Path) -> None:
     started = time.perf_counter()
     build_dir = cache_root() / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    # torch's own lock file outlives a build killed midway and would stall every later one;
+    # under our flock no other build of this library runs, so a lock there is stale
+    (build_dir / "lock").unlink(missing_ok=True)
     cpp_extension.load(
         name=name,
         sources=[str(source) for source in SOURCES],
