@@ -34,6 +34,8 @@ _FAMILIES: dict[str, Registration] = {
         Registration("LlamaForCausalLM", "llama", "llama:LlamaForCausalLM"),
         Registration("MistralForCausalLM", "mistral", "llama:LlamaForCausalLM"),
         Registration("Qwen2ForCausalLM", "qwen2", "qwen2:Qwen2ForCausalLM"),
+        Registration("MixtralForCausalLM", "mixtral", "mixtral:MixtralForCausalLM"),
+        Registration("Qwen2MoeForCausalLM", "qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM"),
     )
 }
 

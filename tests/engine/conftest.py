@@ -48,13 +48,17 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Save a random tiny HF model folder; kind is "llama", "qwen2" or "mistral"."""
+    """Save a random tiny HF model folder; kind is "llama", "qwen2", "mistral", or a
+    mixture-of-experts family: "mixtral", "qwen2_moe", "qwen3_moe"."""
     import transformers as tf
 
     classes = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     config = config_cls(**{**TINY_SIZES, **overrides})
