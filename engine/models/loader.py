@@ -176,9 +176,7 @@ def load_weights(
         _use_quantized(model, target, weight, tied, method)
 
 
-def _read_expert(
-    model: CausalLM, checkpoint: Checkpoint, name: str, target: ExpertTarget
-) -> int:
+def _read_expert(model: CausalLM, checkpoint: Checkpoint, name: str, target: ExpertTarget) -> int:
     """Copy one expert's projection into its place in the stacked expert weights (this rank's
     slice of it under tensor parallelism); returns the slot it filled."""
     module_name, param = target.param.rsplit(".", 1)

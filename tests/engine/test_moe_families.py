@@ -76,7 +76,7 @@ def test_moe_family_matches_transformers(moe_case, path: str) -> None:
 def test_moe_prefix_cache_hit_matches_transformers(moe_case) -> None:
     model_dir, _ = moe_case
     shared = list(range(10, 42))  # two full blocks of 16
-    first, second = shared + [3, 4, 5], shared + [200, 201]
+    first, second = [*shared, 3, 4, 5], [*shared, 200, 201]
     expected = transformers_greedy(model_dir, [second], NEW_TOKENS)
     llm = LLM(str(model_dir), dtype="float32")
     _generate(llm, [first])
