@@ -34,6 +34,7 @@ _FAMILIES: dict[str, Registration] = {
         Registration("LlamaForCausalLM", "llama", "llama:LlamaForCausalLM"),
         Registration("MistralForCausalLM", "mistral", "llama:LlamaForCausalLM"),
         Registration("Qwen2ForCausalLM", "qwen2", "qwen2:Qwen2ForCausalLM"),
+        Registration("Qwen3ForCausalLM", "qwen3", "qwen3:Qwen3ForCausalLM"),
     )
 }
 
