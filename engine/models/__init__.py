@@ -34,8 +34,10 @@ _FAMILIES: dict[str, Registration] = {
         Registration("LlamaForCausalLM", "llama", "llama:LlamaForCausalLM"),
         Registration("MistralForCausalLM", "mistral", "llama:LlamaForCausalLM"),
         Registration("Qwen2ForCausalLM", "qwen2", "qwen2:Qwen2ForCausalLM"),
+        Registration("Qwen3ForCausalLM", "qwen3", "qwen3:Qwen3ForCausalLM"),
         Registration("MixtralForCausalLM", "mixtral", "mixtral:MixtralForCausalLM"),
         Registration("Qwen2MoeForCausalLM", "qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM"),
+        Registration("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM"),
     )
 }
 

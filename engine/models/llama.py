@@ -62,7 +62,10 @@ class LlamaShape:
     mlp_bias: bool
 
 
-def read_llama_config(hf_config: PretrainedConfig) -> LlamaShape:
+def read_llama_config(
+    hf_config: PretrainedConfig, allow_partial_rotary: bool = False
+) -> LlamaShape:
+    """allow_partial_rotary: the caller reads partial_rotary_factor itself (else it is refused)."""
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     # A window applies unless the config turns it off (Qwen2's use_sliding_window).
@@ -70,7 +73,7 @@ def read_llama_config(hf_config: PretrainedConfig) -> LlamaShape:
     if getattr(hf_config, "use_sliding_window", True) is False:
         window = None
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
-    theta, scaling = rope_parameters(hf_config)
+    theta, scaling = rope_parameters(hf_config, allow_partial_rotary)
     return LlamaShape(
         dims=ModelDims(
             vocab_size=hf_config.vocab_size,
@@ -158,6 +161,11 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers
         self.backend = backend
 
+    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The fused [q; k; v] rows [T, q_size + 2 * kv_size] that `rotary_emb` then rotates
+        (families that normalize q and k, or rotate part of them themselves, do so here)."""
+        return self.qkv_proj(hidden)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -170,7 +178,7 @@ class LlamaAttention(nn.Module):
         """Attention output after o_proj for every token, or only for `output_rows` (every
         token's K/V is still computed and stored)."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = self.project_qkv(positions, hidden)
         out = self.backend.attend_from_qkv(
             qkv,
             positions,

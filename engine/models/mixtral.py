@@ -14,6 +14,7 @@ from engine.layers.moe import RouterSpec, Scoring, SparseMoeBlock
 from engine.layers.moe.layer import W2, W13
 from engine.models.interface import WeightMapping
 from engine.models.llama import LlamaForCausalLM, LlamaShape, MlpFactory
+from engine.models.qwen2_moe import check_expert_activation
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -31,6 +32,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def layer_mlps(
         cls, hf_config: PretrainedConfig, shape: LlamaShape, tp: TensorParallel | None
     ) -> MlpFactory:
+        check_expert_activation(hf_config)
         router = RouterSpec(
             hf_config.num_local_experts, hf_config.num_experts_per_tok, Scoring.TOPK_SOFTMAX
         )

@@ -16,6 +16,7 @@ from torch import nn
 from engine.distributed.group import TensorParallel
 from engine.layers.moe import RouterSpec, Scoring, SparseMoeBlock
 from engine.layers.moe.layer import W2, W13
+from engine.models.config_checks import UnsupportedConfigError, hidden_activation
 from engine.models.interface import WeightMapping
 from engine.models.llama import (
     LlamaForCausalLM,
@@ -31,6 +32,16 @@ if TYPE_CHECKING:
 QWEN_EXPERTS = {"gate_proj": (W13, 0), "up_proj": (W13, 1), "down_proj": (W2, None)}
 
 
+def check_expert_activation(hf_config: PretrainedConfig) -> None:
+    """The experts compute silu(gate) * up: refuse a config whose experts would not."""
+    activation = hidden_activation(hf_config)
+    if activation not in ("silu", "swish"):
+        raise UnsupportedConfigError(
+            f"hidden_act={activation!r} is not supported for mixture-of-experts models "
+            "(supported: silu)"
+        )
+
+
 def is_sparse_layer(hf_config: PretrainedConfig, layer: int) -> bool:
     return (
         layer not in (getattr(hf_config, "mlp_only_layers", None) or [])
@@ -40,6 +51,7 @@ def is_sparse_layer(hf_config: PretrainedConfig, layer: int) -> bool:
 
 
 def qwen_router(hf_config: PretrainedConfig) -> RouterSpec:
+    check_expert_activation(hf_config)
     return RouterSpec(
         hf_config.num_experts,
         hf_config.num_experts_per_tok,

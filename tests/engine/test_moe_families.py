@@ -31,6 +31,13 @@ TINY_MOE: dict[str, dict[str, Any]] = {
         mlp_only_layers=[1],
         norm_topk_prob=False,
     ),
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+    ),
     "qwen2_moe_renormalized": dict(
         num_experts=6,
         num_experts_per_tok=2,
