@@ -227,8 +227,12 @@ class VariantDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         if variant.post_norms:
             self.post_feedforward_layernorm = RMSNorm(hidden_size, eps)
-        self.mlp = mlp or GatedMLP(
-            hidden_size, shape.intermediate_size, shape.mlp_bias, variant.activation, tp
+        self.mlp = (
+            mlp
+            if mlp is not None
+            else GatedMLP(
+                hidden_size, shape.intermediate_size, shape.mlp_bias, variant.activation, tp
+            )
         )
 
     def forward(

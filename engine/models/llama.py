@@ -219,7 +219,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.self_attn = LlamaAttention(shape, rotary_emb, backend, tp)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
-        self.mlp = mlp or LlamaMLP(hidden_size, shape.intermediate_size, shape.mlp_bias, tp)
+        self.mlp = (
+            mlp
+            if mlp is not None
+            else LlamaMLP(hidden_size, shape.intermediate_size, shape.mlp_bias, tp)
+        )
 
     def projections(self) -> ProjectionLayout:
         attention, mlp = self.self_attn, self.mlp
