@@ -25,26 +25,34 @@ BLOCK_M = 16
 @dataclass(frozen=True)
 class AlignedRoutes:
     pair_of_row: torch.Tensor  # [R] int32: the (token, slot) pair index a row computes; pad: T*k
-    expert_of_block: torch.Tensor  # [R // BLOCK_M] int32
+    expert_of_block: torch.Tensor  # [R // BLOCK_M] int32 (blocks past the last: any expert)
+    used_blocks: torch.Tensor  # [1] int32: blocks holding rows; the rest exit at once
 
 
 def align_routes(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> AlignedRoutes:
+    """Without reading anything back to the host (so a CUDA graph can capture it): the row
+    count is its upper bound, T * k plus each expert's padding at most."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded_start = torch.cumsum(padded, 0) - padded
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
     start = torch.cumsum(counts, 0) - counts
     experts = flat.index_select(0, order)
     rank = torch.arange(pairs, device=ids.device) - start.index_select(0, experts)
-    rows = int(padded.sum().item())
-    pair_of_row = torch.full((rows,), pairs, dtype=torch.int32, device=ids.device)
+    blocks = -(-(pairs + num_experts * (block_m - 1)) // block_m)
+    pair_of_row = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=ids.device)
     pair_of_row[padded_start.index_select(0, experts) + rank] = order.to(torch.int32)
-    expert_of_block = torch.repeat_interleave(
-        torch.arange(num_experts, device=ids.device, dtype=torch.int32), padded // block_m
+    first_rows = torch.arange(blocks, device=ids.device) * block_m
+    expert_of_block = torch.searchsorted(padded_end, first_rows, right=True)
+    return AlignedRoutes(
+        pair_of_row,
+        expert_of_block.clamp(max=num_experts - 1).to(torch.int32),
+        (padded_end[-1:] // block_m).to(torch.int32),
     )
-    return AlignedRoutes(pair_of_row, expert_of_block)
 
 
 @triton.jit
@@ -54,6 +62,7 @@ def _moe_gemm_kernel(
     out_ptr,
     pair_of_row_ptr,
     expert_of_block_ptr,
+    used_blocks_ptr,
     scale_ptr,
     num_pairs,
     N,
@@ -70,6 +79,8 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
+    if block >= tl.load(used_blocks_ptr):
+        return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_of_row_ptr + rows).to(tl.int64)
     valid = pairs < num_pairs
@@ -127,6 +138,7 @@ def _moe_gemm(
         out,
         routes.pair_of_row,
         routes.expert_of_block,
+        routes.used_blocks,
         scale if scale is not None else out,
         num_pairs,
         n,
@@ -162,4 +174,4 @@ def fused_moe(
     hidden = silu_and_mul(gate_up)
     scale = weights.reshape(-1).float().contiguous()
     down = _moe_gemm(hidden, w2, routes, pairs, 1, scale)
-    return down.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return down.view(tokens, top_k, w2.shape[1]).sum(dim=1, dtype=torch.float32).to(x.dtype)

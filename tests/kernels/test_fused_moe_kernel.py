@@ -29,7 +29,9 @@ def _case(tokens: int, experts: int, top_k: int, dtype: torch.dtype, device: tor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (5, 4, 4), (37, 8, 3)])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), [(0, 4, 2), (1, 8, 2), (5, 4, 4), (37, 8, 3)]
+)
 def test_fused_moe_matches_the_reference(tokens, experts, top_k, dtype, device) -> None:
     from kernels import fused_moe
 
