@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kernels.activation import silu_and_mul
+    from kernels.fused_moe import fused_moe
     from kernels.kv_cache import reshape_and_cache
     from kernels.paged_attention import choose_num_splits, unified_attention
     from kernels.quant_matmul import quant_matmul_triton
     from kernels.reference import (
+        fused_moe_ref,
         quant_matmul_triton_ref,
         reshape_and_cache_ref,
         rms_norm_ref,
@@ -34,6 +36,8 @@ _HOME = {
     "rotary_embedding": "kernels.rotary",
     "silu_and_mul": "kernels.activation",
     "quant_matmul_triton": "kernels.quant_matmul",
+    "fused_moe": "kernels.fused_moe",
+    "fused_moe_ref": "kernels.reference",
     "unified_attention_ref": "kernels.reference",
     "reshape_and_cache_ref": "kernels.reference",
     "rms_norm_ref": "kernels.reference",
@@ -44,6 +48,8 @@ _HOME = {
 
 __all__ = [
     "choose_num_splits",
+    "fused_moe",
+    "fused_moe_ref",
     "quant_matmul_triton",
     "quant_matmul_triton_ref",
     "reshape_and_cache",

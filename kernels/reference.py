@@ -145,3 +145,22 @@ def quant_matmul_triton_ref(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H] through each token's k experts (w13 [E, 2I, H] = [gate; up], w2 [E, H, I]),
+    summed with the routing weights [T, k], accumulated in float32."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for slot in range(ids.shape[1]):
+        for expert in ids[:, slot].unique().tolist():
+            tokens = (ids[:, slot] == expert).nonzero().squeeze(1)
+            gate_up = F.linear(x[tokens].float(), w13[expert].float())
+            down = F.linear(silu_and_mul_ref(gate_up), w2[expert].float())
+            out.index_add_(0, tokens, down * weights[tokens, slot, None].float())
+    return out.to(x.dtype)

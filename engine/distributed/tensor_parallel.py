@@ -20,6 +20,7 @@ from engine.distributed.launcher import (
     threads_per_rank,
 )
 from engine.distributed.step_channel import StepMessage, StepSender
+from engine.layers.moe import FusedExperts
 from engine.models import meta_model
 from engine.models.interface import CausalLM
 from engine.step_inputs import StepInputs
@@ -82,7 +83,13 @@ class LocalSizes:
 def local_sizes(model: CausalLM) -> LocalSizes:
     """This rank's share of the first layer, as the built model (or shard) holds it."""
     attention = model.attention_spec(0)
-    mlp_size = model.projections(0).down.in_features
+    down = model.projections(0).down
+    if down is not None:
+        mlp_size = down.in_features
+    else:  # a mixture-of-experts layer: one expert's share
+        mlp_size = next(
+            m.local_intermediate_size for m in model.modules() if isinstance(m, FusedExperts)
+        )
     return LocalSizes(attention.num_heads, attention.num_kv_heads, mlp_size)
 
 

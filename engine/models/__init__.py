@@ -36,6 +36,10 @@ _FAMILIES: dict[str, Registration] = {
         Registration("Qwen2ForCausalLM", "qwen2", "qwen2:Qwen2ForCausalLM"),
         Registration("Gemma2ForCausalLM", "gemma2", "gemma2:Gemma2ForCausalLM"),
         Registration("Gemma3ForCausalLM", "gemma3_text", "gemma3:Gemma3ForCausalLM"),
+        Registration("Qwen3ForCausalLM", "qwen3", "qwen3:Qwen3ForCausalLM"),
+        Registration("MixtralForCausalLM", "mixtral", "mixtral:MixtralForCausalLM"),
+        Registration("Qwen2MoeForCausalLM", "qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM"),
+        Registration("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM"),
     )
 }
 

@@ -61,11 +61,26 @@ class ProjectionLayout:
 
     qkv: MergedLinear  # [q; k; v] rows
     o: Linear
-    gate_up: MergedLinear  # [gate; up] rows
-    down: Linear
+    # A dense MLP's [gate; up] rows and down projection; None for a mixture-of-experts MLP
+    # (engine.layers.moe), whose experts are no Linear.
+    gate_up: MergedLinear | None
+    down: Linear | None
+
+    @property
+    def dense_mlp(self) -> bool:
+        return self.gate_up is not None and self.down is not None
 
     def __iter__(self) -> Iterator[Linear]:
-        return iter((self.qkv, self.o, self.gate_up, self.down))
+        return (p for p in (self.qkv, self.o, self.gate_up, self.down) if p is not None)
+
+
+@dataclass(frozen=True)
+class ExpertTarget:
+    """Where one expert's checkpoint projection goes in the stacked expert weights."""
+
+    param: str  # the model parameter holding every expert's (e.g. ...mlp.experts.w13)
+    expert: int
+    shard: int | None  # the part of a fused [gate; up] parameter, else None
 
 
 @dataclass(frozen=True)
@@ -76,18 +91,35 @@ class WeightMapping:
     packed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # checkpoint tensors the model does not hold (e.g. a stored rope table)
     ignored_suffixes: tuple[str, ...] = ()
+    # checkpoint module name -> the model's (e.g. Mixtral's block_sparse_moe -> mlp)
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    # an expert's checkpoint projection (experts.N.<name>.weight) -> (stacked parameter, shard)
+    experts: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)
 
     def ignores(self, name: str) -> bool:
         return name.endswith(self.ignored_suffixes)
 
+    def _parts(self, name: str) -> list[str]:
+        return [self.renamed.get(part, part) for part in name.split(".")]
+
+    def expert_target(self, name: str) -> ExpertTarget | None:
+        """Where a checkpoint name `...experts.N.<projection>.weight` goes; None for others."""
+        parts = self._parts(name)
+        if len(parts) < 4 or parts[-1] != "weight" or parts[-4] != "experts":
+            return None
+        stacked = self.experts.get(parts[-2])
+        if stacked is None or not parts[-3].isdigit():
+            return None
+        return ExpertTarget(".".join([*parts[:-3], stacked[0]]), int(parts[-3]), stacked[1])
+
     def target_of(self, name: str) -> tuple[str, int | None]:
         """A checkpoint name -> (model parameter name, shard of a fused parameter or None)."""
-        parts = name.split(".")
+        parts = self._parts(name)
         for i, part in enumerate(parts):
             for fused, sources in self.packed.items():
                 if part in sources:
                     return ".".join([*parts[:i], fused, *parts[i + 1 :]]), sources.index(part)
-        return name, None
+        return ".".join(parts), None
 
 
 @dataclass(frozen=True)

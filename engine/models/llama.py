@@ -8,6 +8,7 @@ reads its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,10 @@ class LlamaShape:
         return replace(self, attention=self.layer_attention[layer])
 
 
-def read_llama_config(hf_config: PretrainedConfig) -> LlamaShape:
+def read_llama_config(
+    hf_config: PretrainedConfig, allow_partial_rotary: bool = False
+) -> LlamaShape:
+    """allow_partial_rotary: the caller reads partial_rotary_factor itself (else it is refused)."""
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     # A window applies unless the config turns it off (Qwen2's use_sliding_window).
@@ -77,7 +81,7 @@ def read_llama_config(hf_config: PretrainedConfig) -> LlamaShape:
     if getattr(hf_config, "use_sliding_window", True) is False:
         window = None
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
-    theta, scaling = rope_parameters(hf_config)
+    theta, scaling = rope_parameters(hf_config, allow_partial_rotary)
     attention = AttentionSpec(
         num_heads=num_heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
@@ -180,6 +184,11 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.window = spec.window  # None: full attention
 
+    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The fused [q; k; v] rows [T, q_size + 2 * kv_size] that `rotary_emb` then rotates
+        (families that normalize q and k, or rotate part of them themselves, do so here)."""
+        return self.qkv_proj(hidden)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -192,7 +201,7 @@ class LlamaAttention(nn.Module):
         """Attention output after o_proj for every token, or only for `output_rows` (every
         token's K/V is still computed and stored)."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = self.project_qkv(positions, hidden)
         out = self.backend.attend_from_qkv(
             qkv,
             positions,
@@ -217,6 +226,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
+# The MLP of decoder layer i (a family whose layers differ there, e.g. mixture-of-experts ones,
+# gives LlamaModel its own; the default is LlamaMLP everywhere).
+MlpFactory = Callable[[int], nn.Module]
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -224,16 +238,23 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         backend: AttentionBackend,
         tp: TensorParallel | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         hidden_size, eps = shape.dims.hidden_size, shape.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.self_attn = LlamaAttention(shape, rotary_emb, backend, tp)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
-        self.mlp = LlamaMLP(hidden_size, shape.intermediate_size, shape.mlp_bias, tp)
+        self.mlp = (
+            mlp
+            if mlp is not None
+            else LlamaMLP(hidden_size, shape.intermediate_size, shape.mlp_bias, tp)
+        )
 
     def projections(self) -> ProjectionLayout:
         attention, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, LlamaMLP):  # a mixture of experts: no dense projections
+            return ProjectionLayout(attention.qkv_proj, attention.o_proj, None, None)
         return ProjectionLayout(
             attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
         )
@@ -264,7 +285,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, shape: LlamaShape, backend: AttentionBackend, tp: TensorParallel | None = None
+        self,
+        shape: LlamaShape,
+        backend: AttentionBackend,
+        tp: TensorParallel | None = None,
+        mlp_of: MlpFactory | None = None,
     ) -> None:
         super().__init__()
         dims = shape.dims
@@ -280,15 +305,23 @@ class LlamaModel(nn.Module):
             else VocabParallelEmbedding(dims.vocab_size, dims.hidden_size, tp)
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape.for_layer(i), self.rotary_emb, backend, tp=tp)
+            LlamaDecoderLayer(
+                shape.for_layer(i),
+                self.rotary_emb,
+                backend,
+                tp=tp,
+                mlp=None if mlp_of is None else mlp_of(i),
+            )
             for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(dims.hidden_size, shape.rms_norm_eps)
         # Decode steps on the CPU run their layers in one C++ call (tensor-parallel ranks keep
-        # the Python forward: their layers all-reduce between the ops).
+        # the Python forward: their layers all-reduce between the ops; so do models with a
+        # mixture-of-experts MLP, which the C++ stack does not compute).
+        dense = all(layer.projections().dense_mlp for layer in self.layers)
         self.cpu_decode_stack = (
             self._cpu_decode_stack(backend, shape.rms_norm_eps)
-            if tp is None and isinstance(backend, TorchAttentionBackend)
+            if tp is None and dense and isinstance(backend, TorchAttentionBackend)
             else None
         )
 
@@ -357,7 +390,7 @@ class LlamaForCausalLM(CausalLM):
         """tp: this rank's place in a tensor-parallel group; None: the whole model here."""
         shape = self.read_config(hf_config)
         super().__init__(shape.dims)
-        self.model = LlamaModel(shape, backend, tp)
+        self.model = LlamaModel(shape, backend, tp, self.layer_mlps(hf_config, shape, tp))
         self.lm_head = (
             Linear(shape.dims.hidden_size, shape.dims.vocab_size, bias=False)
             if tp is None
@@ -368,6 +401,13 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def read_config(cls, hf_config: PretrainedConfig) -> LlamaShape:
         return read_llama_config(hf_config)
+
+    @classmethod
+    def layer_mlps(
+        cls, hf_config: PretrainedConfig, shape: LlamaShape, tp: TensorParallel | None
+    ) -> MlpFactory | None:
+        """Each layer's MLP where the family's differ from Llama's (None: LlamaMLP in all)."""
+        return None
 
     @property
     def decoder_layers(self) -> nn.ModuleList:

@@ -21,6 +21,7 @@ from engine.attention.base import AttentionBackend
 from engine.distributed.group import TensorParallel
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
+from engine.layers.moe import FusedExperts
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import ShardedLayer, TensorSlice
 from engine.models import meta_model
@@ -30,7 +31,7 @@ from engine.models.checkpoint import (
     SafetensorsCheckpoint,
     WeightLoadError,
 )
-from engine.models.interface import CausalLM
+from engine.models.interface import CausalLM, ExpertTarget
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
 from engine.quantization.methods import quantize_at_load
 from engine.quantization.registry import method_class
@@ -119,6 +120,13 @@ def load_weights(
         for name in checkpoint.names():
             if mapping.ignores(name) or (tied and name == "lm_head.weight"):
                 continue
+            expert = mapping.expert_target(name)
+            if expert is not None:
+                if name in quantized_names:
+                    raise WeightLoadError(f"{name}: quantized expert weights are not read yet")
+                slot = _read_expert(model, checkpoint, name, expert)
+                filled[expert.param].add(slot)
+                continue
             target, shard = mapping.target_of(name)
             param = params.get(target)
             if param is None:
@@ -168,6 +176,28 @@ def load_weights(
         _use_quantized(model, target, weight, tied, method)
 
 
+def _read_expert(model: CausalLM, checkpoint: Checkpoint, name: str, target: ExpertTarget) -> int:
+    """Copy one expert's projection into its place in the stacked expert weights (this rank's
+    slice of it under tensor parallelism); returns the slot it filled."""
+    module_name, param = target.param.rsplit(".", 1)
+    module = model.get_submodule(module_name)
+    if not isinstance(module, FusedExperts) or not 0 <= target.expert < module.num_experts:
+        raise WeightLoadError(f"checkpoint tensor {name} has no expert slot in the model")
+    destination = module.expert_slot(param, target.expert, target.shard)
+    piece = module.checkpoint_slice(param)
+    shape = tuple(destination.shape)
+    if piece is not None:
+        shape = (*shape[: piece.dim], piece.full, *shape[piece.dim + 1 :])
+    if checkpoint.shape(name) != shape:
+        raise WeightLoadError(f"{name}: checkpoint shape {checkpoint.shape(name)} != {shape}")
+    if piece is None:
+        checkpoint.read_into(name, destination)
+    else:
+        _read_slice(checkpoint, name, destination, piece)
+    shards = module.slots(param) // module.num_experts
+    return target.expert * shards + (target.shard or 0)
+
+
 def _read_slice(
     checkpoint: Checkpoint, name: str, destination: torch.Tensor, piece: TensorSlice
 ) -> None:
@@ -205,6 +235,8 @@ def _use_quantized(
 
 def _num_shards(model: CausalLM, param_name: str) -> int:
     module = model.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else model
+    if isinstance(module, FusedExperts):
+        return module.slots(param_name.rsplit(".", 1)[-1])
     return len(module.shard_sizes) if isinstance(module, MergedLinear) else 1
 
 

@@ -18,9 +18,14 @@ from torch import nn
 
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, shared_parameter_ids
+from engine.layers.moe import FusedExperts
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
 from engine.quantization.errors import QuantizationError
+from engine.quantization.int4 import Int4Linear
+from engine.quantization.int8 import Int8Linear
 from engine.quantization.registry import QUANTIZATION_SCHEMES, method_class
+from engine.quantization.weight_linear import QuantizedWeightLinear
+from engine.quantization.weights import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +103,40 @@ def quantize_at_load(
     `method` (which may give some layers, such as the lm_head, another one). The embedding keeps
     its precision: a lookup reads one row."""
     shared = shared_parameter_ids(model)
-    sizes = sorted({m.in_features for m in model.modules() if isinstance(m, Linear)})
-    method.check_input_sizes(sizes, group_size)
+    sizes = {m.in_features for m in model.modules() if isinstance(m, Linear)}
+    experts = [(n, m) for n, m in model.named_modules() if isinstance(m, FusedExperts)]
+    for _, module in experts:
+        sizes |= {module.w13.shape[-1], module.w2.shape[-1]}
+    method.check_input_sizes(sorted(sizes), group_size)
     with torch.no_grad():
         for name, module in model.named_modules():
             if not isinstance(module, Linear) or module.is_quantized:
                 continue
             quantized = method.quantize(name, module.weight.detach(), group_size)
             module.use_method(quantized, keep_plain_weight=id(module.weight) in shared)
+        for name, module in experts:
+            quantize_experts(name, module, method, group_size)
+
+
+def quantize_experts(
+    name: str, experts: FusedExperts, method: type[QuantizedLinearMethod], group_size: int
+) -> None:
+    """Each expert's projections in the scheme (weight-only integer schemes: int8, int4)."""
+    if not issubclass(method, (Int8Linear, Int4Linear)):
+        raise QuantizationError(
+            f"{method.__name__} does not quantize mixture-of-experts weights; "
+            "for a MoE model use quantization='int8' or 'int4'"
+        )
+
+    def each(param: str, stacked: torch.Tensor) -> list[QuantizedWeight]:
+        weights = []
+        for expert in range(stacked.shape[0]):
+            quantized = method.quantize(f"{name}.{expert}.{param}", stacked[expert], group_size)
+            assert isinstance(quantized, QuantizedWeightLinear)
+            weights.append(quantized.weight)
+        return weights
+
+    experts.use_quantized(each("w13", experts.w13.detach()), each("w2", experts.w2.detach()))
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -117,6 +148,8 @@ def weight_bytes(model: nn.Module) -> int:
             tensors += module.method.weight_tensors()
         elif isinstance(module, VocabEmbedding) and module.quantized is not None:
             tensors += module.quantized.tensors()
+        elif isinstance(module, FusedExperts):
+            tensors += module.quantized_tensors()
     total = 0
     seen: set[int] = set()
     for tensor in tensors:

@@ -48,8 +48,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Save a random tiny HF model folder; kind is "llama", "qwen2", "mistral", "gemma2" or
-    "gemma3"."""
+    """Save a random tiny HF model folder; kind is "llama", "qwen2", "mistral", "gemma2",
+    "gemma3", or a mixture-of-experts family: "mixtral", "qwen2_moe", "qwen3_moe"."""
     import transformers as tf
 
     classes = {
@@ -58,6 +58,9 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides:
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     config = config_cls(**{**TINY_SIZES, **overrides})
