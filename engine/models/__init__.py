@@ -35,6 +35,10 @@ _FAMILIES: dict[str, Registration] = {
         Registration("MistralForCausalLM", "mistral", "llama:LlamaForCausalLM"),
         Registration("Qwen2ForCausalLM", "qwen2", "qwen2:Qwen2ForCausalLM"),
         Registration("Qwen3ForCausalLM", "qwen3", "qwen3:Qwen3ForCausalLM"),
+        Registration("Olmo2ForCausalLM", "olmo2", "olmo2:Olmo2ForCausalLM"),
+        Registration("GraniteForCausalLM", "granite", "granite:GraniteForCausalLM"),
+        Registration("SmolLM3ForCausalLM", "smollm3", "smollm3:SmolLM3ForCausalLM"),
+        Registration("Phi3ForCausalLM", "phi3", "phi3:Phi3ForCausalLM"),
     )
 }
 

@@ -22,7 +22,7 @@ from engine.distributed.group import TensorParallel
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
-from engine.layers.parallel import ShardedLayer, TensorSlice
+from engine.layers.parallel import ColumnParallelLinear, ShardedLayer, TensorSlice
 from engine.models import meta_model
 from engine.models.checkpoint import (
     Checkpoint,
@@ -134,6 +134,12 @@ def load_weights(
                 if isinstance(module, ShardedLayer)
                 else None
             )
+            if shard is None and isinstance(module, ColumnParallelLinear) and len(module.parts) > 1:
+                # The checkpoint stores the fused projection whole (Phi-3's qkv_proj): this
+                # rank's rows of each part.
+                _read_fused_parts(checkpoint, name, param.data, module)
+                filled[target].update(range(len(module.parts)))
+                continue
             if piece is not None:  # the checkpoint holds every rank's slice
                 shape = (*shape[: piece.dim], piece.full, *shape[piece.dim + 1 :])
             if name in quantized_names:
@@ -166,6 +172,23 @@ def load_weights(
     for target, shards in quantized.items():
         weight = concat_rows([shards[i] for i in sorted(shards)])
         _use_quantized(model, target, weight, tied, method)
+
+
+def _read_fused_parts(
+    checkpoint: Checkpoint, name: str, destination: torch.Tensor, module: ColumnParallelLinear
+) -> None:
+    full = sum(part.full for part in module.parts)
+    if checkpoint.shape(name)[0] != full:
+        raise WeightLoadError(
+            f"{name}: checkpoint rows {checkpoint.shape(name)[0]} != the fused parts' {full}"
+        )
+    offset = 0
+    for index, part in enumerate(module.parts):
+        rows = TensorSlice(0, offset + part.start, part.length, full)
+        _read_slice(
+            checkpoint, name, destination.narrow(0, module.shard_offset(index), part.length), rows
+        )
+        offset += part.full
 
 
 def _read_slice(

@@ -1,0 +1,240 @@
+"""The dense families beyond Llama and Qwen2, each against transformers' own implementation.
+
+Every family gets a tiny random model built by transformers here (fp32, seed fixed). The engine's
+greedy tokens must equal transformers' greedy `generate` for every prompt: run alone, batched
+with other requests, with prefills split into chunks, and after a prefix-cache hit, on the CPU
+path the engine ships (C++ kernels, and the C++ decode stack where the family's block is
+Llama's) and on the plain-torch path (no C++ kernels, eager glue, aten matmuls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from engine import LLM, SamplingParams
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.models import meta_model, model_factory
+from engine.models.config_checks import UnsupportedConfigError
+from kernels import cpu_ops
+from tests.engine.conftest import TINY_SIZES, _randomize, transformers_greedy
+
+NEW_TOKENS = 12
+# Prompt lengths: within one block, across blocks (block size 16), a block boundary exactly.
+PROMPT_LENGTHS = [5, 11, 16, 23]
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+    "original_max_position_embeddings": 24,
+}
+# family -> (transformers class names, config overrides, whether decode runs the C++ stack)
+FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "qwen3": ("Qwen3", {"tie_word_embeddings": True}, False),
+    "qwen3-gelu-yarn-bias": (
+        "Qwen3",
+        {
+            "hidden_act": "gelu_pytorch_tanh",
+            "attention_bias": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        },
+        False,
+    ),
+    "olmo2": ("Olmo2", {}, False),
+    "granite": (
+        "Granite",
+        {
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 2.0,
+            "tie_word_embeddings": True,
+        },
+        False,
+    ),
+    "smollm3": ("SmolLM3", {"num_hidden_layers": 4, "no_rope_layer_interval": 2}, False),
+    # Phi-3 with LongRoPE: the prompts fit the original context, generation crosses it.
+    "phi3-longrope": (
+        "Phi3",
+        {
+            "num_attention_heads": 4,  # transformers checks the factors against hidden / heads
+            "rope_scaling": LONGROPE,
+            "original_max_position_embeddings": 24,
+            "max_position_embeddings": 96,
+        },
+        True,
+    ),
+    # Phi-4-mini's shape: partial rotary (3/4 of each head), LongRoPE, tied embeddings.
+    "phi4-mini-partial": (
+        "Phi3",
+        {
+            "num_attention_heads": 4,
+            "partial_rotary_factor": 0.75,
+            "rope_scaling": {
+                **LONGROPE,
+                "short_factor": LONGROPE["short_factor"][:6],
+                "long_factor": LONGROPE["long_factor"][:6],
+            },
+            "original_max_position_embeddings": 24,
+            "max_position_embeddings": 96,
+            "tie_word_embeddings": True,
+        },
+        False,
+    ),
+}
+
+
+# Special tokens inside the tiny vocabulary (some families default to ids of their real one).
+TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def save_family_model(path: Path, family: str, seed: int = 0) -> Path:
+    import transformers as tf
+
+    name, overrides, _ = FAMILIES[family]
+    config = getattr(tf, f"{name}Config")(**{**TINY_SIZES, **TOKEN_IDS, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(tf, f"{name}ForCausalLM")(config).float().eval()
+    _randomize(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 13 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture
+def plain_torch() -> Iterator[None]:
+    """The engine without its C++ kernels (as where they cannot be built)."""
+    from torch.utils import cpp_extension
+
+    def no_compiler(**_: object) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpp_extension, "load", no_compiler)
+        cpu_ops.cpu_kernels_available.cache_clear()
+        try:
+            yield
+        finally:
+            cpu_ops.cpu_kernels_available.cache_clear()
+
+
+def _check_family(path: Path, expect_stack: bool | None) -> None:
+    prompts = _prompts()
+    shared = prompts[3][:16] + [(5 * j + 1) % 250 for j in range(9)]  # a block of prompt 3
+    reference = transformers_greedy(path, [*prompts, shared], NEW_TOKENS)
+
+    llm = LLM(str(path), dtype="float32")
+    if expect_stack is not None:
+        assert (llm.engine.runner.model.model.cpu_decode_stack is not None) == expect_stack
+    for prompt, expected in zip(prompts, reference[:4], strict=True):
+        assert _generate(llm, [prompt]) == [expected], f"prompt of {len(prompt)} tokens alone"
+    others = [[(3 * j + 2) % 250 for j in range(n)] for n in (9, 30, 2)]
+    assert _generate(llm, [others[0], *prompts, *others[1:]])[1:-2] == reference[:4]
+    out = llm.generate([shared], GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_cached_prompt_tokens == 16  # prompt 3's first block
+    assert list(out.outputs[0].token_ids) == reference[4]
+
+    chunked = LLM(str(path), dtype="float32", max_num_batched_tokens=8)
+    assert _generate(chunked, prompts) == reference[:4]
+    assert chunked.engine.stats().num_steps > sum(PROMPT_LENGTHS) // 8
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_greedy_matches_transformers(tmp_path: Path, family: str) -> None:
+    path = save_family_model(tmp_path / family, family)
+    _check_family(path, FAMILIES[family][2] if cpu_ops.cpu_kernels_available() else None)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "smollm3", "phi4-mini-partial"])
+def test_family_greedy_matches_transformers_on_plain_torch(
+    tmp_path: Path, family: str, plain_torch: None
+) -> None:
+    path = save_family_model(tmp_path / family, family)
+    prompts = _prompts()
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, cpu_matmul="aten")
+    assert not cpu_ops.cpu_kernels_available()
+    assert _generate(llm, prompts) == transformers_greedy(path, prompts, NEW_TOKENS)
+
+
+def _config(family: str, **overrides: Any) -> Any:
+    import transformers as tf
+
+    name, base, _ = FAMILIES[family]
+    return getattr(tf, f"{name}Config")(**{**TINY_SIZES, **TOKEN_IDS, **base, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("family", "field", "value"),
+    [
+        ("qwen3", "attn_logit_softcapping", 30.0),
+        ("olmo2", "final_logit_softcapping", 15.0),
+        ("qwen3", "embedding_multiplier", 12.0),
+        ("qwen3", "hidden_act", "xielu"),
+        ("phi3-longrope", "use_qk_norm", True),
+    ],
+)
+def test_a_math_changing_field_the_family_lacks_is_refused_by_name(
+    family: str, field: str, value: object
+) -> None:
+    config = _config(family)
+    setattr(config, field, value)
+    with pytest.raises(UnsupportedConfigError, match=f"{field}={value!r}"):
+        meta_model(config, TorchAttentionBackend())
+
+
+def test_an_unknown_rope_scaling_is_refused_by_name() -> None:
+    config = _config(
+        "qwen3", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    )
+    with pytest.raises(NotImplementedError, match="'dynamic'"):
+        meta_model(config, TorchAttentionBackend())
+
+
+def test_llama_refuses_what_it_does_not_compute() -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**TINY_SIZES, hidden_act="gelu")
+    with pytest.raises(UnsupportedConfigError, match="hidden_act='gelu'"):
+        meta_model(config, TorchAttentionBackend())
+
+
+@pytest.mark.parametrize(
+    ("family", "architecture"),
+    [
+        ("qwen3", "Qwen3ForCausalLM"),
+        ("olmo2", "Olmo2ForCausalLM"),
+        ("granite", "GraniteForCausalLM"),
+        ("smollm3", "SmolLM3ForCausalLM"),
+        ("phi3-longrope", "Phi3ForCausalLM"),
+    ],
+)
+def test_each_family_is_found_by_architecture(
+    tmp_path: Path, family: str, architecture: str
+) -> None:
+    config = AutoConfig.from_pretrained(save_family_model(tmp_path / family, family))
+    assert config.architectures == [architecture]
+    assert model_factory(config).__name__ == architecture
+
+
+def test_phi3_sliding_window_caps_the_context() -> None:
+    model = meta_model(_config("phi3-longrope", sliding_window=48), TorchAttentionBackend())
+    assert model.sliding_window() == 48
