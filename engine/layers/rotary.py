@@ -6,11 +6,11 @@ cat(cos(p * inv_freq), sin(p * inv_freq)) * attention_factor with inv_freq of le
 rotary_dim / 2. rotary_dim is head_dim unless the model rotates only the first part of each
 head (partial rotary: only the Python path rotates those, see `RotaryEmbedding.forward`).
 
-LongRoPE has a short and a long set of frequencies; transformers picks one per forward call by
-that call's largest position. Here row p uses the long set from p = original_max_position_embeddings
-on: identical for every sequence whose prompt fits the original context (decode steps past it
-switch as transformers' do); a longer prompt's first rows keep the short set, where transformers
-would rotate the whole prompt with the long one.
+LongRoPE has a short and a long set of frequencies. transformers' Phi-3 uses the short set while
+a sequence fits original_max_position_embeddings and, once it outgrows it, recomputes the whole
+sequence's cache with the long set. A paged cache keeps what it stored, so here row p uses the
+long set from p = original_max_position_embeddings on: identical to transformers for every
+sequence within the original context; past it, the rows before the boundary keep the short set.
 """
 
 from __future__ import annotations

@@ -163,7 +163,10 @@ def load_weights(
                     checkpoint.read_into(name, destination)
                 else:
                     _read_slice(checkpoint, name, destination, piece)
-            filled[target].add(0 if shard is None else shard)
+            if shard is not None:
+                filled[target].add(shard)
+            else:  # a whole tensor: every shard of a fused parameter stored fused (Phi-3)
+                filled[target].update(range(_num_shards(model, target)))
     missing = [name for name, shards in filled.items() if len(shards) < _num_shards(model, name)]
     if missing:
         raise WeightLoadError(

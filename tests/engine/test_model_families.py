@@ -33,7 +33,7 @@ LONGROPE = {
     "rope_type": "longrope",
     "short_factor": [1.0 + 0.1 * i for i in range(8)],
     "long_factor": [2.0 + 0.5 * i for i in range(8)],
-    "original_max_position_embeddings": 24,
+    "original_max_position_embeddings": 48,
 }
 # family -> (transformers class names, config overrides, whether decode runs the C++ stack)
 FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
@@ -65,13 +65,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
         False,
     ),
     "smollm3": ("SmolLM3", {"num_hidden_layers": 4, "no_rope_layer_interval": 2}, False),
-    # Phi-3 with LongRoPE: the prompts fit the original context, generation crosses it.
+    # Phi-3 with LongRoPE. Every sequence here stays within the original context: transformers'
+    # Phi-3 recomputes a sequence's whole cache with the long factors when it outgrows it,
+    # which a paged cache does not (see engine.layers.rotary); the long rows are checked below.
     "phi3-longrope": (
         "Phi3",
         {
             "num_attention_heads": 4,  # transformers checks the factors against hidden / heads
             "rope_scaling": LONGROPE,
-            "original_max_position_embeddings": 24,
+            "original_max_position_embeddings": 48,
             "max_position_embeddings": 96,
         },
         True,
@@ -87,7 +89,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
                 "short_factor": LONGROPE["short_factor"][:6],
                 "long_factor": LONGROPE["long_factor"][:6],
             },
-            "original_max_position_embeddings": 24,
+            "original_max_position_embeddings": 48,
             "max_position_embeddings": 96,
             "tie_word_embeddings": True,
         },
@@ -238,3 +240,19 @@ def test_each_family_is_found_by_architecture(
 def test_phi3_sliding_window_caps_the_context() -> None:
     model = meta_model(_config("phi3-longrope", sliding_window=48), TorchAttentionBackend())
     assert model.sliding_window() == 48
+
+
+def test_longrope_rows_past_the_original_context_are_transformers_long_ones() -> None:
+    import transformers as tf
+
+    from engine.layers.rotary import rope_parameters, rope_table
+
+    config = _config("phi3-longrope")
+    rotary = tf.Phi3ForCausalLM(config).model.rotary_emb
+    theta, scaling = rope_parameters(config)
+    ours = rope_table(16, 96, theta, scaling)
+    for length in (30, 96):  # within the original context (short factors), past it (long)
+        cos, sin = rotary(torch.zeros(1), torch.arange(length)[None])
+        expected = torch.cat((cos[0, :, :8], sin[0, :, :8]), dim=-1)
+        rows = slice(0, length) if length <= 48 else slice(48, length)
+        torch.testing.assert_close(ours[rows], expected[rows], atol=1e-6, rtol=0)
