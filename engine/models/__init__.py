@@ -52,8 +52,7 @@ def supported_architectures() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def model_factory(hf_config: PretrainedConfig) -> ModelFactory:
-    """The family for an HF config, by its `architectures`, else its `model_type`."""
+def _registration(hf_config: PretrainedConfig) -> Registration:
     named = hf_config.architectures or ()
     model_type = hf_config.model_type
     entry = next((_FAMILIES[arch] for arch in named if arch in _FAMILIES), None)
@@ -64,6 +63,18 @@ def model_factory(hf_config: PretrainedConfig) -> ModelFactory:
             f"unsupported model (architectures={list(named) or None}, "
             f"model_type={model_type!r}); supported: {', '.join(supported_architectures())}"
         )
+    return entry
+
+
+def served_architecture(hf_config: PretrainedConfig) -> str:
+    """The architecture the engine serves hf_config as (e.g. "Qwen3ForCausalLM"): what a worker
+    reports of its model."""
+    return _registration(hf_config).architecture
+
+
+def model_factory(hf_config: PretrainedConfig) -> ModelFactory:
+    """The family for an HF config, by its `architectures`, else its `model_type`."""
+    entry = _registration(hf_config)
     if not isinstance(entry.family, str):
         return entry.family
     module, name = entry.family.split(":")

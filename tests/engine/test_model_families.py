@@ -19,7 +19,7 @@ from transformers import AutoConfig
 
 from engine import LLM, SamplingParams
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.models import meta_model, model_factory
+from engine.models import meta_model, model_factory, served_architecture
 from engine.models.config_checks import UnsupportedConfigError
 from kernels import cpu_ops
 from tests.engine.conftest import TINY_SIZES, _randomize, transformers_greedy
@@ -235,6 +235,7 @@ def test_each_family_is_found_by_architecture(
     config = AutoConfig.from_pretrained(save_family_model(tmp_path / family, family))
     assert config.architectures == [architecture]
     assert model_factory(config).__name__ == architecture
+    assert served_architecture(config) == architecture
 
 
 def test_phi3_sliding_window_caps_the_context() -> None:
@@ -256,3 +257,86 @@ def test_longrope_rows_past_the_original_context_are_transformers_long_ones() ->
         expected = torch.cat((cos[0, :, :8], sin[0, :, :8]), dim=-1)
         rows = slice(0, length) if length <= 48 else slice(48, length)
         torch.testing.assert_close(ours[rows], expected[rows], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3-longrope"])
+def test_tensor_parallel_ranks_give_the_single_devices_logits(tmp_path: Path, family: str) -> None:
+    """Per-head QK-norm on each rank's heads; Phi-3's fused checkpoint tensors split per rank."""
+    from tests.engine.test_tensor_parallel import _runner, _stop, _three_steps
+
+    path = save_family_model(tmp_path / family, family)
+    expected = _three_steps(_runner(path, 1))
+    sharded = _runner(path, 2)
+    try:
+        got = _three_steps(sharded)
+    finally:
+        _stop(sharded)
+    for want, have in zip(expected, got, strict=True):
+        torch.testing.assert_close(have, want, atol=1e-4, rtol=0)
+
+
+def test_qk_norm_over_the_whole_projection_is_refused_under_tensor_parallelism() -> None:
+    from engine.distributed.group import TensorParallel
+
+    with pytest.raises(NotImplementedError, match="not tensor-parallel"):
+        meta_model(_config("olmo2"), TorchAttentionBackend(), TensorParallel(0, 2))
+
+
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+
+
+def test_a_qwen3_gguf_runs_its_blocks_as_transformers_runs_them_dequantized(
+    tmp_path: Path,
+) -> None:
+    """A Qwen3 GGUF (Q8_0 projections, f32 norms and embeddings, QK-norm weights included): the
+    engine's greedy tokens equal transformers' on the same weights dequantized."""
+    import gguf
+    import transformers as tf
+
+    path = save_family_model(tmp_path / "qwen3", "qwen3")
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer = gguf.GGUFWriter(path / "model.gguf", "qwen3")
+    state = {name: t.numpy() for name, t in model.state_dict().items() if name != "lm_head.weight"}
+    for name, values in state.items():
+        if values.ndim == 2 and name.endswith("proj.weight"):
+            blocks = gguf.quants.quantize(values, q8)
+            writer.add_tensor(_gguf_name(name), blocks, raw_dtype=q8)
+            dequantized = gguf.quants.dequantize(blocks, q8).reshape(values.shape)
+            model.get_parameter(name).data.copy_(torch.from_numpy(dequantized))
+        else:
+            writer.add_tensor(_gguf_name(name), values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.save_pretrained(path)  # the dequantized weights, for transformers' reference
+
+    prompts = _prompts()
+    llm = LLM(str(path), dtype="float32", quantization="gguf")
+    assert llm.engine.quantization == "gguf"
+    assert _generate(llm, prompts) == transformers_greedy(path, prompts, NEW_TOKENS)
