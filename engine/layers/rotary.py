@@ -6,11 +6,11 @@ cat(cos(p * inv_freq), sin(p * inv_freq)) * attention_factor with inv_freq of le
 rotary_dim / 2. rotary_dim is head_dim unless the model rotates only the first part of each
 head (partial rotary: only the Python path rotates those, see `RotaryEmbedding.forward`).
 
-LongRoPE has a short and a long set of frequencies; transformers picks one per forward call by
-that call's largest position. Here row p uses the long set from p = original_max_position_embeddings
-on: identical for every sequence whose prompt fits the original context (decode steps past it
-switch as transformers' do); a longer prompt's first rows keep the short set, where transformers
-would rotate the whole prompt with the long one.
+LongRoPE has a short and a long set of frequencies. transformers' Phi-3 uses the short set while
+a sequence fits original_max_position_embeddings and, once it outgrows it, recomputes the whole
+sequence's cache with the long set. A paged cache keeps what it stored, so here row p uses the
+long set from p = original_max_position_embeddings on: identical to transformers for every
+sequence within the original context; past it, the rows before the boundary keep the short set.
 """
 
 from __future__ import annotations
@@ -147,7 +147,9 @@ def _yarn(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers: no zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
     extrapolation = 1 - ramp
     pos_freqs = theta ** _exponents(dim)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
@@ -168,7 +170,7 @@ def _longrope_table(
         )
     rows = []
     for key in ("short_factor", "long_factor"):
-        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        ext = torch.tensor(scaling[key], dtype=torch.float32, device="cpu")
         if ext.numel() != dim // 2:
             raise ValueError(f"rope_scaling {key} has {ext.numel()} entries, expected {dim // 2}")
         inv_freq = 1.0 / (ext * theta ** _exponents(dim))
@@ -251,7 +253,11 @@ class IdentityRotary(RotaryEmbedding):
     def _compute_cache(self) -> torch.Tensor:
         half = self.head_dim // 2
         return torch.cat(
-            (torch.ones(self.max_position, half), torch.zeros(self.max_position, half)), dim=-1
+            (
+                torch.ones(self.max_position, half, device="cpu"),
+                torch.zeros(self.max_position, half, device="cpu"),
+            ),
+            dim=-1,
         )
 
 

@@ -37,6 +37,10 @@ _FAMILIES: dict[str, Registration] = {
         Registration("Gemma2ForCausalLM", "gemma2", "gemma2:Gemma2ForCausalLM"),
         Registration("Gemma3ForCausalLM", "gemma3_text", "gemma3:Gemma3ForCausalLM"),
         Registration("Qwen3ForCausalLM", "qwen3", "qwen3:Qwen3ForCausalLM"),
+        Registration("Olmo2ForCausalLM", "olmo2", "olmo2:Olmo2ForCausalLM"),
+        Registration("GraniteForCausalLM", "granite", "granite:GraniteForCausalLM"),
+        Registration("SmolLM3ForCausalLM", "smollm3", "smollm3:SmolLM3ForCausalLM"),
+        Registration("Phi3ForCausalLM", "phi3", "phi3:Phi3ForCausalLM"),
         Registration("MixtralForCausalLM", "mixtral", "mixtral:MixtralForCausalLM"),
         Registration("Qwen2MoeForCausalLM", "qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM"),
         Registration("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM"),
@@ -53,8 +57,7 @@ def supported_architectures() -> list[str]:
     return sorted(_FAMILIES)
 
 
-def model_factory(hf_config: PretrainedConfig) -> ModelFactory:
-    """The family for an HF config, by its `architectures`, else its `model_type`."""
+def _registration(hf_config: PretrainedConfig) -> Registration:
     named = hf_config.architectures or ()
     model_type = hf_config.model_type
     entry = next((_FAMILIES[arch] for arch in named if arch in _FAMILIES), None)
@@ -65,6 +68,18 @@ def model_factory(hf_config: PretrainedConfig) -> ModelFactory:
             f"unsupported model (architectures={list(named) or None}, "
             f"model_type={model_type!r}); supported: {', '.join(supported_architectures())}"
         )
+    return entry
+
+
+def served_architecture(hf_config: PretrainedConfig) -> str:
+    """The architecture the engine serves hf_config as (e.g. "Qwen3ForCausalLM"): what a worker
+    reports of its model."""
+    return _registration(hf_config).architecture
+
+
+def model_factory(hf_config: PretrainedConfig) -> ModelFactory:
+    """The family for an HF config, by its `architectures`, else its `model_type`."""
+    entry = _registration(hf_config)
     if not isinstance(entry.family, str):
         return entry.family
     module, name = entry.family.split(":")

@@ -31,6 +31,7 @@ from engine.layers.parallel import (
     split_heads,
 )
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.models.config_checks import refuse_unsupported
 from engine.models.interface import (
     AttentionKind,
     AttentionSpec,
@@ -400,6 +401,7 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def read_config(cls, hf_config: PretrainedConfig) -> LlamaShape:
+        refuse_unsupported(hf_config)
         return read_llama_config(hf_config)
 
     @classmethod

@@ -23,7 +23,7 @@ from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.moe import FusedExperts
 from engine.layers.norm import RMSNorm
-from engine.layers.parallel import ShardedLayer, TensorSlice
+from engine.layers.parallel import ColumnParallelLinear, ShardedLayer, TensorSlice
 from engine.models import meta_model
 from engine.models.checkpoint import (
     Checkpoint,
@@ -142,6 +142,12 @@ def load_weights(
                 if isinstance(module, ShardedLayer)
                 else None
             )
+            if shard is None and isinstance(module, ColumnParallelLinear) and len(module.parts) > 1:
+                # The checkpoint stores the fused projection whole (Phi-3's qkv_proj): this
+                # rank's rows of each part.
+                _read_fused_parts(checkpoint, name, param.data, module)
+                filled[target].update(range(len(module.parts)))
+                continue
             if piece is not None:  # the checkpoint holds every rank's slice
                 shape = (*shape[: piece.dim], piece.full, *shape[piece.dim + 1 :])
             if name in quantized_names:
@@ -165,7 +171,10 @@ def load_weights(
                     checkpoint.read_into(name, destination)
                 else:
                     _read_slice(checkpoint, name, destination, piece)
-            filled[target].add(0 if shard is None else shard)
+            if shard is not None:
+                filled[target].add(shard)
+            else:  # a whole tensor: every shard of a fused parameter stored fused (Phi-3)
+                filled[target].update(range(_num_shards(model, target)))
     missing = [name for name, shards in filled.items() if len(shards) < _num_shards(model, name)]
     if missing:
         raise WeightLoadError(
@@ -196,6 +205,23 @@ def _read_expert(model: CausalLM, checkpoint: Checkpoint, name: str, target: Exp
         _read_slice(checkpoint, name, destination, piece)
     shards = module.slots(param) // module.num_experts
     return target.expert * shards + (target.shard or 0)
+
+
+def _read_fused_parts(
+    checkpoint: Checkpoint, name: str, destination: torch.Tensor, module: ColumnParallelLinear
+) -> None:
+    full = sum(part.full for part in module.parts)
+    if checkpoint.shape(name)[0] != full:
+        raise WeightLoadError(
+            f"{name}: checkpoint rows {checkpoint.shape(name)[0]} != the fused parts' {full}"
+        )
+    offset = 0
+    for index, part in enumerate(module.parts):
+        rows = TensorSlice(0, offset + part.start, part.length, full)
+        _read_slice(
+            checkpoint, name, destination.narrow(0, module.shard_offset(index), part.length), rows
+        )
+        offset += part.full
 
 
 def _read_slice(

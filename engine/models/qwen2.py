@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from engine.models.config_checks import refuse_unsupported
 from engine.models.llama import LlamaForCausalLM, LlamaShape, read_llama_config
 
 if TYPE_CHECKING:
@@ -14,5 +15,6 @@ if TYPE_CHECKING:
 class Qwen2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def read_config(cls, hf_config: PretrainedConfig) -> LlamaShape:
+        refuse_unsupported(hf_config)
         # Qwen2 configs carry no attention_bias/mlp_bias fields: the biases are the family's.
         return replace(read_llama_config(hf_config), qkv_bias=True, o_bias=False, mlp_bias=False)
