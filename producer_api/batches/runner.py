@@ -101,6 +101,7 @@ class BatchRunner:
         self.tokenizers = tokenizers or TokenizerCache()
         self.files = FileStore(redis, keys)
         self.outstanding: dict[int, str] = {}  # line number -> job id, not yet collected
+        self._next_collect = 0.0  # monotonic time the outstanding jobs' statuses are read next
         self.lines: dict[int, ParsedLine] = {}
         self.valid: list[ParsedLine] = []
         self.submitted = 0
@@ -132,7 +133,10 @@ class BatchRunner:
                 await self._stop(EXPIRED_CODE, "the batch expired before this request ran")
                 return await self._finalize(BatchStatus.EXPIRED)
             await self._fan_out()
-            await self._collect()
+            if time.monotonic() >= self._next_collect:
+                await self._collect()
+                reads = len(self.outstanding) / self.settings.batch_status_reads_per_s
+                self._next_collect = time.monotonic() + reads
             if self.submitted >= len(self.valid) and not self.outstanding:
                 return await self._finalize(BatchStatus.COMPLETED)
             await self._publish_counts()

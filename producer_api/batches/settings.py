@@ -30,6 +30,13 @@ class BatchControllerSettings(RedisConnectionSettings, BaseSettings):
         5000, ge=1, description="most unfinished jobs of one batch at any time"
     )
     batch_poll_interval_s: float = Field(0.5, gt=0, description="how often job statuses are read")
+    batch_status_reads_per_s: float = Field(
+        1000.0,
+        gt=0,
+        description="job statuses one batch reads per second at most: with thousands of its jobs "
+        "in flight, statuses are read less often than every poll, so the reads stay a small "
+        "share of Redis's and the controller's CPU (the lines still fan out every poll)",
+    )
     batch_lease_s: float = Field(
         15.0, gt=0, description="a controller run's hold on a batch; a dead run's ends this late"
     )
