@@ -21,6 +21,7 @@ from engine import LLM, SamplingParams
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models import meta_model, model_factory, served_architecture
 from engine.models.config_checks import UnsupportedConfigError
+from engine.models.interface import AttentionKind
 from kernels import cpu_ops
 from tests.engine.conftest import TINY_SIZES, _randomize, transformers_greedy
 
@@ -238,9 +239,10 @@ def test_each_family_is_found_by_architecture(
     assert served_architecture(config) == architecture
 
 
-def test_phi3_sliding_window_caps_the_context() -> None:
+def test_phi3_sliding_window_is_each_layers_attention_window() -> None:
     model = meta_model(_config("phi3-longrope", sliding_window=48), TorchAttentionBackend())
-    assert model.sliding_window() == 48
+    assert {spec.kind for spec in model.attention_specs()} == {AttentionKind.SLIDING}
+    assert model.sliding_window() == model.kv_window() == 48  # blocks behind it are given back
 
 
 def test_longrope_rows_past_the_original_context_are_transformers_long_ones() -> None:
