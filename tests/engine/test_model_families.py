@@ -124,8 +124,8 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture
-def plain_torch() -> Iterator[None]:
-    """The engine without its C++ kernels (as where they cannot be built)."""
+def plain_torch(tmp_path: Path) -> Iterator[None]:
+    """The engine without its C++ kernels (as on a machine that never built them and cannot)."""
     from torch.utils import cpp_extension
 
     def no_compiler(**_: object) -> None:
@@ -133,6 +133,7 @@ def plain_torch() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpp_extension, "load", no_compiler)
+        patch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "no-builds"))
         cpu_ops.cpu_kernels_available.cache_clear()
         try:
             yield
