@@ -40,7 +40,15 @@ def _compile(
     assert "cubin" in compiled.asm, f"{fn.__name__}: no cubin"
 
 
-def _attention(dtype: str, head_dim: int, queries_per_kv: int, prefill: bool, splits: int) -> None:
+def _attention(
+    dtype: str,
+    head_dim: int,
+    queries_per_kv: int,
+    prefill: bool,
+    splits: int,
+    windowed: bool = False,
+    softcap: bool = False,
+) -> None:
     from kernels.paged_attention import _launch_shape, _unified_attention_kernel, padded_head_dim
 
     head_dim_pad = padded_head_dim(head_dim)
@@ -49,11 +57,13 @@ def _attention(dtype: str, head_dim: int, queries_per_kv: int, prefill: bool, sp
     signature |= dict.fromkeys(["part_out_ptr", "part_max_ptr", "part_sum_ptr"], "*fp32")
     signature |= dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"], "*i32")
     signature |= {"num_seqs": "i32", "num_q_heads": "i32", "qk_scale": "fp32"}
+    signature |= {"window": "i32", "softcap": "fp32"}
     signature |= dict.fromkeys(STRIDES_ATTENTION, "i32")
     constants = dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16,
         QUERIES_PER_KV=queries_per_kv, BLOCK_Q=shape.block_q, BLOCK_M=shape.block_m,
-        TILE_N=shape.tile_n, NUM_SPLITS=splits, DECODE_ONLY=not prefill, DOT_UPCAST=False,
+        TILE_N=shape.tile_n, NUM_SPLITS=splits, DECODE_ONLY=not prefill, WINDOWED=windowed,
+        SOFTCAP=softcap, DOT_UPCAST=False,
         DOT_PRECISION="ieee" if dtype == "fp32" else None,
     )  # fmt: skip
     _compile(_unified_attention_kernel, signature, constants, shape.num_warps)
@@ -103,6 +113,8 @@ def main() -> None:
     _attention("bf16", 80, 1, False, 1)  # padded head dim
     _attention("fp32", 8, 4, True, 2)  # tiny test models
     _attention("bf16", 8, 4, False, 1)  # tl.dot's MMA needs K >= 16: padded
+    _attention("bf16", 128, 4, True, 1, windowed=True, softcap=True)  # Gemma 2's local layers
+    _attention("bf16", 128, 4, False, 8, windowed=True)  # windowed flash decoding
     _compile(
         _merge_splits_kernel,
         {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
