@@ -1,10 +1,7 @@
 """Greedy jobs on the default model for the slow real-engine worker tests: prompts, their
-offline reference outputs, enqueueing, and progress on the replay streams."""
+offline reference outputs, and enqueueing them."""
 
 from __future__ import annotations
-
-from redis.asyncio import Redis
-from worker_harness import KEYS
 
 from engine import SamplingParams
 from producer_api.client.redis_client import AsyncRedisClient
@@ -32,7 +29,3 @@ async def enqueue(client: AsyncRedisClient, prompts: list[str], max_tokens: int)
         await client.enqueue(model=MODEL, prompt=p, stream=True, sampling=greedy_params(max_tokens))
         for p in prompts
     ]
-
-
-async def all_have_chunks(redis: Redis, jobs: list[Job], count: int) -> bool:
-    return min([await redis.xlen(KEYS.out_stream(job.id)) for job in jobs]) >= count

@@ -12,7 +12,9 @@ from worker_fakes import FakeEngine, expected_output
 from worker_harness import (
     KEYS,
     LiveTap,
+    all_have_chunks,
     check_delivery,
+    enqueue_token_jobs,
     running_worker,
     start_slow_fake_worker,
     stop_process,
@@ -21,29 +23,12 @@ from worker_harness import (
 )
 
 from producer_api.client.redis_client import AsyncRedisClient
-from schemas import Job, JobStatus
+from schemas import JobStatus
 
 pytestmark = pytest.mark.anyio
 MODEL = "fake-model"
 LEASE_MS = 120_000  # far longer than any wait below: only the heartbeat can move a job
 HEARTBEAT = dict(heartbeat_interval_s=0.2, heartbeat_ttl_s=1, claim_min_idle_ms=LEASE_MS)
-
-
-async def _enqueue(client: AsyncRedisClient, count: int, max_tokens: int) -> list[Job]:
-    return [
-        await client.enqueue(
-            model=MODEL,
-            prompt_token_ids=[90 + i, 91, 92],
-            stream=True,
-            sampling={"max_tokens": max_tokens},
-        )
-        for i in range(count)
-    ]
-
-
-async def _all_have_chunks(redis: Redis, jobs: list[Job], count: int) -> bool:
-    lengths = [await redis.xlen(KEYS.out_stream(job.id)) for job in jobs]
-    return min(lengths) >= count
 
 
 async def _consumer_gone(redis: Redis, name: str) -> bool:
@@ -54,11 +39,11 @@ async def _consumer_gone(redis: Redis, name: str) -> bool:
 async def test_a_killed_workers_jobs_move_once_its_heartbeat_expires(redis_url):
     redis = Redis.from_url(redis_url, decode_responses=True)
     async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
-        jobs = await _enqueue(client, 8, max_tokens=40)
+        jobs = await enqueue_token_jobs(client, MODEL, 8, max_tokens=40, first_token=90)
         streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
         doomed = start_slow_fake_worker(redis_url, MODEL, "doomed", **HEARTBEAT)
         try:
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 3), 60)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 3), 60)
         finally:
             doomed.kill()
             doomed.wait()
@@ -87,10 +72,10 @@ async def test_a_killed_workers_jobs_move_once_its_heartbeat_expires(redis_url):
 async def test_a_live_workers_jobs_stay_with_it(redis_url):
     redis = Redis.from_url(redis_url, decode_responses=True)
     async with AsyncRedisClient(redis_url) as client:
-        jobs = await _enqueue(client, 6, max_tokens=60)
+        jobs = await enqueue_token_jobs(client, MODEL, 6, max_tokens=60, first_token=90)
         slow = start_slow_fake_worker(redis_url, MODEL, "slow", **HEARTBEAT)
         try:
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 2), 60)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 2), 60)
             async with running_worker(
                 redis_url, FakeEngine(), model=MODEL, name="idle", **HEARTBEAT
             ) as idle:

@@ -9,7 +9,6 @@ import signal
 import pytest
 from real_model_jobs import (
     MODEL,
-    all_have_chunks,
     enqueue,
     note_prompts,
     reference,
@@ -17,6 +16,7 @@ from real_model_jobs import (
 from redis.asyncio import Redis
 from worker_harness import (
     LiveTap,
+    all_have_chunks,
     check_delivery,
     replay_chunks,
     running_worker,

@@ -12,7 +12,14 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from worker_fakes import FakeEngine, expected_output
-from worker_harness import KEYS, check_delivery, replay_chunks, running_worker, wait_for
+from worker_harness import (
+    KEYS,
+    all_have_chunks,
+    check_delivery,
+    replay_chunks,
+    running_worker,
+    wait_for,
+)
 
 from bench.availability.sentinel_cluster import MASTER_NAME, SentinelCluster, ask, redis_binary
 from producer_api.client import AsyncClient
@@ -119,10 +126,10 @@ async def test_a_worker_refills_the_streams_a_failover_cut_short(pair):
         await wait_for(lambda: _has_jobs(replica, jobs), 30)
         await replica.aclose()
         async with running_worker(url, engine, model=MODEL) as worker:
-            await wait_for(lambda: _all_have(redis, jobs, 3), 30)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 3), 30)
             # the replica stops following here: what the master takes from now on is lost
             ask(cluster.replica_port, "REPLICAOF", "NO", "ONE")
-            await wait_for(lambda: _all_have(redis, jobs, 8), 30)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 8), 30)
             cluster.kill_master()
             # A failover is noticed by a failed call (or a new master address): let the worker
             # fail one before the promoted copy answers on the old address.
@@ -183,8 +190,3 @@ async def _redis_failed(worker) -> bool:
 
 async def _has_jobs(redis: Redis, jobs: list[Job]) -> bool:
     return await redis.exists(*(KEYS.job(job.id) for job in jobs)) == len(jobs)
-
-
-async def _all_have(redis: Redis, jobs: list[Job], count: int) -> bool:
-    lengths = [await redis.xlen(KEYS.out_stream(job.id)) for job in jobs]
-    return min(lengths) >= count

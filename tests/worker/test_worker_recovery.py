@@ -13,7 +13,9 @@ from worker_fakes import FakeEngine, expected_output
 from worker_harness import (
     KEYS,
     LiveTap,
+    all_have_chunks,
     check_delivery,
+    enqueue_token_jobs,
     replay_chunks,
     running_worker,
     start_slow_fake_worker,
@@ -29,39 +31,22 @@ pytestmark = pytest.mark.anyio
 MODEL = "fake-model"
 
 
-async def _enqueue_batch(client: AsyncRedisClient, count: int, max_tokens: int) -> list[Job]:
-    return [
-        await client.enqueue(
-            model=MODEL,
-            prompt_token_ids=[70 + i, 71, 72],
-            stream=True,
-            sampling={"max_tokens": max_tokens},
-        )
-        for i in range(count)
-    ]
-
-
 def _expected(job: Job) -> tuple[list[int], str]:
     return expected_output(job.request.prompt_token_ids, job.request.sampling.max_tokens)
-
-
-async def _all_have_chunks(redis: Redis, jobs: list[Job], count: int) -> bool:
-    lengths = [await redis.xlen(KEYS.out_stream(job.id)) for job in jobs]
-    return min(lengths) >= count
 
 
 async def test_sigkill_mid_generation_another_worker_resumes_every_job(redis_url):
     redis = Redis.from_url(redis_url, decode_responses=True)
     async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
-        jobs = await _enqueue_batch(client, 20, max_tokens=40)
+        jobs = await enqueue_token_jobs(client, MODEL, 20, max_tokens=40, first_token=70)
         streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
         first = start_slow_fake_worker(redis_url, MODEL, "doomed")
         try:
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 5), 60)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 5), 60)
         finally:
             first.kill()
             first.wait()
-        assert not await _all_have_chunks(redis, jobs, 40)  # killed mid-generation
+        assert not await all_have_chunks(redis, jobs, 40)  # killed mid-generation
         async with running_worker(redis_url, FakeEngine(), model=MODEL, name="rescuer") as rescuer:
             streamed = await asyncio.wait_for(asyncio.gather(*streams), 60)
             done = [await client.wait(job.id, timeout=30) for job in jobs]
@@ -75,11 +60,11 @@ async def test_sigkill_mid_generation_another_worker_resumes_every_job(redis_url
 async def test_sigterm_exits_0_and_hands_unfinished_jobs_to_another_worker(redis_url):
     redis = Redis.from_url(redis_url, decode_responses=True)
     async with AsyncRedisClient(redis_url) as client, LiveTap(redis) as tap:
-        jobs = await _enqueue_batch(client, 12, max_tokens=60)
+        jobs = await enqueue_token_jobs(client, MODEL, 12, max_tokens=60, first_token=70)
         streams = [asyncio.create_task(stream_all(client, job.id)) for job in jobs]
         leaving = start_slow_fake_worker(redis_url, MODEL, "leaving", drain_timeout_s=0.3)
         try:
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 5), 60)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 5), 60)
         finally:
             code = await asyncio.to_thread(stop_process, leaving, signal.SIGTERM, 30)
         assert code == 0, leaving.stdout.read().decode()
@@ -102,10 +87,10 @@ async def test_redis_restart_mid_run_every_job_finishes(redis_server, how):
     url = redis_server.url
     engine = FakeEngine(step_seconds=0.03)
     async with AsyncRedisClient(url) as client:
-        jobs = await _enqueue_batch(client, 16, max_tokens=50)
+        jobs = await enqueue_token_jobs(client, MODEL, 16, max_tokens=50, first_token=70)
         redis = Redis.from_url(url, decode_responses=True)
         async with running_worker(url, engine, model=MODEL) as worker:
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 3), 30)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 3), 30)
             getattr(redis_server, how)()
             steps_when_down = engine.steps
             await asyncio.sleep(1.0)
@@ -123,13 +108,15 @@ async def test_redis_restart_mid_run_every_job_finishes(redis_server, how):
 async def test_sigterm_lets_running_jobs_finish_within_the_drain_timeout(redis_url):
     redis = Redis.from_url(redis_url, decode_responses=True)
     async with AsyncRedisClient(redis_url) as client:
-        jobs = await _enqueue_batch(client, 6, max_tokens=30)
+        jobs = await enqueue_token_jobs(client, MODEL, 6, max_tokens=30, first_token=70)
         drainer = start_slow_fake_worker(redis_url, MODEL, "drainer", drain_timeout_s=30)
         try:
-            await wait_for(lambda: _all_have_chunks(redis, jobs, 3), 30)
+            await wait_for(lambda: all_have_chunks(redis, jobs, 3), 30)
             drainer.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.2)
-            more = await _enqueue_batch(client, 2, max_tokens=5)  # after the signal: not pulled
+            more = await enqueue_token_jobs(
+                client, MODEL, 2, max_tokens=5, first_token=70
+            )  # after the signal: not pulled
             code = await asyncio.to_thread(drainer.wait, 30)
         finally:
             if drainer.poll() is None:

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from real_model_jobs import (
     MODEL,
-    all_have_chunks,
     enqueue,
     greedy_params,
     note_prompts,
@@ -23,6 +22,7 @@ from redis.asyncio import Redis
 from worker_harness import (
     KEYS,
     LiveTap,
+    all_have_chunks,
     check_delivery,
     running_worker,
     start_worker_process,

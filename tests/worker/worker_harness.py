@@ -175,6 +175,25 @@ class LiveTap:
         await self.pubsub.aclose()
 
 
+async def enqueue_token_jobs(
+    client: AsyncRedisClient, model: str, count: int, max_tokens: int, first_token: int
+) -> list[Job]:
+    """`count` streaming jobs of three-token prompts, each prompt distinct."""
+    return [
+        await client.enqueue(
+            model=model,
+            prompt_token_ids=[first_token + i, first_token + 1, first_token + 2],
+            stream=True,
+            sampling={"max_tokens": max_tokens},
+        )
+        for i in range(count)
+    ]
+
+
+async def all_have_chunks(redis: Redis, jobs: list[Job], count: int) -> bool:
+    return min([await redis.xlen(KEYS.out_stream(job.id)) for job in jobs]) >= count
+
+
 async def stream_all(client: AsyncRedisClient, job_id: str) -> list[TokenChunk]:
     return [chunk async for chunk in client.stream(job_id)]
 
