@@ -20,6 +20,11 @@ FILE_ID_PREFIX = "file-"
 BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 MAX_CUSTOM_ID_CHARS = 512
 MAX_BATCH_METADATA_PAIRS = 16
+# A batch line's job carries its batch id under this metadata key; the worker that ends the job
+# announces the end on the batch's `ended` list, which the controller reads instead of polling.
+BATCH_ID_METADATA = "batch_id"
+# The `ended` list outlives a stalled controller run for this long after the last announcement.
+BATCH_ENDED_TTL_S = 7 * 24 * 3600
 
 _ID_RE = re.compile(r"^(batch_|file-)[A-Za-z0-9_-]{16,64}$")
 _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")

@@ -30,6 +30,7 @@ Layout (prefix `p`, default "inferq"; one Redis instance, not Redis Cluster)
     {p}:batch:{id}:lines              hash, TTL         controller          controller
     {p}:batch:{id}:out / :err         hash, TTL         controller          controller
     {p}:batch:{id}:lease              string, PX TTL    controller          controller
+    {p}:batch:{id}:ended              list, TTL         workers             controller
     {p}:batches:{owner}               sorted set        Batch API           Batch API (list)
     {p}:batches:active                set               Batch API,          controller
                                                         controller          (reconciler)
@@ -92,7 +93,9 @@ Batches `{p}:batch:{id}`: the fields of `schemas.batches.BatchField`. Controller
 `:lines` maps input line number -> job id (set as each line is enqueued); `:out` and `:err` map
 line number -> the output / error file line (JSON) once the line's job ended, so re-running the
 controller never writes a line twice; `:lease` (SET NX PX) is held by the one controller run
-advancing the batch. `{p}:batches:{owner}` scores batch ids by created_at; `{p}:batches:active`
+advancing the batch; `:ended` lists the ids of the batch's jobs a worker ended (pushed after the
+job's final status), so the controller reads those jobs instead of polling every unfinished one.
+`{p}:batches:{owner}` scores batch ids by created_at; `{p}:batches:active`
 holds batches not yet in a terminal status (what a restarted controller resumes).
 
 Live-stats samples `{p}:ttft:{model}` and `{p}:tokens:{model}`: sorted sets scored by unix
@@ -254,6 +257,9 @@ class RedisKeys:
 
     def batch_lease(self, batch_id: str) -> str:
         return f"{self.batch(batch_id)}:lease"
+
+    def batch_ended(self, batch_id: str) -> str:
+        return f"{self.batch(batch_id)}:ended"
 
     def batches_of(self, owner: str | None) -> str:
         return f"{self.prefix}:batches:{encode_segment(owner or '')}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime
 from enum import Enum
 
@@ -426,14 +427,7 @@ class Batch:
             if not applied and current is not JobStatus.SUCCEEDED:
                 log_event(logger, logging.INFO, "result_dropped", job=held.job_id, status=current)
 
-        self.outbox.finish(
-            held.job_id,
-            held.entry_id,
-            JobStatus.SUCCEEDED,
-            {JobField.RESULT: result},
-            stored,
-            stream=held.queue_stream,
-        )
+        self._end(held, JobStatus.SUCCEEDED, {JobField.RESULT: result}, stored)
         self.count("succeeded")
         self._observe_timings(held.job, result)
         if self.engine_cap is not None:
@@ -458,10 +452,21 @@ class Batch:
         self, held: HeldJob, error: ErrorBody, status: JobStatus = JobStatus.FAILED
     ) -> None:
         """End the job as `status` (failed or expired) with `error`, counted by that status."""
-        self.outbox.finish(
-            held.job_id, held.entry_id, status, {JobField.ERROR: error}, stream=held.queue_stream
-        )
+        self._end(held, status, {JobField.ERROR: error})
         self.count(status.value)
+
+    def _end(
+        self,
+        held: HeldJob,
+        status: JobStatus,
+        fields: dict[str, object],
+        on_done: Callable[[bool, JobStatus | None], None] | None = None,
+    ) -> None:
+        self.outbox.finish(
+            held.job_id, held.entry_id, status, fields, on_done, stream=held.queue_stream
+        )
+        if held.batch_id is not None:
+            self.outbox.announce_batch_end(held.batch_id, held.job_id)
 
     # ------------------------------------------------------------------ failed steps
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from schemas import FinishReason, Job, TokenChunk, TokenLogprob
+from schemas.batches import BATCH_ID_METADATA
 
 
 @dataclass(eq=False)
@@ -61,6 +62,11 @@ class HeldJob:
     @property
     def stream(self) -> bool:
         return self.job.request.stream
+
+    @property
+    def batch_id(self) -> str | None:
+        """The Batch API batch this job runs a line of, if any."""
+        return self.job.request.metadata.get(BATCH_ID_METADATA) or None
 
     @property
     def all_finished(self) -> bool:

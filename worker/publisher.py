@@ -31,6 +31,7 @@ from schemas import (
     transition_call,
     utc_now,
 )
+from schemas.batches import BATCH_ENDED_TTL_S
 from schemas.chunks import REPLAY_FIELD, ChunkWrite
 from schemas.keys import DEAD_LETTER_MAXLEN, FIRST_STEP_TTL_S, JOB_ENTRY_FIELD
 from schemas.redis_connection import ReplicaWait
@@ -148,6 +149,12 @@ class Outbox:
         fields = {JobField.FINISHED_AT: utc_now(), **fields}
         self.transition(job_id, status, fields, on_done)
         self.ack(entry_id, stream)
+
+    def announce_batch_end(self, batch_id: str, job_id: str) -> None:
+        """Tell the batch's controller that this job ended (after its final status, in the same
+        pipeline). Best effort: the controller still reads unannounced jobs, rarely."""
+        key = self.keys.batch_ended(batch_id)
+        self.ops.append(_Op([("RPUSH", key, job_id), ("EXPIRE", key, BATCH_ENDED_TTL_S)]))
 
     def fail(
         self,

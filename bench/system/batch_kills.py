@@ -10,7 +10,10 @@ at 60%, each restarted at once. Times run from the batch's creation to `complete
 the engine's seconds over the batch's. Checks every line is in the output exactly once with
 the engine's text (greedy; fp32 by default, as bf16 rounds differently with the batch's
 make-up), and prints where the killed run lost time: the worker's restart to serving, and how
-soon the dead worker's held jobs moved (its entries claimed by the new worker).
+soon the dead worker's held jobs moved (its entries claimed by the new worker). Where the
+undisturbed run's time goes: the CPU seconds each process spent (API, controller, worker,
+Redis) against the engine alone's, per 1,000 lines; on a machine with few cores, whatever the
+others spend comes out of the engine's share.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def prompts_for(count: int) -> list[str]:
     return [f"Question {i}: what comes after the number {i * 7}?" for i in range(count)]
 
 
-def engine_alone(prompts: list[str], max_tokens: int, dtype: str) -> tuple[float, list[str]]:
+def engine_alone(prompts: list[str], max_tokens: int, dtype: str) -> tuple[float, float, list[str]]:
+    """Wall seconds, CPU seconds (this process, all threads) and texts of the engine alone."""
     from engine import LLM, SamplingParams
 
     llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, dtype=dtype)
@@ -53,12 +57,29 @@ def engine_alone(prompts: list[str], max_tokens: int, dtype: str) -> tuple[float
     # start does before it serves), on other prompts so the prefix cache does not help.
     warm_up = [f"Warm-up {i}: name a colour." for i in range(min(len(prompts), 256))]
     llm.generate(warm_up, params, use_tqdm=False)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     texts = [out.outputs[0].text for out in outputs]
     del llm
-    return seconds, texts
+    return seconds, cpu, texts
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_cpu_seconds(redis_url: str) -> float:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        info = client.info("cpu")
+    finally:
+        client.close()
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 class System:
@@ -66,6 +87,7 @@ class System:
 
     def __init__(self, workdir: Path, redis_url: str, dtype: str) -> None:
         self.workdir = workdir
+        self.redis_url = redis_url
         self.env = {
             **os.environ,
             "PYTHONPATH": str(REPO),
@@ -152,6 +174,12 @@ class System:
         seconds = time.monotonic() - started
         return seconds, batch, notes
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds each process has used so far (a restarted one: since its restart)."""
+        processes = {"api": self.api, "controller": self.controller, "worker": self.worker}
+        used = {name: process_cpu_seconds(p.pid) for name, p in processes.items()}
+        return {**used, "redis": redis_cpu_seconds(self.redis_url)}
+
     def _serving(self) -> bool:
         log = self.workdir / f"worker-{self.starts['worker']}.log"
         return "worker_started" in log.read_text(errors="replace")
@@ -196,8 +224,8 @@ def main() -> int:
     runtime = tune_cpu_runtime(None)
     print(machine_one_liner(describe_machine()), "|", runtime, flush=True)
     prompts = prompts_for(args.lines)
-    engine_s, reference = engine_alone(prompts, args.max_tokens, args.dtype)
-    print(f"engine alone: {args.lines} prompts in {engine_s:.1f} s", flush=True)
+    engine_s, engine_cpu, reference = engine_alone(prompts, args.max_tokens, args.dtype)
+    print(f"engine alone: {args.lines} prompts in {engine_s:.1f} s, {engine_cpu:.1f} CPU s")
     lines = []
     for i, prompt in enumerate(prompts):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": args.max_tokens}
@@ -212,7 +240,19 @@ def main() -> int:
         try:
             print(f"worker ready in {system.wait_ready():.1f} s", flush=True)
             for kills in (False,) if args.no_kills else (False, True):
+                cpu_before = system.cpu_seconds()
                 seconds, batch, notes = system.run_batch(lines, kills)
+                if not kills:
+                    spent = system.cpu_seconds()
+                    per_k = 1000 / args.lines
+                    shares = ", ".join(
+                        f"{name} {(spent[name] - cpu_before[name]) * per_k:.1f}" for name in spent
+                    )
+                    print(
+                        f"CPU s per 1,000 lines: engine alone {engine_cpu * per_k:.1f}; "
+                        f"batch: {shares}",
+                        flush=True,
+                    )
                 output = system.output(batch.get("output_file_id"))
                 counts = Counter(record["custom_id"] for record in output)
                 once = counts == Counter(dict.fromkeys(expected, 1))

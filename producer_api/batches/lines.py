@@ -34,7 +34,7 @@ from schemas import (
     JobRequest,
     JobStatus,
 )
-from schemas.batches import error_line, output_line
+from schemas.batches import BATCH_ID_METADATA, error_line, output_line
 from schemas.errors import error_from_validation
 
 COMPLETIONS = "/v1/completions"
@@ -147,7 +147,7 @@ def batch_job_request(
             "priority": max(request.priority, PRIORITY_BULK),
             "deadline": deadline,
             "idempotency_key": f"{batch_id}:{line.number}",
-            "metadata": {"batch_id": batch_id, "custom_id": line.custom_id or ""},
+            "metadata": {BATCH_ID_METADATA: batch_id, "custom_id": line.custom_id or ""},
         }
     )
 

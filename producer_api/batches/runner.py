@@ -101,7 +101,8 @@ class BatchRunner:
         self.tokenizers = tokenizers or TokenizerCache()
         self.files = FileStore(redis, keys)
         self.outstanding: dict[int, str] = {}  # line number -> job id, not yet collected
-        self._next_collect = 0.0  # monotonic time the outstanding jobs' statuses are read next
+        self.line_of: dict[str, int] = {}  # job id -> line number, of the outstanding jobs
+        self._next_sweep = 0.0  # monotonic time every outstanding job's status is read next
         self.lines: dict[int, ParsedLine] = {}
         self.valid: list[ParsedLine] = []
         self.submitted = 0
@@ -133,10 +134,12 @@ class BatchRunner:
                 await self._stop(EXPIRED_CODE, "the batch expired before this request ran")
                 return await self._finalize(BatchStatus.EXPIRED)
             await self._fan_out()
-            if time.monotonic() >= self._next_collect:
-                await self._collect()
+            await self._collect_announced()
+            if time.monotonic() >= self._next_sweep:
+                await self._sweep()
                 reads = len(self.outstanding) / self.settings.batch_status_reads_per_s
-                self._next_collect = time.monotonic() + reads
+                pause = max(self.settings.batch_sweep_interval_s, reads)
+                self._next_sweep = time.monotonic() + pause
             if self.submitted >= len(self.valid) and not self.outstanding:
                 return await self._finalize(BatchStatus.COMPLETED)
             await self._publish_counts()
@@ -179,6 +182,7 @@ class BatchRunner:
         self.submitted = int(submitted or 0)
         done = {int(n) for n in (*out, *err)}
         self.outstanding = {int(n): job for n, job in line_jobs.items() if int(n) not in done}
+        self.line_of = {job: n for n, job in self.outstanding.items()}
 
     async def _fan_out(self) -> None:
         if self.submitted >= len(self.valid):
@@ -232,6 +236,7 @@ class BatchRunner:
             await pipe.execute()
         self.submitted += len(chunk)
         self.outstanding.update(enqueued)
+        self.line_of.update({job: n for n, job in enqueued.items()})
 
     async def _refusals(self, lines: list[ParsedLine]) -> dict[int, str]:
         """Error lines of the lines whose prompt the model's workers would refuse (a token id
@@ -252,9 +257,25 @@ class BatchRunner:
                 refused[line.number] = line_not_run(line, exc.error.code.value, exc.error.message)
         return refused
 
-    async def _collect(self) -> None:
-        """Write the lines of jobs that ended since the last look."""
-        items = list(self.outstanding.items())
+    async def _collect_announced(self) -> None:
+        """Write the lines of the jobs whose workers announced their end since the last look."""
+        key = self.keys.batch_ended(self.batch_id)
+        while True:
+            announced = await self.redis.lpop(key, _COLLECT_CHUNK)
+            if not announced:
+                return
+            ours = {job: self.line_of[job] for job in announced if job in self.line_of}
+            await self._collect([(n, job) for job, n in ours.items()])
+            if len(announced) < _COLLECT_CHUNK:
+                return
+
+    async def _sweep(self) -> None:
+        """Every outstanding job's status: the ends no worker announced (a cancel, an expiry, a
+        dead letter, a worker that died between a result and its announcement)."""
+        await self._collect(list(self.outstanding.items()))
+
+    async def _collect(self, items: list[tuple[int, str]]) -> None:
+        """Write the lines of those of `items` (line number, job id) whose jobs ended."""
         for start in range(0, len(items), _COLLECT_CHUNK):
             part = items[start : start + _COLLECT_CHUNK]
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -291,8 +312,9 @@ class BatchRunner:
             if err:
                 pipe.hset(self.keys.batch_errors(self.batch_id), mapping=err)
             await pipe.execute()
-        for number, _ in ended:
+        for number, job_id in ended:
             self.outstanding.pop(number, None)
+            self.line_of.pop(job_id, None)
 
     async def _publish_counts(self) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -310,7 +332,7 @@ class BatchRunner:
         for job_id in list(self.outstanding.values()):
             with contextlib.suppress(queue.JobNotFoundError):
                 await queue.cancel_job(self.redis, self.keys, job_id, reason=message)
-        await self._collect()
+        await self._sweep()
         never_run = {
             line.number: line_not_run(line, code, message) for line in self.valid[self.submitted :]
         }
@@ -318,6 +340,7 @@ class BatchRunner:
         if never_run:
             await self.redis.hset(self.keys.batch_errors(self.batch_id), mapping=never_run)
         self.outstanding.clear()
+        self.line_of.clear()
 
     async def _fail(self, code: str, message: str, details: list | None = None) -> bool:
         errors = {"object": "list", "data": details or [{"code": code, "message": message}]}
@@ -374,6 +397,7 @@ class BatchRunner:
                 self.keys.batch_lines(self.batch_id),
                 self.keys.batch_outputs(self.batch_id),
                 self.keys.batch_errors(self.batch_id),
+                self.keys.batch_ended(self.batch_id),
             )
             await pipe.execute()
 

@@ -29,13 +29,23 @@ class BatchControllerSettings(RedisConnectionSettings, BaseSettings):
     batch_max_in_flight: int = Field(
         5000, ge=1, description="most unfinished jobs of one batch at any time"
     )
-    batch_poll_interval_s: float = Field(0.5, gt=0, description="how often job statuses are read")
+    batch_poll_interval_s: float = Field(
+        0.5,
+        gt=0,
+        description="how often lines fan out and the jobs workers announced ended are collected",
+    )
+    batch_sweep_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="how often every unfinished job's status is read, for the ends no worker "
+        "announced (a cancel, an expiry, a worker that died right after a result)",
+    )
     batch_status_reads_per_s: float = Field(
         1000.0,
         gt=0,
-        description="job statuses one batch reads per second at most: with thousands of its jobs "
-        "in flight, statuses are read less often than every poll, so the reads stay a small "
-        "share of Redis's and the controller's CPU (the lines still fan out every poll)",
+        description="job statuses one batch's sweep reads per second at most: with thousands of "
+        "its jobs in flight, sweeps come less often than every sweep interval, so the reads stay "
+        "a small share of Redis's and the controller's CPU",
     )
     batch_lease_s: float = Field(
         15.0, gt=0, description="a controller run's hold on a batch; a dead run's ends this late"

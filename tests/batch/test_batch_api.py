@@ -141,6 +141,27 @@ def test_bad_batch_requests_are_400(batch_stack: BatchStack):
     assert batch_stack.http.get("/v1/batches/batch_nonexistent000000000").status_code == 404
 
 
+def test_lines_are_collected_as_their_workers_announce_the_ends(
+    batch_stack: BatchStack, monkeypatch: pytest.MonkeyPatch
+):
+    """With the controller's sweep of every unfinished job's status pushed out to an hour, the
+    batch still completes promptly: each worker announces the ends of the jobs it ran."""
+    monkeypatch.setenv("INFERQ_BATCH_SWEEP_INTERVAL_S", "3600")
+    prompts = {f"a-{i}": f"announced {i}" for i in range(30)}
+    uploaded = batch_stack.upload("\n".join(completion_line(c, p) for c, p in prompts.items()))
+    batch_stack.start_worker()
+    batch_stack.start_controller()
+    created = batch_stack.create(uploaded["id"])
+    # well inside the controller's 30 s tick, whose next run would sweep at its start
+    done = batch_stack.wait(created["id"], {"completed", "failed"}, timeout=20)
+    assert done["status"] == "completed", done
+    output = batch_stack.content(done["output_file_id"])
+    assert sorted(r["custom_id"] for r in output) == sorted(prompts)
+    redis = Redis.from_url(batch_stack.redis_url, decode_responses=True)
+    assert not redis.exists(KEYS.batch_ended(created["id"]))  # retired with the batch
+    redis.close()
+
+
 def test_cancel_keeps_finished_results_and_runs_nothing_more(batch_stack: BatchStack):
     prompts = {f"c-{i}": f"cancel me {i}" for i in range(60)}
     uploaded = batch_stack.upload("\n".join(completion_line(c, p, 20) for c, p in prompts.items()))
