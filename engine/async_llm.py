@@ -177,7 +177,10 @@ class AsyncLLM:
 
     def _submit(self, op: _Add | _Abort) -> None:
         self._pending.append(op)
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a stream closed outside any loop: the next round applies it
+            return
         if self._driver is None or self._driver.done() or self._loop is not loop:
             # First use, or a new event loop (asyncio.run called again): a driver of its own.
             self._loop, self._wake = loop, asyncio.Event()
