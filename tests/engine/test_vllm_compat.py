@@ -5,8 +5,10 @@ model, and assert what a vLLM user reads from them."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +22,10 @@ from engine import (
     SamplingParams,
     TextPrompt,
     TokensPrompt,
+    async_llm,
 )
+from engine.config import EngineConfig
+from engine.outputs import EngineRequest, RequestDelta, RequestMetrics
 
 pytestmark = pytest.mark.model
 
@@ -164,7 +169,7 @@ async def test_five_concurrent_streams_grow_and_finish_as_offline(
     for outputs, offline in zip(runs, offline_greedy, strict=True):
         assert len(outputs) > 1  # streamed, not handed over at the end
         texts = [o.outputs[0].text for o in outputs]
-        for before, after in zip(texts, texts[1:], strict=False):
+        for before, after in itertools.pairwise(texts):
             assert after.startswith(before)
         assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
         last = outputs[-1]
@@ -192,6 +197,17 @@ async def test_delta_outputs_concatenate_to_the_cumulative_text(
     final_only = greedy(output_kind=RequestOutputKind.FINAL_ONLY)
     (only,) = await stream(async_engine, PROMPTS[0], final_only, "final-only")
     assert only.finished and only.outputs[0].text == offline_greedy[0].outputs[0].text
+
+
+@pytest.mark.anyio
+async def test_each_output_of_an_n_2_stream_holds_both_choices(
+    async_engine: AsyncLLMEngine,
+) -> None:
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = await stream(async_engine, PROMPTS[3], params, "two-choices")
+    assert all([c.index for c in o.outputs] == [0, 1] for o in outputs)
+    assert outputs[-1].finished
+    assert [len(c.token_ids) for c in outputs[-1].outputs] == [MAX_TOKENS, MAX_TOKENS]
 
 
 @pytest.mark.anyio
@@ -242,6 +258,42 @@ async def test_a_refused_request_fails_alone(async_engine: AsyncLLMEngine) -> No
             pass
     fine = await stream(async_engine, PROMPTS[0], greedy(), "after-refusal")
     assert fine[-1].finished
+
+
+class _FailingEngine:
+    """Takes requests, then fails its first step."""
+
+    tokenizer = None
+    runner = SimpleNamespace(tp_ranks=None)
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.outputs = SimpleNamespace(requests={})
+
+    def add_request(self, new: EngineRequest) -> None:
+        state = SimpleNamespace(prompt_token_ids=[1, 2], metrics=RequestMetrics(0.0))
+        self.outputs.requests[new.request_id] = state
+
+    def has_unfinished(self) -> bool:
+        return bool(self.outputs.requests)
+
+    def step(self) -> list[RequestDelta]:
+        raise RuntimeError("the device fell over")
+
+
+@pytest.mark.anyio
+async def test_a_failed_engine_fails_every_stream_and_refuses_new_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(async_llm, "start_engine", _FailingEngine)
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model="m"))
+    streams = [stream(engine, p, greedy(), f"doomed-{i}") for i, p in enumerate(PROMPTS[:3])]
+    results = await asyncio.gather(*streams, return_exceptions=True)
+    assert all(isinstance(r, async_llm.EngineDeadError) for r in results)
+    assert "the device fell over" in str(results[0])
+    assert engine.errored and not engine.is_running
+    with pytest.raises(async_llm.EngineDeadError):
+        await stream(engine, PROMPTS[0], greedy(), "too-late")
+    engine.shutdown()
 
 
 # ---- engine arguments ------------------------------------------------------------------------
