@@ -5,19 +5,29 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence as SequenceABC
-from dataclasses import fields
 from typing import Any
 
 from engine.beam_search import BeamSearchParams
+from engine.beam_search_output import BeamSearchOutput
 from engine.config import EngineConfig
 from engine.distributed.executor import run_executor
 from engine.distributed.group import is_torchrun_executor
 from engine.engine import Engine
+from engine.engine_args import ENGINE_ARG_NAMES, EngineArgs
 from engine.outputs import EngineRequest, RequestOutput
+from engine.prompts import PromptType, parse_prompts
 from schemas.sampling import SamplingParams
 
-Prompt = str | list[int]
-_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+Prompts = PromptType | SequenceABC[PromptType]
+
+
+def start_engine(config: EngineConfig) -> Engine:
+    """The engine of this process. A non-driver rank of a torchrun-started tensor-parallel
+    replica serves the driver's steps instead, then ends the script here: only the driver
+    generates."""
+    if is_torchrun_executor(config.tensor_parallel_size):
+        raise SystemExit(run_executor(config))
+    return Engine(config)
 
 
 class LLM:
@@ -28,15 +38,11 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        unknown = set(engine_args) - _ENGINE_FIELDS
+        """engine_args: EngineConfig's fields, or vLLM's names for them (engine.engine_args)."""
+        unknown = set(engine_args) - ENGINE_ARG_NAMES
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        config = EngineConfig(model=model, **engine_args)
-        if is_torchrun_executor(config.tensor_parallel_size):
-            # A non-driver rank of a torchrun-started replica serves the driver's steps, then
-            # ends the script here: only the driver generates.
-            raise SystemExit(run_executor(config))
-        self.engine = Engine(config)
+        self.engine = start_engine(EngineArgs(model=model, **engine_args).create_engine_config())
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -49,15 +55,20 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's HF tokenizer (None for a model without one), as vLLM's LLM gives it."""
+        return self.engine.tokenizer
+
     def generate(
         self,
-        prompts: Prompt | SequenceABC[Prompt],
+        prompts: Prompts,
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: SequenceABC[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
-        prompt_list = _as_prompt_list(prompts)
+        """Generate for every prompt (text, token ids, or vLLM's TextPrompt / TokensPrompt
+        dicts, mixed as they come); outputs come back in prompt order."""
+        prompt_list = parse_prompts(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         request_ids = []
@@ -69,13 +80,17 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: Prompt | SequenceABC[Prompt],
+        prompts: Prompts,
         params: BeamSearchParams,
         use_tqdm: bool = False,
-    ) -> list[RequestOutput]:
+    ) -> list[BeamSearchOutput]:
         """Beam search for every prompt, next to any other request in the batch: each output
-        holds the beam_width best beams, best first, with their cumulative logprobs."""
-        return self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        holds the beam_width best beams, best first, with their cumulative logprobs, as vLLM's
+        `.sequences` and as a RequestOutput's `.outputs`."""
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        tokenizer = self.engine.tokenizer
+        decode = tokenizer.decode if tokenizer is not None else None
+        return [BeamSearchOutput.of(output, decode) for output in outputs]
 
     def chat(
         self,
@@ -111,15 +126,6 @@ class LLM:
                         pending.discard(delta.request_id)
                         progress.update(1)
         return [outputs[request_id] for request_id in request_ids]
-
-
-def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]  # one prompt given as token ids
-    return [p if isinstance(p, str) else list(p) for p in prompts]
 
 
 def _broadcast(

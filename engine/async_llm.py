@@ -1,0 +1,267 @@
+"""vLLM's asynchronous engine API: `AsyncLLMEngine.from_engine_args(AsyncEngineArgs(...))`,
+then `async for output in engine.generate(prompt, params, request_id): ...` from as many
+callers on one event loop as there are requests.
+
+The engine is not thread-safe and runs on one thread of its own, which builds it and runs every
+step (one OpenMP team, as the worker's engine thread keeps it). A driver task on the event loop
+hands that thread the requests added and aborted since its last round, has it run one step,
+and sorts the step's deltas into each request's stream (engine.request_stream). A request id is
+refused while a request with that id is still streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.engine_args import EngineArgs
+from engine.errors import DuplicateRequestError, RequestRejectedError
+from engine.llm import start_engine
+from engine.outputs import EngineRequest, RequestDelta, RequestMetrics, RequestOutput
+from engine.prompts import PromptType, parse_prompt
+from engine.request_stream import RequestStream
+from engine.sampling_params import output_kind_of
+from schemas.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed or was shut down; no request can run on it any more."""
+
+
+@dataclass
+class _Add:
+    request: EngineRequest
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Started:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    choices: int
+
+
+@dataclass
+class _Round:
+    """What one round on the engine thread did."""
+
+    started: list[_Started] = field(default_factory=list)
+    rejected: list[tuple[RequestStream, RequestRejectedError]] = field(default_factory=list)
+    deltas: list[RequestDelta] = field(default_factory=list)
+    busy: bool = False  # requests remain in the engine
+
+
+class AsyncLLM:
+    """Streams requests through one engine stepping on a thread of its own."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async-engine")
+        try:
+            self.engine: Engine = self._thread.submit(start_engine, config).result()
+        except BaseException:
+            self._thread.shutdown(wait=False)
+            raise
+        self._streams: dict[str, RequestStream] = {}
+        self._pending: list[_Add | _Abort] = []
+        self._busy = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._driver: asyncio.Task[None] | None = None
+        self._dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> AsyncLLM:
+        """The engine the arguments describe (EngineArgs maps vLLM's names onto ours)."""
+        if isinstance(engine_args, EngineArgs):
+            return cls(engine_args.create_engine_config())
+        return cls(engine_args)
+
+    # ------------------------------------------------------------------ the API
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs as it runs (see RequestOutputKind); the last is `finished`.
+        Leaving the loop early aborts the request."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise DuplicateRequestError(
+                f"request id {request_id!r} is already running: request ids must be unique "
+                "among running requests"
+            )
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        engine_prompt = parse_prompt(prompt)
+        text = engine_prompt if isinstance(engine_prompt, str) else None
+        stream = RequestStream(request_id, text, output_kind_of(params), RequestMetrics(0.0))
+        self._streams[request_id] = stream
+        self._submit(_Add(EngineRequest(request_id, engine_prompt, params, priority), stream))
+        try:
+            while True:
+                output = await stream.next_output()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not stream.finished:  # the caller stopped listening (break, cancel)
+                self._abort_stream(request_id, stream)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests now: each stream's last output is finished, reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for one_id in ids:
+            stream = self._streams.get(one_id)
+            if stream is not None:
+                self._abort_stream(one_id, stream)
+
+    async def get_tokenizer(self) -> Any:
+        """The model's HF tokenizer (None for a model without one)."""
+        return self.engine.tokenizer
+
+    async def check_health(self) -> None:
+        self._check_alive()
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    def shutdown(self) -> None:
+        """End every stream, wait for a step still running, stop the engine thread (and the
+        other ranks of a tensor-parallel replica)."""
+        if self._dead is None:
+            self._die(EngineDeadError("the engine was shut down"))
+        if self._driver is not None and not self._driver.done():
+            self._driver.cancel()
+        self._thread.shutdown(wait=True)
+        ranks = self.engine.runner.tp_ranks
+        if ranks is not None:
+            ranks.stop()
+
+    # ------------------------------------------------------------------ the driver
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def _abort_stream(self, request_id: str, stream: RequestStream) -> None:
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
+        stream.abort()
+        if stream.started:
+            self._submit(_Abort(request_id))
+        else:  # still queued for the engine: never hand it over
+            self._pending = [
+                op for op in self._pending if not (isinstance(op, _Add) and op.stream is stream)
+            ]
+
+    def _submit(self, op: _Add | _Abort) -> None:
+        self._pending.append(op)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a stream closed outside any loop: the next round applies it
+            return
+        if self._driver is None or self._driver.done() or self._loop is not loop:
+            # First use, or a new event loop (asyncio.run called again): a driver of its own.
+            self._loop, self._wake = loop, asyncio.Event()
+            self._driver = loop.create_task(self._drive(), name="async-engine-driver")
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        assert wake is not None
+        while self._dead is None:
+            if not self._pending and not self._busy:
+                wake.clear()
+                await wake.wait()
+                continue
+            ops, self._pending = self._pending, []
+            try:
+                done = await loop.run_in_executor(self._thread, self._round, ops)
+            except Exception as exc:
+                logger.exception("the engine failed; every running request fails with it")
+                self._die(EngineDeadError(f"the engine failed: {exc!r}"))
+                return
+            self._busy = done.busy
+            self._deliver(done)
+
+    def _round(self, ops: list[_Add | _Abort]) -> _Round:
+        """On the engine thread: apply the queued adds and aborts, in order, then one step."""
+        done = _Round()
+        for op in ops:
+            if isinstance(op, _Abort):
+                self.engine.abort(op.request_id)
+                continue
+            try:
+                self.engine.add_request(op.request)
+            except RequestRejectedError as exc:
+                done.rejected.append((op.stream, exc))
+                continue
+            state = self.engine.outputs.requests[op.request.request_id]
+            choices = 0 if op.request.params.use_beam_search else op.request.params.n
+            done.started.append(
+                _Started(op.stream, list(state.prompt_token_ids), state.metrics, choices)
+            )
+        if self.engine.has_unfinished():
+            done.deltas = self.engine.step()
+        done.busy = self.engine.has_unfinished()
+        return done
+
+    def _deliver(self, done: _Round) -> None:
+        for refused, error in done.rejected:
+            self._end(refused)
+            refused.fail(error)
+        for started in done.started:
+            if started.stream.finished:
+                # Aborted while the round that added it ran: abort it in the engine before
+                # anything queued since (a new request may reuse its id).
+                self._pending.insert(0, _Abort(started.stream.request_id))
+                continue
+            started.stream.start(started.prompt_token_ids, started.metrics, started.choices)
+        by_request: dict[str, list[RequestDelta]] = {}
+        for delta in done.deltas:
+            by_request.setdefault(delta.request_id, []).append(delta)
+        for request_id, deltas in by_request.items():
+            stream = self._streams.get(request_id)
+            if stream is None or not stream.started:  # aborted, or a new request of that id
+                continue
+            stream.add(deltas)
+            if stream.finished:
+                self._end(stream)
+
+    def _end(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    def _die(self, error: EngineDeadError) -> None:
+        self._dead = error
+        for stream in list(self._streams.values()):
+            stream.fail(error)
+        self._streams.clear()
+        self._pending.clear()
+
+
+# vLLM's names: AsyncLLMEngine (its first async engine) and AsyncLLM (its V1 engine).
+AsyncLLMEngine = AsyncLLM
