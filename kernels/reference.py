@@ -24,13 +24,15 @@ def unified_attention_ref(
     num_splits: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention, one sequence at a time, in fp32; writes and returns `out`.
 
     Query token j of sequence i sits at position seq_lens[i] - qlen_i + j and attends to the
     context positions 0..that position (only the last `window` of them under a sliding
-    window; scores soft-capped by softcap), gathered through block_tables[i]. max_query_len,
-    max_seq_len and num_splits only tune the kernel and are ignored here.
+    window; scores soft-capped by softcap), gathered through block_tables[i]. sinks [Hq]: each
+    head's sink logit joins its softmax as a score with no value. max_query_len, max_seq_len
+    and num_splits only tune the kernel and are ignored here.
     """
     del max_query_len, max_seq_len, num_splits
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -56,7 +58,12 @@ def unified_attention_ref(
         # Blocks wholly outside every query's window may be freed (any content): never read.
         k = k.masked_fill(~visible.any(0)[:, None, None], 0.0)
         v = v.masked_fill(~visible.any(0)[:, None, None], 0.0)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
 

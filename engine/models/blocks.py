@@ -171,6 +171,9 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.window = spec.window  # None: full attention
         self.softcap: float | None = None  # scores soft-capped before the softmax (Gemma 2)
+        # [num_heads] sink logits of the softmax denominators (gpt-oss); None: no sinks
+        self.sinks: nn.Parameter | None
+        self.register_parameter("sinks", None)
 
     def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The fused [q; k; v] rows [T, q_size + 2 * kv_size] that `rotary_emb` then rotates
@@ -190,6 +193,7 @@ class LlamaAttention(nn.Module):
         token's K/V is still computed and stored)."""
         num_tokens = hidden.shape[0]
         qkv = self.project_qkv(positions, hidden)
+        sinks = None if self.sinks is None else self.sinks.float()
         out = self.backend.attend_from_qkv(
             qkv,
             positions,
@@ -201,6 +205,7 @@ class LlamaAttention(nn.Module):
             self.scale,
             window=self.window,
             softcap=self.softcap,
+            sinks=sinks,
         )
         if out is None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -216,6 +221,7 @@ class LlamaAttention(nn.Module):
                 self.scale,
                 window=self.window,
                 softcap=self.softcap,
+                sinks=sinks,
             )
         out = out.reshape(num_tokens, self.q_size)
         if output_rows is not None:

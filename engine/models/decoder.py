@@ -1,18 +1,19 @@
-"""The configurable decoder: Llama's blocks with the variations dense families make.
+"""The configurable decoder: Llama's blocks with the variations the families make.
 
-A family (engine.models.llama, qwen3, olmo2, granite, smollm3, phi3, gemma2, gemma3) is this
-decoder with a `BlockVariant` read from its HF config: QK-norm (per head or over the whole
-projection), norms after each sublayer (instead of, or besides, before it), Gemma's (1 + weight)
-norms, scaled embeddings, Granite's multipliers, soft-capped attention scores and logits, layers
-without rotary, partial rotary, sliding layers with their own rope base, another gated
-activation. Everything else (head_dim, biases, rope scaling, tied embeddings, per-layer windows)
-is read as for Llama, so an unlisted family of the same pattern loads by registering its
-architecture with a variant; a config field that changes the math and is not implemented is
-refused (engine.models.config_checks).
+A family (engine.models.llama, qwen3, olmo2, granite, smollm3, phi3, gemma2, gemma3, gpt_oss,
+the MoE ones) is this decoder with a `BlockVariant` read from its HF config: QK-norm (per head
+or over the whole projection), norms after each sublayer (instead of, or besides, before it),
+Gemma's (1 + weight) norms, scaled embeddings, Granite's multipliers, soft-capped attention
+scores and logits, attention sinks, layers without rotary, partial rotary, sliding layers with
+their own rope base, another gated activation; and with each layer's MLP where it is not the
+gated one (`layer_mlps`: mixtures of experts). Everything else (head_dim, biases, rope scaling,
+tied embeddings, per-layer windows) is read as for Llama, so an unlisted family of the same
+pattern loads by registering its architecture with a variant; a config field that changes the
+math and is not implemented is refused (engine.models.config_checks).
 
 Layers whose block is Llama's exactly (pre-norm, no QK-norm, residual multiplier 1, every layer
-rotated by the one full-head table, SiLU, no soft-cap) run CPU decode steps through the C++
-decode stack; the others keep the Python forward, which computes every variation.
+rotated by the one full-head table, SiLU, no soft-cap or sinks) run CPU decode steps through
+the C++ decode stack; the others keep the Python forward, which computes every variation.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class VariantAttention(LlamaAttention):
         if variant.attention_scale is not None:
             self.scale = variant.attention_scale
         self.softcap = variant.attention_softcap
+        if variant.attention_sinks:
+            if tp is not None:
+                raise NotImplementedError("attention sinks (gpt-oss) are not tensor-parallel yet")
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.qk_norm = variant.qk_norm
         eps = shape.rms_norm_eps
         if variant.qk_norm is QKNorm.PER_HEAD:

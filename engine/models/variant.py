@@ -39,6 +39,7 @@ class BlockVariant:
     residual_multiplier: float = 1.0  # scales each sublayer's output before the residual add
     attention_scale: float | None = None  # None: head_dim ** -0.5
     attention_softcap: float | None = None  # scores s -> cap * tanh(s / cap) (Gemma 2)
+    attention_sinks: bool = False  # a learned sink logit per head in the softmax (gpt-oss)
     logits_divisor: float = 1.0
     logits_softcap: float | None = None  # final logits soft-capped likewise (Gemma 2/3)
     rope_layers: tuple[bool, ...] | None = None  # per layer: rotary applies; None: every layer
@@ -59,6 +60,7 @@ class BlockVariant:
             and self.activation in ("silu", "swish")
             and self.residual_multiplier == 1.0
             and self.attention_softcap is None
+            and not self.attention_sinks
             and self.rope_layers is None
             and self.rotary_dim is None
             and self.sliding_rope is None
