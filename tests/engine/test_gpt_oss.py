@@ -131,3 +131,11 @@ def test_an_unsupported_rope_scaling_is_refused_by_name() -> None:
     config = _config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(NotImplementedError, match="'dynamic'"):
         meta_model(config, TorchAttentionBackend())
+
+
+def test_quantizing_its_experts_is_refused(gpt_oss_dir: Path) -> None:
+    """int8 would quantize every linear but the experts, which hold most of the weights."""
+    from engine.quantization.errors import QuantizationError
+
+    with pytest.raises(QuantizationError, match="gpt-oss's experts"):
+        LLM(str(gpt_oss_dir), dtype="float32", quantization="int8")
