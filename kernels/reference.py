@@ -6,6 +6,8 @@ They define the semantics the kernels must match, so they favour obviousness ove
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -160,14 +162,21 @@ def fused_moe_ref(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    bias13: torch.Tensor | None = None,
+    bias2: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [T, H] through each token's k experts (w13 [E, 2I, H] = [gate; up], w2 [E, H, I]),
-    summed with the routing weights [T, k], accumulated in float32."""
+    """x [T, H] through each token's k experts (w13 [E, 2I, H] = [gate; up], w2 [E, H, I], with
+    their biases [E, 2I], [E, H] where given; activation: silu(gate) * up where None), summed
+    with the routing weights [T, k], accumulated in float32."""
+    act = silu_and_mul_ref if activation is None else activation
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for slot in range(ids.shape[1]):
         for expert in ids[:, slot].unique().tolist():
             tokens = (ids[:, slot] == expert).nonzero().squeeze(1)
-            gate_up = F.linear(x[tokens].float(), w13[expert].float())
-            down = F.linear(silu_and_mul_ref(gate_up), w2[expert].float())
+            b13 = None if bias13 is None else bias13[expert].float()
+            b2 = None if bias2 is None else bias2[expert].float()
+            gate_up = F.linear(x[tokens].float(), w13[expert].float(), b13)
+            down = F.linear(act(gate_up), w2[expert].float(), b2)
             out.index_add_(0, tokens, down * weights[tokens, slot, None].float())
     return out.to(x.dtype)

@@ -5,6 +5,9 @@ The experts keep the checkpoints' layout, so they load as stored: gate_up_proj [
 the even columns, up in the odd ones), gate_up_proj_bias [E, 2I], down_proj [E, I, H] and
 down_proj_bias [E, H]. The activation is (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
 with g = clamp(gate, max=limit). Routing: the top-k router logits, softmax over those k.
+On the CPU the experts run as grouped GEMMs (engine.layers.moe.compute); on CUDA through the
+fused-MoE Triton kernels, which read the transposed layout through its strides and add the
+biases (no host sync, so decode steps can be captured in CUDA graphs).
 """
 
 from __future__ import annotations
@@ -48,6 +51,19 @@ class BiasedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights/ids [T, k] -> the weighted sum of each token's experts."""
+        if x.is_cuda:  # the fused kernels read the transposed layout through its strides
+            from kernels import fused_moe
+
+            return fused_moe(
+                x,
+                self.gate_up_proj.transpose(1, 2),
+                self.down_proj.transpose(1, 2),
+                weights,
+                ids,
+                self.gate_up_proj_bias,
+                self.down_proj_bias,
+                self._activate,
+            )
         return grouped_experts(
             x, weights, ids, self.num_experts, self._gate_up, self._down, self._activate
         )
