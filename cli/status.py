@@ -1,8 +1,8 @@
 """`inferq status`: the system at a glance in a terminal, read straight from Redis; and the
 health checks containers run (`--check-worker`, `--check-url`).
 
-    inferq status                       # models, workers (with their quantization and weight
-                                        # size), queues, dead letters, rates
+    inferq status                       # models, workers (with their architecture, quantization
+                                        # and weight size), queues, dead letters, rates
     inferq status --watch 2             # redraw every 2 s (Ctrl-C ends)
     inferq status --json                # the same snapshot the dashboard uses
     inferq status --check-worker        # exit 0 if this host's worker has a live heartbeat
@@ -162,6 +162,7 @@ def render(snapshot: StatusSnapshot, redis_url: str) -> str:
         [
             w.name,
             w.model,
+            w.architecture or "-",
             _quantization(w.quantization),
             _mib(w.weight_bytes),
             f"{w.kv_usage:.0%} ({w.kv_blocks_total - w.kv_blocks_free}/{w.kv_blocks_total})",
@@ -177,6 +178,7 @@ def render(snapshot: StatusSnapshot, redis_url: str) -> str:
     headers = [
         "WORKER",
         "model",
+        "architecture",
         "quantization",
         "weights",
         "KV used (blocks)",

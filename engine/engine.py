@@ -18,6 +18,7 @@ from engine.errors import (
 )
 from engine.model_files import resolve_model_path
 from engine.model_runner import ModelRunner, load_hf_config
+from engine.models import served_architecture
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineRequest, EngineStats, RequestDelta, RequestMetrics
 from engine.request_state import ChoiceState, RequestState
@@ -49,6 +50,8 @@ class Engine:
         self.vocab_size: int = self.runner.vocab_size
         self.quantization: str | None = self.runner.quantization
         self.weight_bytes: int = self.runner.weight_bytes
+        # The family it serves the model as (e.g. "Qwen3ForCausalLM"), for the heartbeat.
+        self.architecture: str | None = served_architecture(hf_config)
         # Advertised in the worker's heartbeat, so an API on the same host counts prompt tokens.
         tokenizer_json = model_path / "tokenizer.json"
         self.tokenizer_file = (

@@ -57,12 +57,14 @@ def paged_decode_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out [S, H, D] <- attention of one query row per sequence over its paged context.
 
     key/value_cache [num_blocks, block_size, Hkv, D]; block_tables [S, W] and seq_lens [S] int32.
     window: the query sees only the last `window` tokens (the blocks before are never read).
     softcap: scaled scores s become softcap * tanh(s / softcap) before the softmax.
+    sinks: [H] float32 sink logits, each one more term of its head's softmax denominator.
     """
     torch.ops.inferq_cpu.paged_decode_attention(
         out,
@@ -74,6 +76,7 @@ def paged_decode_attention(
         scale,
         window or 0,
         softcap or 0.0,
+        sinks,
     )
 
 
@@ -89,14 +92,15 @@ def paged_prefill_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out rows of every prefill chunk <- causal attention over the chunk's paged context.
 
     Chunk c is query rows starts[c]:starts[c] + query_lens[c] of query [T, H, D], the last
     query_lens[c] of its sequence's seq_lens[c] tokens, whose K/V (these rows' included) are in
     key/value_cache [num_blocks, block_size, Hkv, D] through block_tables[c]; all int32.
-    window: each query sees only the last `window` positions up to its own. softcap: as
-    paged_decode_attention's."""
+    window: each query sees only the last `window` positions up to its own. softcap, sinks:
+    as paged_decode_attention's."""
     torch.ops.inferq_cpu.paged_prefill_attention(
         out,
         query,
@@ -109,6 +113,7 @@ def paged_prefill_attention(
         scale,
         window or 0,
         softcap or 0.0,
+        sinks,
     )
 
 

@@ -4,12 +4,15 @@ expert) pairs routed to one expert by a tile of that expert's weight.
 The pairs are sorted by expert and each expert's group padded to a multiple of BLOCK_M
 (`align_routes`), so every block of rows belongs to one expert and reads one weight matrix.
 Two launches make the MLP: x @ w13[e].T for every pair (rows gathered from the token), then
-silu(gate) * up, then @ w2[e].T scaled by the pair's routing weight; a token's k rows are summed
-last. `fused_moe_ref` in kernels.reference is the plain-torch twin.
+silu(gate) * up (or the caller's activation), then @ w2[e].T scaled by the pair's routing
+weight; a token's k rows are summed last. Each GEMM may add its expert's bias row (gpt-oss), and
+the weights may have any strides (gpt-oss keeps the transposed checkpoint layout, so its w13 is
+a transposed view). `fused_moe_ref` in kernels.reference is the plain-torch twin.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,15 +67,19 @@ def _moe_gemm_kernel(
     expert_of_block_ptr,
     used_blocks_ptr,
     scale_ptr,
+    bias_ptr,  # [E, N] (read only when BIAS)
     num_pairs,
     N,
     K,
     stride_am,
     stride_we,
     stride_wn,
+    stride_wk,
+    stride_be,
     stride_om,
     A_ROWS_PER_TOKEN: tl.constexpr,  # top_k when A holds tokens, 1 when it holds pairs
     SCALE: tl.constexpr,
+    BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -98,7 +105,7 @@ def _moe_gemm_kernel(
             other=0.0,
         )
         w = tl.load(
-            w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None],
+            w_ptr + expert * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
             mask=col_ok[None, :] & k_ok[:, None],
             other=0.0,
         )
@@ -106,6 +113,8 @@ def _moe_gemm_kernel(
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
         else:
             acc += tl.dot(a, w)
+    if BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0)[None, :]
     if SCALE:
         acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
     tl.store(
@@ -122,8 +131,10 @@ def _moe_gemm(
     num_pairs: int,
     rows_per_token: int,
     scale: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[p] = a[p // rows_per_token] @ w[expert of p].T (* scale[p]) for every pair p."""
+    """out[p] = (a[p // rows_per_token] @ w[expert of p].T (+ bias[expert of p])) (* scale[p])
+    for every pair p."""
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     blocks = routes.expert_of_block.numel()
@@ -140,15 +151,19 @@ def _moe_gemm(
         routes.expert_of_block,
         routes.used_blocks,
         scale if scale is not None else out,
+        bias if bias is not None else out,
         num_pairs,
         n,
         k,
         a.stride(0),
         w.stride(0),
         w.stride(1),
+        w.stride(2),
+        bias.stride(0) if bias is not None else 0,
         out.stride(0),
         A_ROWS_PER_TOKEN=rows_per_token,
         SCALE=scale is not None,
+        BIAS=bias is not None,
         UPCAST=dot_upcast(_moe_gemm_kernel, a.dtype),
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
@@ -163,15 +178,20 @@ def fused_moe(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    bias13: torch.Tensor | None = None,
+    bias2: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, k] -> [T, H]."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (any strides), routing weights/ids [T, k] ->
+    [T, H]; bias13 [E, 2I] and bias2 [E, H] added to each expert's projections where given;
+    `activation` turns the [pairs, 2I] gate-up rows into [pairs, I]."""
     check_device(_moe_gemm_kernel, x, w13, w2)
     tokens, top_k = ids.shape
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    x = x.contiguous()
     routes = align_routes(ids, w13.shape[0])
     pairs = tokens * top_k
-    gate_up = _moe_gemm(x, w13, routes, pairs, top_k, None)
-    hidden = silu_and_mul(gate_up)
+    gate_up = _moe_gemm(x, w13, routes, pairs, top_k, None, bias13)
+    hidden = activation(gate_up).contiguous()
     scale = weights.reshape(-1).float().contiguous()
-    down = _moe_gemm(hidden, w2, routes, pairs, 1, scale)
+    down = _moe_gemm(hidden, w2, routes, pairs, 1, scale, bias2)
     return down.view(tokens, top_k, w2.shape[1]).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -45,6 +45,7 @@ def _unified_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window in tokens (read only when WINDOWED)
     softcap,  # scores s become softcap * tanh(s / softcap) (read only when SOFTCAP)
+    sinks_ptr,  # [Hq] fp32 sink logits (read only when SINKS)
     stride_q_t,
     stride_q_h,
     stride_k_b,
@@ -67,6 +68,7 @@ def _unified_attention_kernel(
     DECODE_ONLY: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -178,6 +180,14 @@ def _unified_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if SINKS and NUM_SPLITS == 1:  # split runs add the sink when they merge
+        # The sink is one more score (log2 domain) in the denominator, with no value row.
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf")) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
@@ -198,6 +208,7 @@ def _merge_splits_kernel(
     part_out_ptr,
     part_max_ptr,
     part_sum_ptr,
+    sinks_ptr,  # [Hq] fp32 sink logits (read only when SINKS)
     num_q_heads,
     stride_o_t,
     stride_o_h,
@@ -205,6 +216,7 @@ def _merge_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -217,9 +229,14 @@ def _merge_splits_kernel(
     m = tl.load(part_max_ptr + part_row, mask=split_valid, other=float("-inf"))
     sums = tl.load(part_sum_ptr + part_row, mask=split_valid, other=0.0)
     m_max = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 domain, as m
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     weight = tl.exp2(m - m_max) * sums
     total = tl.sum(weight, 0)
+    if SINKS:
+        total += tl.exp2(sink - m_max)
     total = tl.where(total == 0.0, 1.0, total)
 
     part = tl.load(
@@ -299,6 +316,7 @@ def unified_attention(
     num_splits: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context, in one launch.
 
@@ -315,7 +333,8 @@ def unified_attention(
 
     window: each query sees only positions p - window + 1 .. p (its own p included); block
     table entries for blocks wholly before every query's window are never read. softcap: each
-    scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
+    scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). sinks:
+    [Hq] sink logits (gpt-oss), each one more term of its head's softmax denominator.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -358,6 +377,8 @@ def unified_attention(
         part_out = part_max = part_sum = out  # never touched on this path
 
     upcast = dot_upcast(_unified_attention_kernel, k_cache.dtype)
+    # fp32 and contiguous for the kernels' loads; a placeholder pointer where there are none
+    sink_logits = out if sinks is None else sinks.float().contiguous()
     decode_only = max_query_len == 1
     # Without reading lengths, T // BLOCK_Q + B q-blocks always cover every sequence.
     num_q_blocks = num_seqs if decode_only else num_tokens // shape.block_q + num_seqs
@@ -378,6 +399,7 @@ def unified_attention(
         scale * _LOG2E,
         window or 0,
         softcap or 0.0,
+        sink_logits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -400,6 +422,7 @@ def unified_attention(
         DECODE_ONLY=decode_only,
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         DOT_UPCAST=upcast,
         # fp32 caches get exact fp32 products (no TF32); half types use the default MMA.
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else None,
@@ -411,6 +434,7 @@ def unified_attention(
             part_out,
             part_max,
             part_sum,
+            sink_logits,
             num_q_heads,
             out.stride(0),
             out.stride(1),
@@ -418,6 +442,7 @@ def unified_attention(
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=next_pow2(num_splits),
+            SINKS=sinks is not None,
             num_warps=4,
         )
     return out

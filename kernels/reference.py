@@ -6,6 +6,8 @@ They define the semantics the kernels must match, so they favour obviousness ove
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -24,13 +26,15 @@ def unified_attention_ref(
     num_splits: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention, one sequence at a time, in fp32; writes and returns `out`.
 
     Query token j of sequence i sits at position seq_lens[i] - qlen_i + j and attends to the
     context positions 0..that position (only the last `window` of them under a sliding
-    window; scores soft-capped by softcap), gathered through block_tables[i]. max_query_len,
-    max_seq_len and num_splits only tune the kernel and are ignored here.
+    window; scores soft-capped by softcap), gathered through block_tables[i]. sinks [Hq]: each
+    head's sink logit joins its softmax as a score with no value. max_query_len, max_seq_len
+    and num_splits only tune the kernel and are ignored here.
     """
     del max_query_len, max_seq_len, num_splits
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -56,7 +60,12 @@ def unified_attention_ref(
         # Blocks wholly outside every query's window may be freed (any content): never read.
         k = k.masked_fill(~visible.any(0)[:, None, None], 0.0)
         v = v.masked_fill(~visible.any(0)[:, None, None], 0.0)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
 
@@ -153,14 +162,21 @@ def fused_moe_ref(
     w2: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    bias13: torch.Tensor | None = None,
+    bias2: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x [T, H] through each token's k experts (w13 [E, 2I, H] = [gate; up], w2 [E, H, I]),
-    summed with the routing weights [T, k], accumulated in float32."""
+    """x [T, H] through each token's k experts (w13 [E, 2I, H] = [gate; up], w2 [E, H, I], with
+    their biases [E, 2I], [E, H] where given; activation: silu(gate) * up where None), summed
+    with the routing weights [T, k], accumulated in float32."""
+    act = silu_and_mul_ref if activation is None else activation
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for slot in range(ids.shape[1]):
         for expert in ids[:, slot].unique().tolist():
             tokens = (ids[:, slot] == expert).nonzero().squeeze(1)
-            gate_up = F.linear(x[tokens].float(), w13[expert].float())
-            down = F.linear(silu_and_mul_ref(gate_up), w2[expert].float())
+            b13 = None if bias13 is None else bias13[expert].float()
+            b2 = None if bias2 is None else bias2[expert].float()
+            gate_up = F.linear(x[tokens].float(), w13[expert].float(), b13)
+            down = F.linear(act(gate_up), w2[expert].float(), b2)
             out.index_add_(0, tokens, down * weights[tokens, slot, None].float())
     return out.to(x.dtype)

@@ -39,6 +39,7 @@ class WorkerView:
     version: str
     quantization: str | None  # the weight quantization it runs; None: full precision
     weight_bytes: int | None  # None: a worker too old to say
+    architecture: str | None  # what its engine serves the model as; None: a worker too old to say
 
     @classmethod
     def of(cls, info: WorkerInfo, now: float) -> WorkerView:

@@ -34,6 +34,8 @@ class ServedModel:
     tokenizer_file: str | None = None  # a tokenizer.json one of its workers advertises
     # the distinct quantizations of its workers, full precision (None) first, then by name
     quantizations: tuple[str | None, ...] = ()
+    # the distinct architectures its workers serve it as, by name (none: workers too old to say)
+    architectures: tuple[str, ...] = ()
 
     @property
     def quantization(self) -> str | None:
@@ -52,6 +54,7 @@ class ServedModel:
             _smallest(self.vocab_size, info.vocab_size),
             self.tokenizer_file or info.tokenizer_file,
             _distinct((*self.quantizations, info.quantization)),
+            tuple(sorted({*self.architectures, *filter(None, [info.architecture])})),
         )
 
 

@@ -56,6 +56,13 @@ class WorkerInfo(BaseModel):
     weight_bytes: int | None = Field(
         None, ge=0, description="bytes its model's weights take in memory, as loaded"
     )
+    architecture: str | None = Field(
+        None,
+        min_length=1,
+        description="the model architecture its engine serves the model as (transformers' "
+        "name, e.g. Qwen3ForCausalLM); None: a worker too old to say, or an engine that does "
+        "not know",
+    )
     prompt_tokens: int = Field(0, ge=0, description="prompt tokens computed since it started")
     generated_tokens: int = Field(0, ge=0, description="tokens generated since it started")
     started_at: AwareDatetime

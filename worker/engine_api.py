@@ -17,8 +17,8 @@ class EngineLike(Protocol):
 
     A finished request's output comes only on the delta that finishes it (`delta.output`).
     `vocab_size`, `max_model_len` and `tokenizer_file` go into the heartbeat, so the API refuses
-    what the engine would refuse before it is queued; `quantization` and `weight_bytes` too, so
-    operators see what each worker runs."""
+    what the engine would refuse before it is queued; `quantization`, `weight_bytes` and
+    `architecture` too, so operators see what each worker runs."""
 
     max_model_len: int
     block_size: int
@@ -26,6 +26,7 @@ class EngineLike(Protocol):
     tokenizer_file: Path | None  # the model's tokenizer.json; None without a tokenizer
     quantization: str | None  # the weight quantization in use; None: full precision
     weight_bytes: int  # bytes the loaded weights take
+    architecture: str | None  # the architecture the model is served as; None: unknown
 
     def tokenize(self, text: str) -> list[int]: ...
 

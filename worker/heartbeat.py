@@ -67,12 +67,14 @@ async def beat(
     tokenizer_file: Path | None = None,
     quantization: str | None = None,
     weight_bytes: int | None = None,
+    architecture: str | None = None,
     ttfts: Iterable[TtftSample] = (),
 ) -> WorkerInfo:
     """Write one heartbeat from an EngineStats snapshot, with the model's live-stats samples, in
     one round trip (a MULTI/EXEC transaction). `max_model_len` (the context length), `vocab_size`
     and `tokenizer_file` let the API refuse over-long prompts and unknown token ids at the door;
-    `quantization` (None: full precision) and `weight_bytes` tell operators what the worker runs."""
+    `quantization` (None: full precision), `weight_bytes` and `architecture` (e.g.
+    "Qwen3ForCausalLM") tell operators what the worker runs."""
     info = WorkerInfo(
         name=name,
         model=model,
@@ -86,6 +88,7 @@ async def beat(
         tokenizer_file=str(tokenizer_file) if tokenizer_file is not None else None,
         quantization=quantization,
         weight_bytes=weight_bytes,
+        architecture=architecture,
         prompt_tokens=max(0, stats.num_prompt_tokens_computed),
         generated_tokens=max(0, stats.num_generation_tokens),
         started_at=started_at,

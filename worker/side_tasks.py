@@ -89,6 +89,7 @@ class SideTasks:
                 tokenizer_file=self.engine.tokenizer_file,
                 quantization=self.engine.quantization,
                 weight_bytes=self.engine.weight_bytes,
+                architecture=self.engine.architecture,
                 ttfts=ttfts,
             )
         except BaseException:

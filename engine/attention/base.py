@@ -50,6 +50,8 @@ class AttentionBackend(Protocol):
     window: a sliding-window layer's window; the query at position p then sees only positions
     p - window + 1 .. p, and a block table may name freed blocks (any id) before that.
     softcap: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
+    sinks: [num_heads] float32 attention-sink logits (gpt-oss): each head's softmax denominator
+    gains exp(sink), as if one more key scored it and contributed no value.
     """
 
     def forward(
@@ -63,6 +65,7 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def attend_from_qkv(
@@ -77,6 +80,7 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """A step straight from the fused projection qkv: rotary, KV store and attention in
         one go, [T, num_heads, head_dim]; None where the backend has no such path for this step

@@ -15,7 +15,8 @@ once per step into a plan cached on the metadata (engine.attention.torch_plan), 
 land in a workspace reused by every layer, so the per-layer work is a few large tensor ops.
 
 A layer with a sliding window passes it to every call: the kernels start each query's sweep at
-its window, the portable path masks the keys before it.
+its window, the portable path masks the keys before it. Soft caps and attention sinks go to
+every path likewise.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class TorchAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         plan = self._plan(meta, k_cache, q, q.shape[1])
@@ -76,7 +78,7 @@ class TorchAttentionBackend:
         store_kv(k, v, k_cache, v_cache, plan)
         if plan.kernels:
             return self._attend_paged(
-                q.contiguous(), k_cache, v_cache, plan, scale, window, softcap
+                q.contiguous(), k_cache, v_cache, plan, scale, window, softcap, sinks
             )
         k_buf, v_buf = self._gather_buffers(plan.max_gather_blocks, k_cache)
         num_heads = q.shape[1]
@@ -104,6 +106,7 @@ class TorchAttentionBackend:
                 scale,
                 gqa,
                 softcap,
+                sinks,
             ).view(plan.num_decodes, num_heads, head_dim)
             if plan.decode_rows is None:
                 return decode_out
@@ -111,14 +114,14 @@ class TorchAttentionBackend:
         if len(plan.prefills) == 1 and decode_out is None:
             chunk, mask = plan.prefills[0], masks.prefill_masks[0]
             return self._prefill(
-                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa, softcap
+                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa, softcap, sinks
             )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if decode_out is not None:
             out.index_copy_(0, plan.decode_rows, decode_out)
         for chunk, mask in zip(plan.prefills, masks.prefill_masks, strict=True):
             out[chunk.start : chunk.end] = self._prefill(
-                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa, softcap
+                q, k, v, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa, softcap, sinks
             )
         return out
 
@@ -134,6 +137,7 @@ class TorchAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """A CPU step from the fused projection qkv [T, (H + 2 Hkv) * D]: Neox rotary
         (cos_sin_cache as in engine.layers.rotary) and KV store in one kernel call, then the
@@ -151,7 +155,7 @@ class TorchAttentionBackend:
         q = rotary_store_kv(
             qkv, positions, cos_sin_cache, plan.token_slots, k_cache, v_cache, num_heads
         )
-        return self._attend_paged(q, k_cache, v_cache, plan, scale, window, softcap)
+        return self._attend_paged(q, k_cache, v_cache, plan, scale, window, softcap, sinks)
 
     def _attend_paged(
         self,
@@ -162,6 +166,7 @@ class TorchAttentionBackend:
         scale: float,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of q [T, H, D] (contiguous, K/V stored) through the CPU kernels (and SDPA
         for prefill chunks where it was chosen)."""
@@ -177,6 +182,7 @@ class TorchAttentionBackend:
                 scale,
                 window,
                 softcap,
+                sinks,
             )
             return out
         if plan.decode_tables is not None:
@@ -192,6 +198,7 @@ class TorchAttentionBackend:
                 scale,
                 window,
                 softcap,
+                sinks,
             )
             out.index_copy_(0, plan.decode_rows, decode_out)
         if plan.prefills:  # through SDPA, context gathered from the cache
@@ -200,7 +207,19 @@ class TorchAttentionBackend:
             masks = plan.masks(window)
             for chunk, mask in zip(plan.prefills, masks.prefill_masks, strict=True):
                 out[chunk.start : chunk.end] = self._prefill(
-                    q, None, None, k_cache, v_cache, k_buf, v_buf, chunk, mask, scale, gqa, softcap
+                    q,
+                    None,
+                    None,
+                    k_cache,
+                    v_cache,
+                    k_buf,
+                    v_buf,
+                    chunk,
+                    mask,
+                    scale,
+                    gqa,
+                    softcap,
+                    sinks,
                 )
             return out
         batch = plan.paged_prefill
@@ -216,6 +235,7 @@ class TorchAttentionBackend:
             scale,
             window,
             softcap,
+            sinks,
         )
         return out
 
@@ -275,6 +295,7 @@ class TorchAttentionBackend:
         scale: float,
         gqa: bool,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """SDPA over one chunk's context under `mask` (None: plain causal): this step's own K/V
         rows (k, v) where the chunk has no cached context, else its blocks gathered from the
@@ -297,6 +318,7 @@ class TorchAttentionBackend:
             scale,
             gqa,
             softcap,
+            sinks,
         )
         return out.squeeze(0).transpose(0, 1)
 
@@ -330,11 +352,13 @@ def _sdpa(
     scale: float,
     gqa: bool,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of q [B, H, L, D] over k, v [B, Hkv, S, D] under an additive mask, or causal
-    (L == S), or neither; with a soft cap the scores are capped before the mask, so SDPA's fused
-    kernels give way to plain matmuls."""
-    if softcap is None:
+    (L == S), or neither; with a soft cap (scores capped before the mask) or sinks (each head's
+    sink logit [H] one more term of its softmax, with no value), SDPA's fused kernels give way
+    to plain matmuls in float32."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
         )
@@ -342,13 +366,18 @@ def _sdpa(
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask.float()
     elif causal:
         hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu_(1)
         scores = scores.masked_fill(hidden, float("-inf"))
-    probs = scores.softmax(dim=-1)
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 

@@ -34,6 +34,7 @@ class TritonAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -51,6 +52,7 @@ class TritonAttentionBackend:
             num_splits=self.num_splits,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
     def attend_from_qkv(
@@ -65,5 +67,6 @@ class TritonAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         return None  # on CUDA, decode steps replay captured graphs of forward

@@ -20,7 +20,7 @@ from engine.distributed.launcher import (
     threads_per_rank,
 )
 from engine.distributed.step_channel import StepMessage, StepSender
-from engine.layers.moe import FusedExperts
+from engine.layers.moe import BiasedExperts, FusedExperts
 from engine.models import meta_model
 from engine.models.interface import CausalLM
 from engine.step_inputs import StepInputs
@@ -88,7 +88,9 @@ def local_sizes(model: CausalLM) -> LocalSizes:
         mlp_size = down.in_features
     else:  # a mixture-of-experts layer: one expert's share
         mlp_size = next(
-            m.local_intermediate_size for m in model.modules() if isinstance(m, FusedExperts)
+            m.local_intermediate_size
+            for m in model.modules()
+            if isinstance(m, (FusedExperts, BiasedExperts))
         )
     return LocalSizes(attention.num_heads, attention.num_kv_heads, mlp_size)
 

@@ -24,6 +24,7 @@ from torch import nn
 from engine.platforms.cpu import glue as cpu_glue
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # HF layer_types
 
 
 def rope_parameters(
@@ -32,8 +33,25 @@ def rope_parameters(
     """(theta, scaling) from an HF config, for both the v5 `rope_parameters` and v4 fields.
 
     A partial rotary factor (in either place) is refused unless the caller reads it
-    (`partial_rotary_factor`)."""
+    (`partial_rotary_factor`). Where the config gives each layer kind its own parameters
+    (Gemma 3), these are the full-attention layers'; see `sliding_rope_parameters`."""
     params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and FULL_ATTENTION in params:
+        params = params[FULL_ATTENTION]
+    return _theta_and_scaling(params, hf_config, allow_partial)
+
+
+def sliding_rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None] | None:
+    """The sliding-window layers' own (theta, scaling) where the config gives them one."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if not isinstance(params, dict) or SLIDING_ATTENTION not in params:
+        return None
+    return _theta_and_scaling(params[SLIDING_ATTENTION], hf_config, allow_partial=False)
+
+
+def _theta_and_scaling(
+    params: object, hf_config: Any, allow_partial: bool
+) -> tuple[float, dict[str, Any] | None]:
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}

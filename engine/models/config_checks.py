@@ -45,6 +45,7 @@ NEUTRAL: dict[str, Callable[[object], bool]] = {
     "use_parallel_residual": _false,
     "clip_qkv": _unset,
     "attention_chunk_size": _unset,
+    "use_bidirectional_attention": _false,
 }
 # The activations of a gated MLP this engine computes, under their transformers names.
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")

@@ -1,27 +1,26 @@
-"""The configurable decoder: Llama's blocks with the variations dense families make.
+"""The configurable decoder: Llama's blocks with the variations the families make.
 
-A family (engine.models.qwen3, olmo2, granite, smollm3, phi3) is this decoder with a
-`BlockVariant` read from its HF config: QK-norm (per head or over the whole projection), norms
-after attention and MLP instead of before, Granite's multipliers, layers without rotary, partial
-rotary, another gated activation. Everything else (head_dim, biases, rope scaling, tied
-embeddings, windows) is read as for Llama, so an unlisted family of the same pattern loads by
-registering its architecture with a variant; a config field that changes the math and is not
-implemented is refused (engine.models.config_checks).
+A family (engine.models.llama, qwen3, olmo2, granite, smollm3, phi3, gemma2, gemma3, gpt_oss,
+the MoE ones) is this decoder with a `BlockVariant` read from its HF config: QK-norm (per head
+or over the whole projection), norms after each sublayer (instead of, or besides, before it),
+Gemma's (1 + weight) norms, scaled embeddings, Granite's multipliers, soft-capped attention
+scores and logits, attention sinks, layers without rotary, partial rotary, sliding layers with
+their own rope base, another gated activation; and with each layer's MLP where it is not the
+gated one (`layer_mlps`: mixtures of experts). Everything else (head_dim, biases, rope scaling,
+tied embeddings, per-layer windows) is read as for Llama, so an unlisted family of the same
+pattern loads by registering its architecture with a variant; a config field that changes the
+math and is not implemented is refused (engine.models.config_checks).
 
 Layers whose block is Llama's exactly (pre-norm, no QK-norm, residual multiplier 1, every layer
-rotated by the one full-head table, SiLU) run CPU decode steps through the C++ decode stack;
-the others keep the Python forward, which computes every variation.
+rotated by the one full-head table, SiLU, no soft-cap or sinks) run CPU decode steps through
+the C++ decode stack; the others keep the Python forward, which computes every variation.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -29,133 +28,33 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed.group import TensorParallel
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm
 from engine.layers.parallel import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.rotary import (
-    IdentityRotary,
-    PartialRotary,
-    RotaryEmbedding,
-    partial_rotary_factor,
-)
-from engine.models.config_checks import ACTIVATIONS, hidden_activation, refuse_unsupported
+from engine.layers.rotary import IdentityRotary, PartialRotary, RotaryEmbedding
+from engine.models.blocks import GatedMLP, LlamaAttention, LlamaMLP, LlamaShape, MlpFactory
 from engine.models.interface import (
-    AttentionKind,
     AttentionSpec,
     CausalLM,
     KVCaches,
     ProjectionLayout,
+    WeightMapping,
 )
-from engine.models.llama import (
-    LlamaAttention,
-    LlamaForCausalLM,
-    LlamaMLP,
-    LlamaShape,
-    MlpFactory,
-    read_llama_config,
-)
+from engine.models.variant import BlockVariant, QKNorm, read_decoder_config
 from engine.platforms.cpu.decode_stack import CpuDecodeStack, DecoderLayerParts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-
-class QKNorm(enum.Enum):
-    NONE = "none"
-    PER_HEAD = "per_head"  # RMSNorm over each head's head_dim (Qwen3)
-    WHOLE = "whole"  # RMSNorm over the whole q / k projection (OLMo 2)
-
-
-@dataclass(frozen=True)
-class BlockVariant:
-    """How a family's decoder layers differ from Llama's."""
-
-    qk_norm: QKNorm = QKNorm.NONE
-    post_norms: bool = False  # OLMo 2: norm each sublayer's output, not its input
-    activation: str = "silu"
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0  # scales each sublayer's output before the residual add
-    attention_scale: float | None = None  # None: head_dim ** -0.5
-    logits_divisor: float = 1.0
-    rope_layers: tuple[bool, ...] | None = None  # per layer: rotary applies; None: every layer
-    rotary_dim: int | None = None  # partial rotary: features turned per head; None: all
-    layer_attention: tuple[AttentionSpec, ...] | None = None  # per layer; None: the shape's
-
-    def uses_rope(self, layer: int) -> bool:
-        return self.rope_layers is None or self.rope_layers[layer]
-
-    def llama_block(self) -> bool:
-        """Whether every layer computes what the C++ decode stack does."""
-        return (
-            self.qk_norm is QKNorm.NONE
-            and not self.post_norms
-            and self.activation in ("silu", "swish")
-            and self.residual_multiplier == 1.0
-            and self.rope_layers is None
-            and self.rotary_dim is None
-        )
+# Checkpoints with separate q/k/v and gate/up projections, fused on load.
+LLAMA_WEIGHTS = WeightMapping(
+    packed={
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    },
+    ignored_suffixes=("rotary_emb.inv_freq",),  # old checkpoints store the rope table
+)
 
 
-def layer_attention_specs(
-    hf_config: PretrainedConfig, shape: LlamaShape
-) -> tuple[AttentionSpec, ...] | None:
-    """Per-layer attention from `layer_types` where the config lists them and has a window."""
-    kinds = getattr(hf_config, "layer_types", None)
-    window = shape.attention.window or getattr(hf_config, "sliding_window", None)
-    if not kinds or not window:
-        return None
-    full = replace(shape.attention, kind=AttentionKind.FULL, window=None)
-    sliding = replace(shape.attention, kind=AttentionKind.SLIDING, window=int(window))
-    return tuple(sliding if kind == "sliding_attention" else full for kind in kinds)
-
-
-def read_decoder_config(
-    hf_config: PretrainedConfig, handled: frozenset[str] = frozenset()
-) -> tuple[LlamaShape, BlockVariant]:
-    """The shape and the generic part of the variant (activation, partial rotary, per-layer
-    windows); a family adds what its own fields mean."""
-    refuse_unsupported(hf_config, handled, ACTIVATIONS)
-    shape = read_llama_config(hf_config, allow_partial_rotary=True)
-    head_dim = shape.attention.head_dim
-    rotary_dim = int(head_dim * partial_rotary_factor(hf_config))
-    variant = BlockVariant(
-        activation=hidden_activation(hf_config),
-        rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        layer_attention=layer_attention_specs(hf_config, shape),
-    )
-    if variant.layer_attention is not None:
-        shape = replace(
-            shape, attention=replace(shape.attention, kind=AttentionKind.FULL, window=None)
-        )
-    return shape, variant
-
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
-
-
-class GatedMLP(LlamaMLP):
-    """down(act(gate) * up); SiLU through the fused [gate; up] kernels, others in torch."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        bias: bool,
-        activation: str,
-        tp: TensorParallel | None = None,
-    ) -> None:
-        super().__init__(hidden_size, intermediate_size, bias, tp)
-        self.act = _ACTIVATIONS.get(activation)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act is None:
-            return super().forward(x)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+__all__ = ["BlockVariant", "QKNorm", "VariantForCausalLM", "read_decoder_config"]
 
 
 class VariantAttention(LlamaAttention):
@@ -175,19 +74,24 @@ class VariantAttention(LlamaAttention):
         super().__init__(shape, rotary_emb, backend, tp)
         if variant.attention_scale is not None:
             self.scale = variant.attention_scale
+        self.softcap = variant.attention_softcap
+        if variant.attention_sinks:
+            if tp is not None:
+                raise NotImplementedError("attention sinks (gpt-oss) are not tensor-parallel yet")
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.qk_norm = variant.qk_norm
         eps = shape.rms_norm_eps
         if variant.qk_norm is QKNorm.PER_HEAD:
-            self.q_norm = RMSNorm(self.head_dim, eps)
-            self.k_norm = RMSNorm(self.head_dim, eps)
+            self.q_norm = variant.norm(self.head_dim, eps)
+            self.k_norm = variant.norm(self.head_dim, eps)
         elif variant.qk_norm is QKNorm.WHOLE:
             if tp is not None:
                 raise NotImplementedError(
                     "QK-norm over the whole projection (OLMo 2) is not tensor-parallel: each "
                     "rank holds only some heads of the normalized rows"
                 )
-            self.q_norm = RMSNorm(self.q_size, eps)
-            self.k_norm = RMSNorm(self.kv_size, eps)
+            self.q_norm = variant.norm(self.q_size, eps)
+            self.k_norm = variant.norm(self.kv_size, eps)
         self.partial = partial
 
     def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -207,6 +111,11 @@ class VariantAttention(LlamaAttention):
 
 
 class VariantDecoderLayer(nn.Module):
+    """Norm names as in the checkpoints: pre-norm only (Llama) input_layernorm before attention
+    and post_attention_layernorm before the MLP; post-norm only (OLMo 2) post_attention_layernorm
+    and post_feedforward_layernorm after them; both (Gemma's sandwich) all four, the MLP's input
+    norm then being pre_feedforward_layernorm."""
+
     def __init__(
         self,
         shape: LlamaShape,
@@ -221,12 +130,13 @@ class VariantDecoderLayer(nn.Module):
         hidden_size, eps = shape.dims.hidden_size, shape.rms_norm_eps
         self.post_norms = variant.post_norms
         self.residual_multiplier = variant.residual_multiplier
-        if not variant.post_norms:
-            self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = variant.norm(hidden_size, eps) if variant.pre_norms else None
         self.self_attn = VariantAttention(shape, variant, rotary_emb, partial, backend, tp)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = variant.norm(hidden_size, eps)
+        sandwich = variant.pre_norms and variant.post_norms
+        self.pre_feedforward_layernorm = variant.norm(hidden_size, eps) if sandwich else None
         if variant.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(hidden_size, eps)
+            self.post_feedforward_layernorm = variant.norm(hidden_size, eps)
         self.mlp = (
             mlp
             if mlp is not None
@@ -249,11 +159,15 @@ class VariantDecoderLayer(nn.Module):
         token or only `output_rows`; the next norm adds the two."""
         if self.post_norms:
             stream = hidden if residual is None else hidden + residual
-            attended = self.self_attn(positions, stream, kv_cache, meta, cos_sin, output_rows)
+            normed = stream if self.input_layernorm is None else self.input_layernorm(stream)
+            attended = self.self_attn(positions, normed, kv_cache, meta, cos_sin, output_rows)
             if output_rows is not None:
                 stream = stream.index_select(0, output_rows)
             stream = stream + self.post_attention_layernorm(attended)
-            return self.post_feedforward_layernorm(self.mlp(stream)), stream
+            pre_mlp = self.pre_feedforward_layernorm
+            mixed = self.mlp(stream if pre_mlp is None else pre_mlp(stream))
+            return self.post_feedforward_layernorm(mixed), stream
+        assert self.input_layernorm is not None
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -283,7 +197,7 @@ class VariantModel(nn.Module):
         super().__init__()
         dims, head_dim = shape.dims, shape.attention.head_dim
         max_position = dims.max_position_embeddings
-        self.embedding_multiplier = variant.embedding_multiplier
+        self.variant = variant
         self.partial_rotary = (
             None
             if variant.rotary_dim is None
@@ -291,11 +205,18 @@ class VariantModel(nn.Module):
                 head_dim, variant.rotary_dim, max_position, shape.rope_theta, shape.rope_scaling
             )
         )
+        if self.partial_rotary is not None and variant.sliding_rope is not None:
+            raise NotImplementedError("partial rotary with a sliding layers' rope of their own")
         # The table the backends rotate by: the real one unless q and k arrive turned already.
         self.rotary_emb = (
             RotaryEmbedding(head_dim, max_position, shape.rope_theta, shape.rope_scaling)
             if self.partial_rotary is None
             else IdentityRotary(head_dim, max_position)
+        )
+        self.sliding_rotary = (
+            None
+            if variant.sliding_rope is None
+            else RotaryEmbedding(head_dim, max_position, *variant.sliding_rope)
         )
         num_layers = shape.num_layers
         needs_identity = self.partial_rotary is None and not all(
@@ -309,22 +230,19 @@ class VariantModel(nn.Module):
         )
         layers = []
         for i in range(num_layers):
+            layer_shape = shape.for_layer(i)
             rope = variant.uses_rope(i)
-            table = (
-                self.rotary_emb if rope or self.identity_rotary is None else self.identity_rotary
-            )
-            layer_shape = (
-                shape
-                if variant.layer_attention is None
-                else replace(shape, attention=variant.layer_attention[i])
-            )
             partial = self.partial_rotary if rope else None
             mlp = None if mlp_of is None else mlp_of(i)
+            table = self._table(rope, layer_shape.attention.window is not None)
             layers.append(
                 VariantDecoderLayer(layer_shape, variant, table, partial, backend, tp, mlp)
             )
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(dims.hidden_size, shape.rms_norm_eps)
+        self.norm = variant.norm(dims.hidden_size, shape.rms_norm_eps)
+        # Decode steps on the CPU run their layers in one C++ call (tensor-parallel ranks keep
+        # the Python forward: their layers all-reduce between the ops; so do models with a
+        # mixture-of-experts MLP, which the C++ stack does not compute).
         self.cpu_decode_stack = (
             self._cpu_decode_stack(backend, shape.rms_norm_eps)
             if tp is None
@@ -333,6 +251,13 @@ class VariantModel(nn.Module):
             and all(layer_projections(layer).dense_mlp for layer in self.layers)
             else None
         )
+
+    def _table(self, rope: bool, sliding: bool) -> RotaryEmbedding:
+        if not rope and self.identity_rotary is not None:
+            return self.identity_rotary
+        if sliding and self.sliding_rotary is not None:
+            return self.sliding_rotary
+        return self.rotary_emb
 
     def _cpu_decode_stack(self, backend: TorchAttentionBackend, eps: float) -> CpuDecodeStack:
         parts = [
@@ -354,6 +279,15 @@ class VariantModel(nn.Module):
             [layer.self_attn.window or 0 for layer in self.layers],
         )
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        multiplier = self.variant.embedding_multiplier
+        if multiplier == 1.0:
+            return hidden
+        if self.variant.embedding_multiplier_in_dtype:
+            return hidden * torch.tensor(multiplier, dtype=hidden.dtype)
+        return hidden * multiplier
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -362,9 +296,8 @@ class VariantModel(nn.Module):
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if self.embedding_multiplier != 1.0:
-            hidden = hidden * self.embedding_multiplier
+        """Final hidden states of every token, or only of `output_rows` (in their order)."""
+        hidden = self.embed(input_ids)
         if self.cpu_decode_stack is not None:
             done = self.cpu_decode_stack.run(hidden, positions, kv_caches, meta)
             if done is not None:
@@ -381,6 +314,8 @@ class VariantModel(nn.Module):
                 cos_sin = lookups.get(id(table))
                 if cos_sin is None:
                     cos_sin = lookups[id(table)] = table.lookup(positions, hidden.dtype)
+            # Past the last layer's attention only the wanted rows matter: the rest of a prompt
+            # needs its K/V stored, not its hidden states, so o_proj and the MLP skip them.
             rows = output_rows if index == last else None
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, cos_sin, rows)
         hidden, _ = self.norm(hidden, residual)
@@ -394,10 +329,12 @@ def layer_projections(layer: VariantDecoderLayer) -> ProjectionLayout:
     return ProjectionLayout(attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
 
 
-class VariantForCausalLM(LlamaForCausalLM):
+class VariantForCausalLM(CausalLM):
     """A family: `read_variant` says how its config maps to the decoder's variations;
-    `handled_fields` are the math-changing config fields it implements."""
+    `handled_fields` are the math-changing config fields it implements; `layer_mlps` gives
+    layers another MLP (the mixture-of-experts families)."""
 
+    weight_mapping = LLAMA_WEIGHTS
     handled_fields: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
@@ -407,11 +344,12 @@ class VariantForCausalLM(LlamaForCausalLM):
         *,
         tp: TensorParallel | None = None,
     ) -> None:
+        """tp: this rank's place in a tensor-parallel group; None: the whole model here."""
         shape, variant = self.read_variant(hf_config)
-        CausalLM.__init__(self, shape.dims)
+        super().__init__(shape.dims)
         self.variant = variant
         mlps = self.layer_mlps(hf_config, shape, tp)
-        self.model = VariantModel(shape, variant, backend, tp, mlps)  # type: ignore[assignment]
+        self.model = VariantModel(shape, variant, backend, tp, mlps)
         self.lm_head = (
             Linear(shape.dims.hidden_size, shape.dims.vocab_size, bias=False)
             if tp is None
@@ -427,10 +365,40 @@ class VariantForCausalLM(LlamaForCausalLM):
     def read_config(cls, hf_config: PretrainedConfig) -> LlamaShape:
         return cls.read_variant(hf_config)[0]
 
+    @classmethod
+    def layer_mlps(
+        cls, hf_config: PretrainedConfig, shape: LlamaShape, tp: TensorParallel | None
+    ) -> MlpFactory | None:
+        """Each layer's MLP where the family's differ from the gated MLP (None: that in all)."""
+        return None
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        return self.model.layers[layer].self_attn.spec
+
     def projections(self, layer: int) -> ProjectionLayout:
         return layer_projections(self.model.layers[layer])
 
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        attn_meta: AttentionMetadata,
+        sample_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_meta, sample_rows)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
-        divisor = self.variant.logits_divisor
-        return logits if divisor == 1.0 else logits / divisor
+        if self.variant.logits_divisor != 1.0:
+            logits = logits / self.variant.logits_divisor
+        cap = self.variant.logits_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

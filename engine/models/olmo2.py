@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from engine.models.blocks import LlamaShape
 from engine.models.decoder import BlockVariant, QKNorm, VariantForCausalLM, read_decoder_config
-from engine.models.llama import LlamaShape
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -18,4 +18,4 @@ class Olmo2ForCausalLM(VariantForCausalLM):
     @classmethod
     def read_variant(cls, hf_config: PretrainedConfig) -> tuple[LlamaShape, BlockVariant]:
         shape, variant = read_decoder_config(hf_config, cls.handled_fields)
-        return shape, replace(variant, qk_norm=QKNorm.WHOLE, post_norms=True)
+        return shape, replace(variant, qk_norm=QKNorm.WHOLE, pre_norms=False, post_norms=True)

@@ -17,7 +17,7 @@ from engine.distributed.group import TensorParallel
 from engine.layers.moe import RouterSpec, Scoring, SparseMoeBlock
 from engine.layers.moe.layer import W2, W13
 from engine.models.config_checks import UnsupportedConfigError, hidden_activation
-from engine.models.interface import WeightMapping
+from engine.models.decoder import LLAMA_WEIGHTS
 from engine.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 QWEN_EXPERTS = {"gate_proj": (W13, 0), "up_proj": (W13, 1), "down_proj": (W2, None)}
+QWEN_MOE_WEIGHTS = replace(LLAMA_WEIGHTS, experts=QWEN_EXPERTS)
 
 
 def check_expert_activation(hf_config: PretrainedConfig) -> None:
@@ -60,12 +61,26 @@ def qwen_router(hf_config: PretrainedConfig) -> RouterSpec:
     )
 
 
+def qwen_moe_mlps(
+    hf_config: PretrainedConfig, shape: LlamaShape, tp: TensorParallel | None
+) -> MlpFactory:
+    """Each layer's MLP in the Qwen MoE families: a sparse block (with the shared expert where
+    shared_expert_intermediate_size configures one) or a dense gated MLP."""
+    hidden = shape.dims.hidden_size
+    router = qwen_router(hf_config)
+    shared_size = getattr(hf_config, "shared_expert_intermediate_size", 0)
+
+    def mlp(layer: int) -> nn.Module:
+        if not is_sparse_layer(hf_config, layer):
+            return LlamaMLP(hidden, hf_config.intermediate_size, False, tp)
+        shared = LlamaMLP(hidden, shared_size, False, tp) if shared_size else None
+        return SparseMoeBlock(hidden, hf_config.moe_intermediate_size, router, tp, shared)
+
+    return mlp
+
+
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
-    weight_mapping = WeightMapping(
-        packed=LlamaForCausalLM.weight_mapping.packed,
-        ignored_suffixes=LlamaForCausalLM.weight_mapping.ignored_suffixes,
-        experts=QWEN_EXPERTS,
-    )
+    weight_mapping = QWEN_MOE_WEIGHTS
 
     @classmethod
     def read_config(cls, hf_config: PretrainedConfig) -> LlamaShape:
@@ -78,14 +93,4 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     def layer_mlps(
         cls, hf_config: PretrainedConfig, shape: LlamaShape, tp: TensorParallel | None
     ) -> MlpFactory:
-        hidden = shape.dims.hidden_size
-        router = qwen_router(hf_config)
-
-        def mlp(layer: int) -> nn.Module:
-            if not is_sparse_layer(hf_config, layer):
-                return LlamaMLP(hidden, hf_config.intermediate_size, False, tp)
-            shared_size = getattr(hf_config, "shared_expert_intermediate_size", 0)
-            shared = LlamaMLP(hidden, shared_size, False, tp) if shared_size else None
-            return SparseMoeBlock(hidden, hf_config.moe_intermediate_size, router, tp, shared)
-
-        return mlp
+        return qwen_moe_mlps(hf_config, shape, tp)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from engine.models.blocks import LlamaShape
 from engine.models.decoder import BlockVariant, QKNorm, VariantForCausalLM, read_decoder_config
-from engine.models.llama import LlamaShape
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

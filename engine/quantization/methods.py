@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, shared_parameter_ids
-from engine.layers.moe import FusedExperts
+from engine.layers.moe import BiasedExperts, FusedExperts
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
 from engine.quantization.errors import QuantizationError
 from engine.quantization.int4 import Int4Linear
@@ -102,6 +102,11 @@ def quantize_at_load(
     """Quantize every Linear of a loaded full-precision model in place with the scheme's
     `method` (which may give some layers, such as the lm_head, another one). The embedding keeps
     its precision: a lookup reads one row."""
+    if any(isinstance(m, BiasedExperts) for m in model.modules()):
+        raise QuantizationError(
+            "gpt-oss's experts (with biases) are not quantized yet: load this model in full "
+            "precision (quantization=None)"
+        )
     shared = shared_parameter_ids(model)
     sizes = {m.in_features for m in model.modules() if isinstance(m, Linear)}
     experts = [(n, m) for n, m in model.named_modules() if isinstance(m, FusedExperts)]

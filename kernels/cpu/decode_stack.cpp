@@ -178,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     std::vector<c10::IValue> stack{attended,          q,          key_caches[layer],
                                    value_caches[layer], block_tables, seq_lens,
                                    c10::IValue(scale), c10::IValue(windows[layer]),
-                                   c10::IValue(0.0)};
+                                   c10::IValue(0.0),   c10::IValue()};
     attention.callBoxed(&stack);
     const at::Tensor projected =
         run_linear(proj[1], attended.view({num_tokens, -1}), quant_gemm_min_rows);

@@ -1,12 +1,15 @@
 // Reading one sequence's K or V rows from the paged KV cache, shared by the attention kernels.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 
 #include "bf16.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 namespace inferq_cpu {
@@ -98,6 +101,15 @@ void with_head_dim(int64_t head_dim, F&& f) {
     default:
       return f(std::integral_constant<int64_t, 0>{});
   }
+}
+
+// The attention kernels' optional sink logits: [num_heads] contiguous float32, or nullptr.
+inline const float* sink_logits(const std::optional<at::Tensor>& sinks, int64_t num_heads) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                  sinks->numel() == num_heads,
+              "sinks must be contiguous float32, one per query head");
+  return sinks->data_ptr<float>();
 }
 
 }  // namespace inferq_cpu

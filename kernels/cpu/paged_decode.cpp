@@ -7,7 +7,9 @@
 // weight V in a second pass: two sequential sweeps over the blocks, accumulated in float32.
 // Under a sliding window of W tokens a query sees only the last W positions of its context
 // (itself included): the sweeps start there and never touch the blocks before. With a soft cap
-// c > 0 (Gemma 2) each scaled score s becomes c * tanh(s / c) before the softmax.
+// c > 0 (Gemma 2) each scaled score s becomes c * tanh(s / c) before the softmax. With attention
+// sinks (gpt-oss) each head's sink logit joins the softmax's denominator (and its maximum) as
+// one more score with no value row.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -63,6 +65,7 @@ struct DecodeItem {
   int64_t len, q_heads, group, head_dim, token_stride;  // len: the tokens attended
   float scale;
   float softcap;          // > 0: scores become softcap * tanh(score / softcap)
+  const float* sinks;     // [q_heads] the item's heads' sink logits (nullptr: none)
   const float* q_scaled;  // q * scale in float32
   float* scores;          // [q_heads, len]
   float* acc;             // [q_heads, head_dim], zero: softmax(scores) v, unnormalised
@@ -81,7 +84,8 @@ template <typename scalar_t, typename Attend>
 void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, int64_t head_dim, double scale,
-                          int64_t window, double softcap, Attend&& attend) {
+                          int64_t window, double softcap, const float* sinks,
+                          Attend&& attend) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t block_size = key_cache.size(1);
@@ -156,7 +160,9 @@ void for_each_decode_item(at::Tensor& out, const at::Tensor& query, const at::Te
       attend(DecodeItem<scalar_t>{q + first_row, item_context(item), k_data,
                                   value_cache.data_ptr<scalar_t>(), next_keys, len, q_per_item,
                                   group, head_dim, token_stride, scale_f,
-                                  static_cast<float>(softcap), q_scaled.data(),
+                                  static_cast<float>(softcap),
+                                  sinks == nullptr ? nullptr : sinks + first_kv * group,
+                                  q_scaled.data(),
                                   scores.data(), acc.data(), inv_sums.data(), probs.data(),
                                   probs_stride});
       for (int64_t h = 0; h < q_per_item; ++h) {
@@ -204,12 +210,14 @@ void attend_portable(const DecodeItem<scalar_t>& item) {
   cap_scores(item.scores, item.q_heads * len, item.softcap);
   for (int64_t h = 0; h < item.q_heads; ++h) {
     float* row = item.scores + h * len;
-    const float top = *std::max_element(row, row + len);
+    float top = *std::max_element(row, row + len);
+    if (item.sinks != nullptr) top = std::max(top, item.sinks[h]);
     float sum = 0.f;
     for (int64_t t = 0; t < len; ++t) {
       row[t] = std::exp(row[t] - top);
       sum += row[t];
     }
+    if (item.sinks != nullptr) sum += std::exp(item.sinks[h] - top);
     item.inv_sums[h] = 1.f / sum;
   }
   item.context.visit(item.value_cache, [&](const scalar_t* v_token, int64_t t) {
@@ -265,8 +273,10 @@ inline __m512 dot_partial(const void* q, const scalar_t* k) {
 }
 
 // softmax of each of `heads` rows of `len` scores in place (unnormalised: e^(s - max)); the
-// reciprocal of each row's sum goes to inv_sums.
-inline void softmax_rows(float* scores, int64_t heads, int64_t len, float* inv_sums) {
+// reciprocal of each row's sum goes to inv_sums. sinks (nullptr: none): each row's sink logit,
+// counted in the maximum and the sum.
+inline void softmax_rows(float* scores, int64_t heads, int64_t len, float* inv_sums,
+                         const float* sinks) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (len % 16)) - 1);
   const int64_t full = len - len % 16;
   for (int64_t h = 0; h < heads; ++h) {
@@ -274,7 +284,9 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t len, float* inv_s
     __m512 top = _mm512_set1_ps(std::numeric_limits<float>::lowest());
     for (int64_t t = 0; t < full; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + t));
     if (tail) top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, row + full));
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    float row_max = _mm512_reduce_max_ps(top);
+    if (sinks != nullptr) row_max = std::max(row_max, sinks[h]);
+    const __m512 max = _mm512_set1_ps(row_max);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < full; t += 16) {
       const __m512 e = inferq_cpu::exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), max));
@@ -287,7 +299,9 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t len, float* inv_s
       _mm512_mask_storeu_ps(row + full, tail, e);
       sum = _mm512_mask_add_ps(sum, tail, sum, e);
     }
-    inv_sums[h] = 1.f / _mm512_reduce_add_ps(sum);
+    float total = _mm512_reduce_add_ps(sum);
+    if (sinks != nullptr) total += std::exp(sinks[h] - row_max);
+    inv_sums[h] = 1.f / total;
   }
 }
 
@@ -461,7 +475,7 @@ void attend_avx512(const DecodeItem<scalar_t>& item) {
   }, item.context.first_block(item.value_cache));
 
   cap_scores(scores, item.q_heads * len, item.softcap);
-  softmax_rows(scores, item.q_heads, len, item.inv_sums);
+  softmax_rows(scores, item.q_heads, len, item.inv_sums, item.sinks);
 
 #ifdef INFERQ_DECODE_BF16_DOT
   if constexpr (kDotBf16) {
@@ -487,11 +501,12 @@ void attend_avx512(const DecodeItem<scalar_t>& item) {
 
 // out [S, H, D] = softmax(q k^T * scale) v for q [S, H, D] over each sequence's cached context
 // (key/value_cache [num_blocks, block_size, Hkv, D], block_tables [S, W] int32, seq_lens [S] int32).
-// window > 0: each query sees only the last `window` tokens of its context.
+// window > 0: each query sees only the last `window` tokens of its context. sinks: [H] float32
+// sink logits, one more term of each head's softmax denominator.
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t window,
-                            double softcap) {
+                            double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -501,6 +516,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "paged_decode_attention supports float32 and bfloat16");
+  const float* sink_logits = inferq_cpu::sink_logits(sinks, query.size(1));
   const auto run = [&](auto zero, auto head_dim) {
     using scalar_t = decltype(zero);
     constexpr int64_t kHeadDim = decltype(head_dim)::value;
@@ -511,7 +527,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
       attend_portable<scalar_t, kHeadDim>(item);
     };
     for_each_decode_item<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                   query.size(2), scale, window, softcap, attend);
+                                   query.size(2), scale, window, softcap, sink_logits, attend);
   };
   inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
     if (query.scalar_type() == at::kFloat) {
@@ -527,6 +543,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 TORCH_LIBRARY(inferq_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale, int window=0, float softcap=0) -> ()");
+      "Tensor block_tables, Tensor seq_lens, float scale, int window=0, float softcap=0, "
+      "Tensor? sinks=None) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }

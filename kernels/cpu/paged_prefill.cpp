@@ -11,7 +11,8 @@
 // threads, since their costs differ (later tiles see longer contexts). Under a sliding window of
 // W tokens a query sees only the last W positions (itself included): an item's context starts
 // at its first query's earliest key, and keys too old for a later query are masked for it.
-// With a soft cap c > 0 (Gemma 2) each scaled score s becomes c * tanh(s / c).
+// With a soft cap c > 0 (Gemma 2) each scaled score s becomes c * tanh(s / c). With attention
+// sinks (gpt-oss) each head's sink logit is one more term of its softmax (max and denominator).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -138,7 +139,7 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const int32_t* tables, int64_t table_width, const int32_t* starts,
                  const int32_t* query_lens, const int32_t* seq_lens, float scale,
-                 int64_t window, float softcap) {
+                 int64_t window, float softcap, const float* sinks) {
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -222,7 +223,17 @@ void attend_item(const Item& item, Workspace& ws, at::Tensor& out, const at::Ten
 #pragma omp simd
     for (int64_t r = 0; r < kRows; ++r) top[r] = std::max(top[r], row[r]);
   }
+  if (sinks != nullptr) {
+    for (int64_t r = 0; r < rows_used; ++r) {
+      top[r] = std::max(top[r], sinks[item.kv_head * group + r % group]);
+    }
+  }
   exponentiate(ws.scores.data(), len, top, sums);
+  if (sinks != nullptr) {
+    for (int64_t r = 0; r < rows_used; ++r) {
+      sums[r] += std::exp(sinks[item.kv_head * group + r % group] - top[r]);
+    }
+  }
 
   weighted_sum<scalar_t, kHeadDim>(ws, head_dim, len, rows_used, sums, [&](int64_t r) {
     return out.data_ptr<scalar_t>() +
@@ -234,7 +245,8 @@ template <typename scalar_t, int64_t kHeadDim>
 void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                    const at::Tensor& starts, const at::Tensor& query_lens,
-                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
+                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                   const float* sinks) {
   const int64_t num_kv_heads = key_cache.size(2);
   const int64_t group = query.size(1) / num_kv_heads;
   const int64_t tile = std::max<int64_t>(1, kRows / group);
@@ -256,7 +268,7 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                                       block_tables.data_ptr<int32_t>(), block_tables.size(1),
                                       starts.data_ptr<int32_t>(), lens,
                                       seq_lens.data_ptr<int32_t>(), static_cast<float>(scale),
-                                      window, static_cast<float>(softcap));
+                                      window, static_cast<float>(softcap), sinks);
     }
   });
 }
@@ -265,12 +277,13 @@ void paged_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 // [T, H, D] whose chunk c holds rows starts[c] .. starts[c] + query_lens[c] and ends its
 // sequence at seq_lens[c] tokens, all in the cache (key/value_cache [num_blocks, block_size,
 // Hkv, D], block_tables [C, W] int32). Rows of no chunk are left as they are. window > 0: each
-// query sees only the last `window` positions up to its own.
+// query sees only the last `window` positions up to its own. sinks: [H] float32 sink logits,
+// one more term of each head's softmax denominator.
 void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& starts, const at::Tensor& query_lens,
                              const at::Tensor& seq_lens, double scale, int64_t window,
-                             double softcap) {
+                             double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   for (const at::Tensor* t : {&block_tables, &starts, &query_lens, &seq_lens}) {
@@ -281,14 +294,15 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& query, const at::
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
               "paged_prefill_attention supports float32 and bfloat16");
+  const float* sink_logits = inferq_cpu::sink_logits(sinks, query.size(1));
   inferq_cpu::with_head_dim(query.size(2), [&](auto head_dim) {
     if (query.scalar_type() == at::kFloat) {
       paged_prefill<float, head_dim>(out, query, key_cache, value_cache, block_tables, starts,
-                                     query_lens, seq_lens, scale, window, softcap);
+                                     query_lens, seq_lens, scale, window, softcap, sink_logits);
     } else {
       paged_prefill<c10::BFloat16, head_dim>(out, query, key_cache, value_cache, block_tables,
                                              starts, query_lens, seq_lens, scale, window,
-                                             softcap);
+                                             softcap, sink_logits);
     }
   });
 }
@@ -299,6 +313,6 @@ TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
       "Tensor value_cache, Tensor block_tables, Tensor starts, Tensor query_lens, "
-      "Tensor seq_lens, float scale, int window=0, float softcap=0) -> ()");
+      "Tensor seq_lens, float scale, int window=0, float softcap=0, Tensor? sinks=None) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
 }

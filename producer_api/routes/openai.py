@@ -69,9 +69,9 @@ async def read_model(model: str, state: State, caller: Caller) -> dict[str, Any]
 
 
 def _model_card(served: ServedModel) -> dict[str, Any]:
-    """OpenAI's model object, with inferq's fields: the context, live workers, and the weight
+    """OpenAI's model object, with inferq's fields: the context, live workers, the weight
     quantization they run (None: full precision; "mixed" when they differ, each method then
-    in `quantizations`)."""
+    in `quantizations`) and the architectures they serve it as (e.g. ["Qwen3ForCausalLM"])."""
     return {
         "id": served.name,
         "object": "model",
@@ -81,6 +81,7 @@ def _model_card(served: ServedModel) -> dict[str, Any]:
         "workers": served.workers,
         "quantization": served.quantization,
         "quantizations": list(served.quantizations),
+        "architectures": list(served.architectures),
     }
 
 

@@ -105,6 +105,7 @@ class Stack:
         name: str | None = None,
         tokenizer_file: Path | None = None,
         quantization: str | None = None,
+        architecture: str | None = None,
     ) -> EchoWorker:
         async def make() -> tuple[EchoWorker, Redis]:
             redis = Redis.from_url(self.redis_url, decode_responses=True)
@@ -117,6 +118,7 @@ class Stack:
                 step_delay_s=step_delay_s,
                 tokenizer_file=tokenizer_file,
                 quantization=quantization,
+                architecture=architecture,
             )
             await worker.create_group()
             await worker.beat()

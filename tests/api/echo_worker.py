@@ -120,9 +120,11 @@ class EchoWorker(FakeWorker):
         step_delay_s: float = 0.0,
         tokenizer_file: Path | None = None,
         quantization: str | None = None,
+        architecture: str | None = None,
     ) -> None:
         super().__init__(redis, keys, model, name)
         self.quantization = quantization
+        self.architecture = architecture
         self.max_model_len = max_model_len
         self.tokenizer_file = tokenizer_file
         self.step_delay_s = step_delay_s
@@ -138,6 +140,7 @@ class EchoWorker(FakeWorker):
             vocab_size=ECHO_VOCAB,
             tokenizer_file=str(self.tokenizer_file) if self.tokenizer_file else None,
             quantization=self.quantization,
+            architecture=self.architecture,
             started_at=now,
             updated_at=now,
         ).to_redis_hash()

@@ -249,6 +249,21 @@ def test_models_name_the_quantization_their_workers_run(stack):
     )
 
 
+def test_models_name_the_architectures_their_workers_serve(stack):
+    api = stack.api(models=[])
+    stack.worker("moe-model", name="a1", architecture="GptOssForCausalLM")
+    stack.worker("moe-model", name="a2", architecture="GptOssForCausalLM")
+    stack.worker("mixed-model", name="b1", architecture="Qwen3ForCausalLM")
+    stack.worker("mixed-model", name="b2", architecture="LlamaForCausalLM")
+    stack.worker("mixed-model", name="b3")  # a worker too old to say
+    with httpx.Client(base_url=api.url, headers=auth()) as http:
+        cards = {card["id"]: card for card in http.get("/v1/models").json()["data"]}
+        one = http.get("/v1/models/moe-model").json()
+    assert cards["moe-model"]["architectures"] == ["GptOssForCausalLM"]
+    assert one == cards["moe-model"]
+    assert cards["mixed-model"]["architectures"] == ["LlamaForCausalLM", "Qwen3ForCausalLM"]
+
+
 def test_missing_key_is_401_for_openai_routes(stack):
     api = stack.api()
     sdk = openai.OpenAI(base_url=api.url + "/v1", api_key="sk-nope", max_retries=0)

@@ -59,7 +59,7 @@ async def _populate(url: str) -> dict[str, float]:
     second = await beat(
         redis, KEYS, name="gpu-0", model=MODEL, stats=stats(60, 100, 3, 1, 400, 250),
         started_at=started, ttl_s=30, ttfts=ttfts.take(), quantization="gguf",
-        weight_bytes=WEIGHT_BYTES,
+        weight_bytes=WEIGHT_BYTES, architecture="LlamaForCausalLM",
     )  # fmt: skip
     stream = KEYS.jobs_stream(MODEL)
     await redis.xgroup_create(stream, KEYS.group, "0", mkstream=True)
@@ -118,12 +118,14 @@ def test_inferq_status_prints_the_tables(redis_url, populated, capsys):
     worker_row = next(line for line in out.splitlines() if line.startswith("gpu-0"))
     assert "40% (40/100)" in worker_row and " 250 " in worker_row
     assert " gguf " in worker_row and " 99.5 MiB " in worker_row
+    assert " LlamaForCausalLM " in worker_row
     assert "max_attempts_exceeded" in out
 
     assert inferq(["status", "--redis-url", redis_url, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["queues"][0]["waiting"] == 2 and data["workers"][0]["name"] == "gpu-0"
     assert data["workers"][0]["quantization"] == "gguf"
+    assert data["workers"][0]["architecture"] == "LlamaForCausalLM"
 
 
 def test_inferq_status_shows_a_full_precision_worker_beside_a_quantized_one(redis_url, capsys):

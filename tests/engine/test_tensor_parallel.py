@@ -77,10 +77,13 @@ def tiny_models(tiny_model_factory: Callable[..., Path]) -> dict[str, Path]:
         "qwen2-one-kv-head": tiny_model_factory(
             "qwen2", tie_word_embeddings=True, num_key_value_heads=1
         ),  # fewer KV heads than ranks: replicated; q/k/v biases; tied lm_head
+        "gemma2": tiny_model_factory("gemma2", sliding_window=8),
+        # Gemma's blocks: soft-capped scores and logits, (1 + weight) and sandwich norms,
+        # scaled embeddings, a window shorter than the sequences
     }
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2-one-kv-head"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2-one-kv-head", "gemma2"])
 def test_sharded_logits_match_single_device(tiny_models: dict[str, Path], kind: str) -> None:
     path = tiny_models[kind]
     single = _runner(path, 1)

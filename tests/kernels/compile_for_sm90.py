@@ -48,6 +48,7 @@ def _attention(
     splits: int,
     windowed: bool = False,
     softcap: bool = False,
+    sinks: bool = False,
 ) -> None:
     from kernels.paged_attention import _launch_shape, _unified_attention_kernel, padded_head_dim
 
@@ -57,13 +58,13 @@ def _attention(
     signature |= dict.fromkeys(["part_out_ptr", "part_max_ptr", "part_sum_ptr"], "*fp32")
     signature |= dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"], "*i32")
     signature |= {"num_seqs": "i32", "num_q_heads": "i32", "qk_scale": "fp32"}
-    signature |= {"window": "i32", "softcap": "fp32"}
+    signature |= {"window": "i32", "softcap": "fp32", "sinks_ptr": "*fp32"}
     signature |= dict.fromkeys(STRIDES_ATTENTION, "i32")
     constants = dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=16,
         QUERIES_PER_KV=queries_per_kv, BLOCK_Q=shape.block_q, BLOCK_M=shape.block_m,
         TILE_N=shape.tile_n, NUM_SPLITS=splits, DECODE_ONLY=not prefill, WINDOWED=windowed,
-        SOFTCAP=softcap, DOT_UPCAST=False,
+        SOFTCAP=softcap, SINKS=sinks, DOT_UPCAST=False,
         DOT_PRECISION="ieee" if dtype == "fp32" else None,
     )  # fmt: skip
     _compile(_unified_attention_kernel, signature, constants, shape.num_warps)
@@ -99,6 +100,7 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile")
     from kernels.activation import _silu_and_mul_kernel
+    from kernels.fused_moe import _moe_gemm_kernel
     from kernels.kv_cache import _reshape_and_cache_kernel
     from kernels.paged_attention import _merge_splits_kernel
     from kernels.rms_norm import _rms_norm_kernel
@@ -115,13 +117,30 @@ def main() -> None:
     _attention("bf16", 8, 4, False, 1)  # tl.dot's MMA needs K >= 16: padded
     _attention("bf16", 128, 4, True, 1, windowed=True, softcap=True)  # Gemma 2's local layers
     _attention("bf16", 128, 4, False, 8, windowed=True)  # windowed flash decoding
-    _compile(
-        _merge_splits_kernel,
-        {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
-         "part_sum_ptr": "*fp32", "num_q_heads": "i32", "stride_o_t": "i32", "stride_o_h": "i32"},
-        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8),
-        num_warps=4,
-    )  # fmt: skip
+    _attention("bf16", 64, 8, True, 1, windowed=True, sinks=True)  # gpt-oss's sliding layers
+    _attention("bf16", 64, 8, False, 1, sinks=True)  # gpt-oss's full layers, decoding
+    _attention("bf16", 64, 8, False, 8, sinks=True)  # ... as flash decoding
+    for sinks in (False, True):
+        _compile(
+            _merge_splits_kernel,
+            {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32",
+             "part_sum_ptr": "*fp32", "sinks_ptr": "*fp32", "num_q_heads": "i32",
+             "stride_o_t": "i32", "stride_o_h": "i32"},
+            dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8, SINKS=sinks),
+            num_warps=4,
+        )  # fmt: skip
+    for bias in (False, True):  # the fused-MoE GEMM: Qwen/Mixtral experts, gpt-oss's
+        _compile(
+            _moe_gemm_kernel,
+            {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "pair_of_row_ptr": "*i32",
+             "expert_of_block_ptr": "*i32", "used_blocks_ptr": "*i32", "scale_ptr": "*fp32",
+             "bias_ptr": "*bf16",
+             **dict.fromkeys(["num_pairs", "N", "K", "stride_am", "stride_we", "stride_wn",
+                              "stride_wk", "stride_be", "stride_om"], "i32")},
+            dict(A_ROWS_PER_TOKEN=4, SCALE=bias, BIAS=bias, UPCAST=False, BLOCK_M=16,
+                 BLOCK_N=64, BLOCK_K=64),
+            num_warps=4,
+        )  # fmt: skip
     _compile(
         _reshape_and_cache_kernel,
         {**dict.fromkeys(["k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16"),

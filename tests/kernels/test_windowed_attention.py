@@ -1,6 +1,6 @@
 """Sliding-window attention in every paged kernel (the CPU C++ decode and prefill kernels and
 the Triton kernel, interpreted on the CPU) against dense attention restricted to each query's
-window, with and without soft-capped scores (Gemma 2).
+window, with and without soft-capped scores (Gemma 2) and attention sinks (gpt-oss).
 
 The blocks wholly before every query's window are pointed at a NaN block, as a freed block
 would be: a kernel that reads them poisons its output.
@@ -33,9 +33,15 @@ CASES = {
 }
 
 
-def _windowed_oracle(batch: PagedBatch, window: int, softcap: float | None = None) -> torch.Tensor:
+def _windowed_oracle(
+    batch: PagedBatch,
+    window: int,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Dense attention of each sequence's queries over its keys, each query seeing the last
-    `window` positions up to its own (scores soft-capped by softcap)."""
+    `window` positions up to its own (scores soft-capped by softcap; each head's sink logit
+    one more softmax term with no value)."""
     outs = []
     starts = batch.query_start_loc.tolist()
     for i, seq_len in enumerate(batch.seq_lens.tolist()):
@@ -49,7 +55,11 @@ def _windowed_oracle(batch: PagedBatch, window: int, softcap: float | None = Non
         scores = scores * SCALE
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            scores = torch.cat((scores, sink), dim=-1)
+        probs = scores.softmax(-1)[..., : k.shape[0]]
         out = torch.einsum("hqk,khd->qhd", probs, v.double().repeat_interleave(group, 1))
         outs.append(out.float())
     return torch.cat(outs)
@@ -77,7 +87,12 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[dtype])
 
 
-def _cpu_kernels(batch: PagedBatch, window: int, softcap: float | None = None) -> torch.Tensor:
+def _cpu_kernels(
+    batch: PagedBatch,
+    window: int,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Decode rows through paged_decode_attention, chunks through paged_prefill_attention."""
     out = torch.empty_like(batch.q)
     starts = batch.query_start_loc.tolist()
@@ -97,6 +112,7 @@ def _cpu_kernels(batch: PagedBatch, window: int, softcap: float | None = None) -
             SCALE,
             window,
             softcap,
+            sinks,
         )
         out[rows] = decode_out
     if chunks:
@@ -113,6 +129,7 @@ def _cpu_kernels(batch: PagedBatch, window: int, softcap: float | None = None) -
             SCALE,
             window,
             softcap,
+            sinks,
         )
     return out
 
@@ -187,3 +204,61 @@ def test_triton_kernel_caps_scores(case: str, device: torch.device) -> None:
     ref = torch.empty_like(batch.q)
     unified_attention_ref(*batch.attention_args(ref, SCALE), window=window, softcap=SOFTCAP)
     _assert_close(ref, _windowed_oracle(batch, window, SOFTCAP), torch.float32)
+
+
+def _sinks(heads: int = 6) -> torch.Tensor:
+    """Sink logits from well below to well above the scores (about +-4 here), so that some
+    heads barely notice their sink and some give it most of the weight."""
+    return torch.linspace(-3.0, 6.0, heads)
+
+
+SINK_CASES = ["decodes-past-the-window", "mixed-chunks-and-decodes", "long-chunk-many-tiles"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", SINK_CASES)
+def test_cpu_kernels_count_attention_sinks(case: str, dtype: torch.dtype) -> None:
+    if not cpu_kernels_available():
+        pytest.skip("the CPU kernels cannot be built here")
+    batch = _batch(case, dtype, torch.device("cpu"))
+    window = CASES[case][3]
+    expected = _windowed_oracle(batch, window, sinks=_sinks())
+    _assert_close(_cpu_kernels(batch, window, sinks=_sinks()), expected, dtype)
+    assert not torch.allclose(_windowed_oracle(batch, window), expected, atol=1e-2)
+
+
+def test_cpu_kernels_count_sinks_at_any_head_size() -> None:
+    """A head size the kernels do not specialise (the portable decode path)."""
+    if not cpu_kernels_available():
+        pytest.skip("the CPU kernels cannot be built here")
+    query_lens, seq_lens, block_size, window = CASES["mixed-chunks-and-decodes"]
+    batch = make_paged_batch(
+        query_lens, seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=24,
+        block_size=block_size, dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    sinks = _sinks(4)
+    expected = _windowed_oracle(batch, window, SOFTCAP, sinks)
+    _assert_close(_cpu_kernels(batch, window, SOFTCAP, sinks), expected, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case", ["decodes-past-the-window", "mixed-chunks-and-decodes"])
+def test_triton_kernel_counts_attention_sinks(
+    case: str, num_splits: int, device: torch.device
+) -> None:
+    pytest.importorskip("triton")
+    from kernels import unified_attention
+
+    batch = _batch(case, torch.float32, device)
+    window = CASES[case][3]
+    splits = num_splits if max(batch.query_lens) == 1 else 1
+    out = torch.empty_like(batch.q)
+    sinks = _sinks().to(device)
+    unified_attention(
+        *batch.attention_args(out, SCALE), num_splits=splits, window=window, sinks=sinks
+    )
+    expected = _windowed_oracle(batch, window, sinks=_sinks())
+    _assert_close(out.cpu(), expected, torch.float32)
+    ref = torch.empty_like(batch.q)
+    unified_attention_ref(*batch.attention_args(ref, SCALE), window=window, sinks=_sinks())
+    _assert_close(ref, expected, torch.float32)

@@ -101,7 +101,9 @@ async def test_heartbeat_reports_capacity(redis_url):
 
 async def test_heartbeat_and_start_log_name_the_quantization_and_weight_bytes(redis_url, caplog):
     caplog.set_level(logging.INFO, logger="worker.worker")
-    engine = FakeEngine(quantization="int4", weight_bytes=95 * 2**20)
+    engine = FakeEngine(
+        quantization="int4", weight_bytes=95 * 2**20, architecture="GptOssForCausalLM"
+    )
     async with running_worker(redis_url, engine, model=MODEL, name="hb-quantized"):
         redis = Redis.from_url(redis_url, decode_responses=True)
 
@@ -111,6 +113,7 @@ async def test_heartbeat_and_start_log_name_the_quantization_and_weight_bytes(re
         await wait_for(beat)
         info = WorkerInfo.from_redis_hash(await beat())
         assert (info.quantization, info.weight_bytes) == ("int4", 95 * 2**20)
+        assert info.architecture == "GptOssForCausalLM"
     started = [
         r.getMessage() for r in caplog.records if r.getMessage().startswith("worker_started")
     ]

@@ -49,6 +49,7 @@ async def test_gguf_worker_serves_a_streamed_job_and_advertises_gguf(redis_url, 
         info = WorkerInfo.from_redis_hash(await redis.hgetall(KEYS.worker("gguf-worker")))
         assert info.quantization == "gguf"
         assert info.weight_bytes == gguf_llm.engine.weight_bytes
+        assert info.architecture == "LlamaForCausalLM"  # SmolLM2
     finally:
         await asyncio.to_thread(stop_process, process)
         await redis.aclose()

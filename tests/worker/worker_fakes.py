@@ -82,6 +82,7 @@ class FakeEngine:
     tokenizer_file: Path | None = None  # its tokenizer is a function, with no tokenizer.json
     quantization: str | None = None  # what it says it runs (the heartbeat carries it)
     weight_bytes: int = 0
+    architecture: str | None = None  # the architecture it says it serves the model as
     step_seconds: float = 0.0
     fail_on_prompt_token: int | None = None  # a prompt holding this id makes step() raise
     fail_after_tokens: int = 0  # ... once its sequence has generated this many tokens

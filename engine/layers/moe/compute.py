@@ -62,14 +62,16 @@ def grouped_experts(
     num_experts: int,
     gate_up: ExpertGemm,
     down: ExpertGemm,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
-    """x [T, H], routing weights/ids [T, k] -> [T, H]: one GEMM pair per active expert."""
+    """x [T, H], routing weights/ids [T, k] -> [T, H]: one GEMM pair per active expert, the
+    gate-up output activated by `activation` (silu(gate) * up over [gate; up] by default)."""
     routes = sort_routes(ids, num_experts)
     if not routes.groups:
         return torch.zeros_like(x)
     rows = x.index_select(0, routes.tokens)
     outputs = [
-        down(expert, silu_and_mul(gate_up(expert, rows[start:stop])))
+        down(expert, activation(gate_up(expert, rows[start:stop])))
         for expert, start, stop in routes.groups
     ]
     return combine(x, routes, weights, torch.cat(outputs))
