@@ -62,7 +62,8 @@ async def create_job(
     served, context = await model_and_context(state, body.model, allow_configured=True)
     check_n(state, body.sampling.n, "sampling.n")
     resolve_max_tokens(state, body.sampling.max_tokens, context, "sampling.max_tokens")
-    await check_prompt(body, await limits_of(state, served, context), body.input_kind)
+    limits = await limits_of(state, served, context)
+    await check_prompt(body, limits, body.input_kind, sampling_prefix="sampling.")
     job = await submit(state, body, caller)
     view = job_view(job)
     return JSONResponse(
