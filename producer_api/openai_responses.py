@@ -118,6 +118,27 @@ def _echoed_logprobs(
     }
 
 
+def _prompt_logprobs_field(
+    req: CompletionRequest | ChatCompletionRequest, job: Job
+) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` where the request asked for them: per prompt token None (the
+    first) or {token id: {"logprob", "decoded_token"}} of the token and its alternatives."""
+    if req.prompt_logprobs is None or job.result is None:
+        return {}
+    scored = job.result.prompt_logprobs or []
+    return {
+        "prompt_logprobs": [
+            None
+            if item is None
+            else {
+                str(entry.token_id): {"logprob": entry.logprob, "decoded_token": entry.token}
+                for entry in (item, *item.top_logprobs)
+            }
+            for item in scored
+        ]
+    }
+
+
 def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
     choices = []
     echoed = echoed_prompts(req)
@@ -131,6 +152,7 @@ def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
                     "logprobs": _echoed_logprobs(req, echoed[prompt_index], job, choice.logprobs),
                     "finish_reason": finish_reason(choice.finish_reason),
                     "stop_reason": choice.stop_reason,
+                    **_prompt_logprobs_field(req, job),
                 }
             )
     return {
@@ -175,4 +197,5 @@ def chat_body(req: ChatCompletionRequest, job: Job) -> dict[str, Any]:
         **response_header(req, "chatcmpl", "chat.completion", job),
         "choices": choices,
         "usage": usage_body([job.result.usage]),
+        **_prompt_logprobs_field(req, job),
     }

@@ -153,6 +153,12 @@ class SamplingParams(BaseModel):
                 raise field_error("best_of", "best_of must be at least n")
             if self.use_beam_search and self.best_of != self.n:
                 raise field_error("best_of", "with use_beam_search, n is the beam width")
+        if self.use_beam_search and self.allowed_token_ids is not None:
+            raise field_error(
+                "allowed_token_ids", "allowed_token_ids are not available with use_beam_search"
+            )
+        if self.use_beam_search and self.bad_words:
+            raise field_error("bad_words", "bad_words are not available with use_beam_search")
         if self.use_beam_search and self.prompt_logprobs is not None:
             raise field_error(
                 "prompt_logprobs", "prompt_logprobs are not available with use_beam_search"

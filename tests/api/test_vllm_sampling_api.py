@@ -207,3 +207,30 @@ def test_echo_with_logprobs_answers_the_prompts_logprobs_first(stack, served):
     assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"]) == 5
     assert logprobs["text_offset"] == [0, 3, 7, 13, 16]
     assert _job(stack).request.sampling.prompt_logprobs == 1
+
+
+def test_prompt_logprobs_come_back_as_vllm_answers_them(stack, served):
+    api, _ = served
+    with httpx.Client(base_url=api.url, headers=auth(), timeout=30) as http:
+        completion = http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "one two three", "prompt_logprobs": 1},
+        )
+        chat = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "four five"}],
+                "prompt_logprobs": 0,
+                "max_tokens": 4,
+            },
+        )
+    assert completion.status_code == 200 and chat.status_code == 200, (completion.text, chat.text)
+    scored = completion.json()["choices"][0]["prompt_logprobs"]
+    assert len(scored) == 3 and scored[0] is None
+    assert [entry["decoded_token"] for item in scored[1:] for entry in item.values()] == [
+        " two",
+        " three",
+    ]
+    chat_scored = chat.json()["prompt_logprobs"]
+    assert len(chat_scored) == 2 and chat_scored[0] is None
