@@ -166,13 +166,10 @@ class Engine:
         self._admit_compiled(may_wait=False)
 
     def _check_supported(self, params: SamplingParams) -> None:
-        vocab = self.vocab_size
-        for field, ids in (
-            ("logit_bias", list(params.logit_bias or {})),
-            ("allowed_token_ids", params.allowed_token_ids or []),
-        ):
-            if any(token >= vocab for token in ids):
-                raise InvalidTokenIdError(f"{field}: token ids must be in [0, {vocab})")
+        outside = params.token_outside_vocabulary(self.vocab_size)
+        if outside is not None:
+            field, token = outside
+            raise InvalidTokenIdError(f"{field}: token id {token} is not in [0, {self.vocab_size})")
         if params.bad_words and self.tokenizer is None:
             raise RequestRejectedError("bad_words need a model with a tokenizer")
         if params.prompt_logprobs is not None and self.runner.tp is not None:

@@ -79,18 +79,15 @@ def _check_vocabulary(ids: list[int], vocab_size: int | None, param: str) -> Non
 
 def _check_sampling_token_ids(sampling: SamplingParams, vocab_size: int, prefix: str) -> None:
     """logit_bias keys and allowed_token_ids inside the vocabulary, as OpenAI and vLLM check."""
-    for field, ids in (
-        ("logit_bias", list(sampling.logit_bias or {})),
-        ("allowed_token_ids", sampling.allowed_token_ids or []),
-    ):
-        for token in ids:
-            if token >= vocab_size:
-                raise ApiError(
-                    ErrorCode.INVALID_REQUEST,
-                    f"{prefix}{field}: token id {token} is not in this model's vocabulary "
-                    f"(ids 0 to {vocab_size - 1})",
-                    f"{prefix}{field}",
-                )
+    outside = sampling.token_outside_vocabulary(vocab_size)
+    if outside is not None:
+        field, token = outside
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST,
+            f"{prefix}{field}: token id {token} is not in this model's vocabulary "
+            f"(ids 0 to {vocab_size - 1})",
+            f"{prefix}{field}",
+        )
 
 
 def _check_context(prompt_tokens: int, max_tokens: int, context: int, param: str) -> None:

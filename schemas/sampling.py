@@ -165,6 +165,18 @@ class SamplingParams(BaseModel):
             )
         return self
 
+    def token_outside_vocabulary(self, vocab_size: int) -> tuple[str, int] | None:
+        """The first (field, token id) of logit_bias and allowed_token_ids that a model of
+        `vocab_size` tokens does not have, or None: what the API and the engine refuse."""
+        for field, ids in (
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            for token in ids:
+                if token >= vocab_size:
+                    return field, token
+        return None
+
     @property
     def num_candidates(self) -> int:
         """Choices generated: best_of where it asks for more than the n returned."""

@@ -203,3 +203,43 @@ def test_prompt_logprobs_across_prefill_chunks_and_a_warm_prefix_cache(
     ours = torch.tensor([item.logprob for item in output.prompt_logprobs[1:]])
     torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
     assert all(item.top_logprobs == [] for item in output.prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(logit_bias={256: 1.0}), "logit_bias"),
+        (SamplingParams(allowed_token_ids=[3, 10**6]), "allowed_token_ids"),
+    ],
+)
+def test_token_ids_past_the_vocabulary_are_refused(tiny_llama_dir: Path, params, field) -> None:
+    from engine.errors import InvalidTokenIdError
+    from engine.outputs import EngineRequest
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32")  # 256 tokens
+    with pytest.raises(InvalidTokenIdError, match=field):
+        llm.engine.add_request(EngineRequest("r", [1, 2, 3], params))
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"n": 2, "best_of": 3, "use_beam_search": True}, "best_of"),
+        ({"use_beam_search": True, "allowed_token_ids": [1]}, "allowed_token_ids"),
+        ({"use_beam_search": True, "bad_words": ["x"]}, "bad_words"),
+        ({"use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ],
+)
+def test_inconsistent_fields_are_refused_naming_the_field(fields: dict, field: str) -> None:
+    from pydantic import ValidationError
+
+    from schemas.errors import error_location
+
+    with pytest.raises(ValidationError) as refused:
+        SamplingParams(**fields)
+    assert field in error_location(refused.value.errors()[0])
