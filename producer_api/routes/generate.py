@@ -15,7 +15,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer_api.admission import PromptedRequest, admit_jobs, cancel_jobs, job_failure
+from producer_api.admission import (
+    PromptedRequest,
+    admit_jobs,
+    cancel_jobs,
+    check_n,
+    job_failure,
+)
 from producer_api.deps import ApiState, Caller, State
 from producer_api.errors import ApiError, error_responses
 from producer_api.routes.openai import GENERATION_ERRORS, wait_all
@@ -116,6 +122,8 @@ async def generate(
     body: GenerateRequest, request: Request, state: State, caller: Caller
 ) -> Response:
     model = await _model_of(state, body)
+    check_n(state, body.n, "n")
+    check_n(state, body.best_of or body.n, "best_of")
 
     def build(max_tokens: int) -> Iterator[PromptedRequest]:
         yield _job_request(body, model, max_tokens, state.settings.request_timeout_s), "prompt"

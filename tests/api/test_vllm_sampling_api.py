@@ -32,6 +32,7 @@ BAD_INPUT = [
     ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 9}, "best_of"),  # past the server's max_n (8)
     ({"bad_words": ["  "]}, "bad_words"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
