@@ -243,3 +243,29 @@ def test_inconsistent_fields_are_refused_naming_the_field(fields: dict, field: s
     with pytest.raises(ValidationError) as refused:
         SamplingParams(**fields)
     assert field in error_location(refused.value.errors()[0])
+
+
+def test_prompt_logprobs_with_a_draft_model_are_the_targets(tiny_model_factory) -> None:
+    target = tiny_model_factory("llama")
+    draft = tiny_model_factory("llama", num_hidden_layers=1)
+    spec = {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": None,
+        "min_acceptance_rate": 0.0,
+    }
+    prompt = [(11 * i + 5) % 256 for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    plain = LLM(str(target), dtype="float32").generate([prompt], params, use_tqdm=False)[0]
+    llm = LLM(str(target), dtype="float32", enforce_eager=True, speculative_config=spec)
+    drafted = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert llm.engine.stats().spec_num_draft_tokens > 0
+    assert drafted.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert plain.prompt_logprobs is not None and drafted.prompt_logprobs is not None
+    assert [p and p.token_id for p in drafted.prompt_logprobs] == [
+        p and p.token_id for p in plain.prompt_logprobs
+    ]
+    ours = torch.tensor([p.logprob for p in drafted.prompt_logprobs[1:]])
+    expected = torch.tensor([p.logprob for p in plain.prompt_logprobs[1:]])
+    torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
