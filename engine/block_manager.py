@@ -183,7 +183,12 @@ class BlockManager:
         At most num_tokens - 1 tokens are served from the cache: the last token is always
         computed, so the step that catches the sequence up yields logits.
         """
-        if not self.enable_prefix_caching or seq.block_table:
+        # A prompt to score is computed in full: cached positions would have no logits.
+        if (
+            not self.enable_prefix_caching
+            or seq.block_table
+            or seq.params.prompt_logprobs is not None
+        ):
             return []
         num_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self._ensure_hashes(seq, num_blocks)

@@ -120,7 +120,8 @@ class IncrementalDetokenizer:
 
     Stop strings count once the output has at least min_tokens tokens. A finish decided by a
     token (engine.stop) comes in with that token: "stop" (EOS or a stop token id) leaves that
-    token's text out, "length" keeps it; either releases all text held back.
+    token's text out, "length" keeps it; either releases all text held back. With
+    include_stop_str_in_output the matched stop string, and a stop token's text, are kept.
 
     The deltas' concatenation is the output text as it reads after the prompt; for byte-level
     BPE tokenizers that equals tokenizer.decode(output_ids).
@@ -176,6 +177,8 @@ class IncrementalDetokenizer:
         self.num_output_tokens += 1
         past_min_tokens = self.num_output_tokens >= self.params.min_tokens
         if stop is not None and stop.finish_reason == "stop":  # EOS or a stop token id
+            if self.params.include_stop_str_in_output:
+                self._append(self._decoder.push(token_id), check_stop_strings=False)
             self._append(self._decoder.flush(), past_min_tokens)
             self._finish(stop.finish_reason, stop.stop_reason)
             return
@@ -194,7 +197,8 @@ class IncrementalDetokenizer:
         match = self._stop_strings.find(self._held, new_from)
         if match is not None:
             start, stop = match
-            self._held = self._held[:start]
+            kept = start + len(stop) if self.params.include_stop_str_in_output else start
+            self._held = self._held[:kept]
             self._finish("stop", stop)
 
     def _finish(self, reason: FinishReason, stop_reason: str | int | None) -> None:

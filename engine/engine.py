@@ -24,6 +24,7 @@ from engine.outputs import EngineRequest, EngineStats, RequestDelta, RequestMetr
 from engine.request_state import ChoiceState, RequestState
 from engine.runner_io import LogitsProcessor
 from engine.sampling.logit_bias import LogitBias
+from engine.sampling.token_bans import AllowedTokens, BadWords
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.speculative.factory import make_speculator
@@ -76,7 +77,12 @@ class Engine:
         self.structured = StructuredDecoding(
             self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids)
         )
-        processors: list[LogitsProcessor] = [LogitBias(self.vocab_size), self.structured]
+        processors: list[LogitsProcessor] = [
+            LogitBias(self.vocab_size),
+            BadWords(self.tokenizer, self.vocab_size),
+            AllowedTokens(self.vocab_size),
+            self.structured,
+        ]
         self.outputs = OutputProcessor(
             self.scheduler,
             self.tokenizer,
@@ -119,12 +125,24 @@ class Engine:
             raise DuplicateRequestError(f"request {new.request_id!r} is already running")
         prompt_text = new.prompt if isinstance(new.prompt, str) else None
         prompt_ids = self.tokenize(new.prompt) if isinstance(new.prompt, str) else list(new.prompt)
+        if new.params.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-new.params.truncate_prompt_tokens :]
         self._validate(prompt_ids)
+        self._check_supported(new.params)
         params, priors = new.params, new.prior_output_token_ids
+        best_of = params.num_candidates if params.num_candidates > params.n else None
+        if best_of is not None:
+            # best_of > n: every candidate runs with logprobs (they rank it), and only the
+            # n best leave the engine, once all have finished; a resumed job starts over, as
+            # nothing of it was published.
+            params = params.model_copy(update={"n": best_of, "logprobs": True})
+            priors = None
         metrics = RequestMetrics(arrival_time=new.arrival_time or time.monotonic())
         request = RequestState(
             new.request_id, prompt_text, prompt_ids, params, metrics, priority=new.priority
         )
+        if best_of is not None:
+            request.returned = new.params
         if priors and len(priors) != params.n:
             raise RequestRejectedError("prior_output_token_ids needs one list per choice")
         self.structured.add(new.request_id, params)
@@ -149,6 +167,18 @@ class Engine:
         if request.finished:  # resumed with every choice already complete
             self.outputs.finished_on_arrival.append(request)
         self._admit_compiled(may_wait=False)
+
+    def _check_supported(self, params: SamplingParams) -> None:
+        outside = params.token_outside_vocabulary(self.vocab_size)
+        if outside is not None:
+            field, token = outside
+            raise InvalidTokenIdError(f"{field}: token id {token} is not in [0, {self.vocab_size})")
+        if params.bad_words and self.tokenizer is None:
+            raise RequestRejectedError("bad_words need a model with a tokenizer")
+        if params.prompt_logprobs is not None and self.runner.tp is not None:
+            raise RequestRejectedError(
+                "prompt_logprobs are not available with tensor_parallel_size > 1"
+            )
 
     def _validate(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -27,6 +27,7 @@ from engine.models.loader import build_model
 from engine.picking import pick_tokens
 from engine.platforms.cpu.greedy_screen import ScreenedLMHead
 from engine.platforms.select import platform_for
+from engine.prompt_logprobs import PromptSpan, prompt_spans, score_prompts
 from engine.quantization.methods import resolve_method, weight_bytes
 from engine.runner_io import ModelRunnerOutput, SamplingBatch, TokenPick
 from engine.sampler import Sampler
@@ -254,6 +255,9 @@ class ModelRunner:
         tokens, for less than the LM head's full cost."""
         inputs = self.prepare_inputs(sched.scheduled) if sched.scheduled else None
         if self.step_sender is None:
+            spans = prompt_spans(sched.scheduled) if inputs is not None else []
+            if inputs is not None and spans:
+                return self._execute_scoring_prompts(inputs, sched, batch, spans)
             return self._outputs(self._run_forward(inputs, sched.block_copies), batch)
         # Under tensor parallelism the greedy screen is off: every rank takes part in the logits.
         with tensor_parallel.fatal_step_errors(self.tp_ranks):
@@ -272,6 +276,27 @@ class ModelRunner:
                 hidden = self._run_forward(inputs, message.block_copies)
                 if hidden is not None:
                     self.model.compute_logits(hidden)
+
+    def _execute_scoring_prompts(
+        self,
+        inputs: StepInputs,
+        sched: SchedulerOutput,
+        batch: SamplingBatch,
+        spans: list[PromptSpan],
+    ) -> ModelRunnerOutput:
+        """A step in which some prompts are scored: the hidden states of every row, the
+        prompt logprobs from those, then the sampling rows as in any step."""
+        self.kv_cache.copy_blocks(sched.block_copies)
+        with self.platform.step(inputs.input_ids.shape[0], inputs.attn_meta.is_decode_only):
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta
+            )
+        scored = score_prompts(hidden, spans, self.model.compute_logits, self.vocab_size)
+        rows = inputs.sample_rows
+        sampling = hidden if rows is None else hidden.index_select(0, rows)
+        out = self._outputs(sampling if sampling.shape[0] else None, batch)
+        out.prompt_logprobs = scored
+        return out
 
     def _outputs(self, hidden: torch.Tensor | None, batch: SamplingBatch) -> ModelRunnerOutput:
         if hidden is None:

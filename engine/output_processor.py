@@ -13,6 +13,7 @@ import torch
 
 from engine.beam_search import beam_logprobs
 from engine.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenLogprob
+from engine.prompt_logprobs import PromptLogprobsChunk
 from engine.request_state import ChoiceState, RequestState
 from engine.runner_io import (
     LogitsProcessor,
@@ -76,6 +77,10 @@ class OutputProcessor:
         """Deltas of requests resumed with every choice already complete."""
         deltas = []
         for request in self.finished_on_arrival:
+            if request.returned is not None:
+                output = self._take_output(request)
+                deltas += [] if output is None else _whole_output_deltas(request.request_id, output)
+                continue
             *earlier, last = request.choices
             deltas += [choice.delta([], "", None) for choice in earlier]
             deltas.append(last.delta([], "", None, self._take_output(request)))
@@ -89,6 +94,8 @@ class OutputProcessor:
         self.num_steps += 1
         now = time.monotonic()
         self._account_scheduled(sched.scheduled, now)
+        if out.prompt_logprobs:
+            self._record_prompt_logprobs(out.prompt_logprobs)
         if not (out.picks or out.logits):
             return []
         preempted_beams = [s for s in sched.preempted if s.params.use_beam_search]
@@ -125,12 +132,30 @@ class OutputProcessor:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             choice = request.choices[seq.choice_index]
-            deltas.append(self._advance_choice(request, choice, pick))
+            delta = self._advance_choice(request, choice, pick)
+            if request.returned is None:
+                deltas.append(delta)
+            elif delta.output is not None:  # best_of: the chosen choices, once all finished
+                deltas += _whole_output_deltas(request.request_id, delta.output)
             if entry.draft_token_ids:
                 self.scheduler.settle_draft(seq)
                 if self.speculator is not None:
                     self.speculator.record(seq, pick.num_draft_tokens, pick.num_accepted_tokens)
         return deltas
+
+    def _record_prompt_logprobs(
+        self, scored: list[tuple[ScheduledSeq, PromptLogprobsChunk]]
+    ) -> None:
+        for entry, chunk in scored:
+            request = self.requests.get(entry.seq.request_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            for offset, (token_id, value, top) in enumerate(
+                zip(chunk.token_ids, chunk.logprobs, chunk.top_logprobs, strict=True)
+            ):
+                texts = self.token_texts([token_id, *(top_id for top_id, _ in top)])
+                token = TokenLogprob(token_id, value, top, texts)
+                request.prompt_logprobs[chunk.first_position + offset] = token
 
     def _fork_choices(self, request: RequestState) -> None:
         parent = request.choices[0].seq
@@ -224,17 +249,23 @@ class OutputProcessor:
         outputs = request.beam.best(self.tokenizer, request.prompt_token_ids)
         if not outputs:  # every beam was lost before one finished
             outputs = [CompletionOutput(0, "", [], "abort")]
-        result = request.output_of(outputs)
-        return [
-            RequestDelta(
-                request_id=request.request_id,
-                choice_index=out.index,
-                token_ids=out.token_ids,
-                text=out.text,
-                logprobs=None,
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
-                output=result if out is outputs[-1] else None,
-            )
-            for out in outputs
-        ]
+        return _whole_output_deltas(request.request_id, request.output_of(outputs))
+
+
+def _whole_output_deltas(request_id: str, result: RequestOutput) -> list[RequestDelta]:
+    """One delta per output holding all of it, the last carrying the request's whole output:
+    how requests whose outputs are only known at the end (beams, best_of) leave the engine."""
+    outputs = result.outputs
+    return [
+        RequestDelta(
+            request_id=request_id,
+            choice_index=out.index,
+            token_ids=out.token_ids,
+            text=out.text,
+            logprobs=out.logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            output=result if out is outputs[-1] else None,
+        )
+        for out in outputs
+    ]

@@ -71,6 +71,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = False
+    # With params.prompt_logprobs: one entry per prompt token, None for the first (as vLLM).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

@@ -78,6 +78,14 @@ class RequestState:
     choices: list[ChoiceState] = field(default_factory=list)
     forked: bool = False  # n > 1: children are forked from choice 0 once its prompt is computed
     beam: BeamSearch | None = None  # a beam search request: its beams replace the choices
+    # best_of > n: the params as asked (params runs best_of choices); the n best are returned.
+    returned: SamplingParams | None = None
+    # With prompt_logprobs: each prompt token's, filled in as the prompt is computed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -114,9 +122,14 @@ class RequestState:
                 finish_reason=c.seq.finish_reason,
                 stop_reason=c.seq.stop_reason,
                 logprobs=c.logprobs,
+                cumulative_logprob=(
+                    None if c.logprobs is None else sum(item.logprob for item in c.logprobs)
+                ),
             )
             for c in self.choices
         ]
+        if self.returned is not None:
+            outputs = _best_of(outputs, self.returned)
         return self.output_of(outputs)
 
     def output_of(self, outputs: list[CompletionOutput]) -> RequestOutput:
@@ -127,4 +140,16 @@ class RequestState:
             outputs=outputs,
             metrics=self.metrics,
             finished=True,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def _best_of(outputs: list[CompletionOutput], returned: SamplingParams) -> list[CompletionOutput]:
+    """The returned.n outputs of highest cumulative logprob (vLLM's best_of), best first,
+    renumbered; their logprobs only where they were asked for."""
+    ranked = sorted(outputs, key=lambda out: -(out.cumulative_logprob or 0.0))[: returned.n]
+    for index, out in enumerate(ranked):
+        out.index = index
+        if not returned.logprobs:
+            out.logprobs = None
+    return ranked

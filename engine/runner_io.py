@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from engine.prompt_logprobs import PromptLogprobsChunk
 from engine.sampler import takes_only_argmax
 from engine.sequence import ScheduledSeq, Sequence
 
@@ -97,7 +98,9 @@ class TokenPick:
 @dataclass
 class ModelRunnerOutput:
     """One step's results, in the batch's row order: each ARGMAX and SAMPLE row's picked
-    tokens, and each LOGITS row's float32 logits ([num_logits, vocab])."""
+    tokens, each LOGITS row's float32 logits ([num_logits, vocab]), and the prompt logprobs
+    of the entries that asked for them."""
 
     picks: list[tuple[ScheduledSeq, TokenPick]] = field(default_factory=list)
     logits: list[tuple[ScheduledSeq, torch.Tensor]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[ScheduledSeq, PromptLogprobsChunk]] = field(default_factory=list)

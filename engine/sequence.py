@@ -29,6 +29,8 @@ class SamplerState:
 
     generator: torch.Generator | None = None  # a seeded sequence's own noise stream
     prompt_ids: torch.Tensor | None = None  # the prompt as a CPU tensor, for repetition_penalty
+    allowed_ids: torch.Tensor | None = None  # allowed_token_ids inside the vocabulary, on device
+    bad_words_ids: list[list[int]] | None = None  # bad_words as token sequences
 
 
 @dataclass(eq=False)

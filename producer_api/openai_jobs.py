@@ -81,12 +81,18 @@ def check_completion(req: CompletionRequest) -> None:
     _check_common(req)
     if req.echo and not all(isinstance(p, str) for p in completion_prompts(req)):
         raise _unsupported("echo", "echo of token-id prompts")
-    if req.echo and req.logprobs is not None:
-        raise _unsupported("echo", "echo with logprobs (prompt logprobs)")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise _unsupported("echo", "streaming echo with logprobs (prompt logprobs)")
     if req.suffix is not None:
         raise _unsupported("suffix", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise _unsupported("best_of", "best_of other than n")
+
+
+def echo_prompt_logprobs(req: CompletionRequest) -> int | None:
+    if req.echo and req.logprobs is not None:
+        return (
+            req.logprobs if req.prompt_logprobs is None else max(req.prompt_logprobs, req.logprobs)
+        )
+    return req.prompt_logprobs
 
 
 def completion_job(
@@ -100,6 +106,8 @@ def completion_job(
             # OpenAI's completions name the number of alternatives `logprobs`
             logprobs=req.logprobs is not None,
             top_logprobs=req.logprobs,
+            # echo with logprobs: the prompt's tokens come with theirs too (as vLLM's)
+            prompt_logprobs=echo_prompt_logprobs(req),
             structured_output=structured_output(req, None),
             logit_bias=_logit_bias(req),
         ),

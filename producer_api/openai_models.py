@@ -1,8 +1,9 @@
 """Request shapes of the OpenAI-compatible endpoints (HTTP-only; the job contract is `schemas`).
 
-Fields OpenAI documents are accepted with OpenAI's meaning; a few vLLM-style extensions (top_k,
-min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
-priority) pass through to the sampler. Unknown fields are refused (400 naming the field)
+Fields OpenAI documents are accepted with OpenAI's meaning; vLLM's extensions (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, allowed_token_ids,
+bad_words, include_stop_str_in_output, truncate_prompt_tokens, prompt_logprobs, priority) pass
+through to the sampler. Unknown fields are refused (400 naming the field)
 rather than silently ignored, except inside messages, where SDKs echo back extra fields.
 
 The sampling fields are SamplingParams' (`sampling_field`): its bounds and descriptions, left
@@ -64,6 +65,11 @@ class GenerationFields(GuidedFields):
         "use_beam_search", description="beam search, n beams kept"
     )
     length_penalty: float | None = sampling_field("length_penalty", None, bounds="none")
+    allowed_token_ids: list[int] | None = sampling_field("allowed_token_ids", None)
+    bad_words: list[str] | None = sampling_field("bad_words", None)
+    include_stop_str_in_output: StrictBool = sampling_field("include_stop_str_in_output")
+    truncate_prompt_tokens: int | None = sampling_field("truncate_prompt_tokens", None)
+    prompt_logprobs: int | None = sampling_field("prompt_logprobs", None)
     priority: int = Field(0, ge=0, le=MAX_PRIORITY, description="lower runs first")
 
     @property
@@ -84,7 +90,7 @@ class CompletionRequest(GenerationFields):
     # OpenAI's completions name the number of alternatives `logprobs`; any number asks for them
     logprobs: int | None = sampling_field("top_logprobs", None)
     echo: StrictBool = Field(False, description="the prompt before the completion (text prompts)")
-    best_of: int | None = sampling_field("n", None, description="only best_of == n")
+    best_of: int | None = sampling_field("best_of", None)
     suffix: str | None = Field(None, description="not supported")
 
 

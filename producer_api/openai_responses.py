@@ -94,6 +94,51 @@ def echoed_prompts(req: CompletionRequest) -> list[str]:
     return [p if req.echo and isinstance(p, str) else "" for p in prompts]
 
 
+def _echoed_logprobs(
+    req: CompletionRequest, prompt_text: str, job: Job, logprobs: list[TokenLogprob] | None
+) -> dict[str, Any] | None:
+    """A choice's logprobs object; with echo, the prompt's tokens first, the first of them
+    without a logprob (nothing comes before it), as vLLM answers."""
+    body = completion_logprobs(logprobs)
+    assert job.result is not None
+    scored = job.result.prompt_logprobs
+    if not (req.echo and body is not None and scored):
+        return body
+    head = completion_logprobs([item for item in scored if item is not None])
+    assert head is not None
+    rest = "".join(head["tokens"])
+    # The first token's text: what the prompt holds before the scored tokens' texts.
+    first = prompt_text[: len(prompt_text) - len(rest)] if prompt_text.endswith(rest) else ""
+    offsets = [0, *(len(first) + offset for offset in head["text_offset"])]
+    return {
+        "tokens": [first, *head["tokens"], *body["tokens"]],
+        "token_logprobs": [None, *head["token_logprobs"], *body["token_logprobs"]],
+        "top_logprobs": [None, *head["top_logprobs"], *body["top_logprobs"]],
+        "text_offset": offsets + [len(prompt_text) + o for o in body["text_offset"]],
+    }
+
+
+def _prompt_logprobs_field(
+    req: CompletionRequest | ChatCompletionRequest, job: Job
+) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` where the request asked for them: per prompt token None (the
+    first) or {token id: {"logprob", "decoded_token"}} of the token and its alternatives."""
+    if req.prompt_logprobs is None or job.result is None:
+        return {}
+    scored = job.result.prompt_logprobs or []
+    return {
+        "prompt_logprobs": [
+            None
+            if item is None
+            else {
+                str(entry.token_id): {"logprob": entry.logprob, "decoded_token": entry.token}
+                for entry in (item, *item.top_logprobs)
+            }
+            for item in scored
+        ]
+    }
+
+
 def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
     choices = []
     echoed = echoed_prompts(req)
@@ -104,9 +149,10 @@ def completion_body(req: CompletionRequest, jobs: list[Job]) -> dict[str, Any]:
                 {
                     "index": prompt_index * req.n + choice.index,
                     "text": echoed[prompt_index] + choice.text,
-                    "logprobs": completion_logprobs(choice.logprobs),
+                    "logprobs": _echoed_logprobs(req, echoed[prompt_index], job, choice.logprobs),
                     "finish_reason": finish_reason(choice.finish_reason),
                     "stop_reason": choice.stop_reason,
+                    **_prompt_logprobs_field(req, job),
                 }
             )
     return {
@@ -151,4 +197,5 @@ def chat_body(req: ChatCompletionRequest, job: Job) -> dict[str, Any]:
         **response_header(req, "chatcmpl", "chat.completion", job),
         "choices": choices,
         "usage": usage_body([job.result.usage]),
+        **_prompt_logprobs_field(req, job),
     }

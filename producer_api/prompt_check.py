@@ -18,7 +18,7 @@ import anyio
 from producer_api.errors import ApiError
 from producer_api.prompt_tokens import PromptTokenizer, TokenizerCache
 from producer_api.workers import ServedModel
-from schemas import ErrorCode, JobRequest
+from schemas import ErrorCode, JobRequest, SamplingParams
 
 # Roles whose content every chat template keeps (assistant turns may be rewritten, e.g. their
 # reasoning dropped): only these count toward the lower bound.
@@ -43,15 +43,23 @@ async def prompt_limits(
     return PromptLimits(context, served.vocab_size, await tokenizers.get(served.tokenizer_file))
 
 
-async def check_prompt(request: JobRequest, limits: PromptLimits, param: str) -> None:
+async def check_prompt(
+    request: JobRequest, limits: PromptLimits, param: str, sampling_prefix: str = ""
+) -> None:
     """Raise ApiError (invalid_token_id, context_length_exceeded) naming `param`, the prompt's
-    field as the client wrote it, when the job could never run on the model."""
+    field as the client wrote it, when the job could never run on the model; token ids of the
+    sampling fields (logit_bias, allowed_token_ids) are named as `sampling_prefix` + field."""
+    if limits.vocab_size is not None:
+        _check_sampling_token_ids(request.sampling, limits.vocab_size, sampling_prefix)
     ids = request.prompt_token_ids
     if ids is not None:
         _check_vocabulary(ids, limits.vocab_size, param)
         prompt_tokens: int | None = len(ids)
     else:
         prompt_tokens = await _least_prompt_tokens(request, limits)
+    truncate = request.sampling.truncate_prompt_tokens
+    if prompt_tokens is not None and truncate is not None:
+        prompt_tokens = min(prompt_tokens, truncate)
     if prompt_tokens is not None and limits.context is not None:
         _check_context(prompt_tokens, request.sampling.max_tokens, limits.context, param)
 
@@ -67,6 +75,19 @@ def _check_vocabulary(ids: list[int], vocab_size: int | None, param: str) -> Non
                 f"(ids 0 to {vocab_size - 1})",
                 f"{param}.{index}",
             )
+
+
+def _check_sampling_token_ids(sampling: SamplingParams, vocab_size: int, prefix: str) -> None:
+    """logit_bias keys and allowed_token_ids inside the vocabulary, as OpenAI and vLLM check."""
+    outside = sampling.token_outside_vocabulary(vocab_size)
+    if outside is not None:
+        field, token = outside
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST,
+            f"{prefix}{field}: token id {token} is not in this model's vocabulary "
+            f"(ids 0 to {vocab_size - 1})",
+            f"{prefix}{field}",
+        )
 
 
 def _check_context(prompt_tokens: int, max_tokens: int, context: int, param: str) -> None:

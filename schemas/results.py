@@ -127,6 +127,8 @@ class JobResult(BaseModel):
     choices: list[ChoiceResult] = Field(min_length=1)
     usage: Usage
     timings: Timings
+    # With sampling.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @model_validator(mode="after")
     def _choices_numbered(self) -> JobResult:

@@ -6,7 +6,14 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from schemas.errors import field_error
@@ -16,6 +23,8 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
+MAX_BAD_WORDS = 64
+MAX_ALLOWED_TOKEN_IDS = 100_000
 
 
 class SamplingParams(BaseModel):
@@ -51,6 +60,36 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] | None = Field(
         None, max_length=MAX_LOGIT_BIAS, description="token id -> bias added to its logit"
     )
+    # vLLM's extras.
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_N,
+        description="generate this many choices and return the n of highest cumulative logprob",
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="each prompt token's logprob, and this many alternatives at each position",
+    )
+    allowed_token_ids: list[int] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_ALLOWED_TOKEN_IDS,
+        description="only these token ids may be generated",
+    )
+    bad_words: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_BAD_WORDS,
+        description="words never generated (their last token is banned after the rest)",
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="keep the stop string (or stop token's text) in the output"
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=1, description="keep only the prompt's last this many tokens"
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -73,11 +112,18 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _token_ids_non_negative(cls, value: list[int]) -> list[int]:
-        if any(t < 0 for t in value):
-            raise ValueError("stop_token_ids must be non-negative token ids")
+    def _token_ids_non_negative(cls, value: list[int] | None, info: ValidationInfo) -> object:
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError(f"{info.field_name} must be non-negative token ids")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_not_blank(cls, value: list[str]) -> list[str]:
+        if any(not word.strip() for word in value):
+            raise ValueError("bad_words must not be blank")
         return value
 
     @field_validator("logit_bias")
@@ -102,7 +148,39 @@ class SamplingParams(BaseModel):
             raise field_error(
                 "structured_output", "structured output is not available with use_beam_search"
             )
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise field_error("best_of", "best_of must be at least n")
+            if self.use_beam_search and self.best_of != self.n:
+                raise field_error("best_of", "with use_beam_search, n is the beam width")
+        if self.use_beam_search and self.allowed_token_ids is not None:
+            raise field_error(
+                "allowed_token_ids", "allowed_token_ids are not available with use_beam_search"
+            )
+        if self.use_beam_search and self.bad_words:
+            raise field_error("bad_words", "bad_words are not available with use_beam_search")
+        if self.use_beam_search and self.prompt_logprobs is not None:
+            raise field_error(
+                "prompt_logprobs", "prompt_logprobs are not available with use_beam_search"
+            )
         return self
+
+    def token_outside_vocabulary(self, vocab_size: int) -> tuple[str, int] | None:
+        """The first (field, token id) of logit_bias and allowed_token_ids that a model of
+        `vocab_size` tokens does not have, or None: what the API and the engine refuse."""
+        for field, ids in (
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            for token in ids:
+                if token >= vocab_size:
+                    return field, token
+        return None
+
+    @property
+    def num_candidates(self) -> int:
+        """Choices generated: best_of where it asks for more than the n returned."""
+        return max(self.n, self.best_of or 0)
 
     @property
     def greedy(self) -> bool:

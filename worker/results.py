@@ -24,7 +24,12 @@ def job_result(
     prompt_tokens = len(output.prompt_token_ids)
     cached = min(output.metrics.num_cached_prompt_tokens, prompt_tokens)
     usage = Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices), cached)
-    return JobResult(choices=choices, usage=usage, timings=timings)
+    prompt_logprobs = None
+    if output.prompt_logprobs is not None:
+        prompt_logprobs = [
+            None if item is None else convert_logprobs([item])[0] for item in output.prompt_logprobs
+        ]
+    return JobResult(choices=choices, usage=usage, timings=timings, prompt_logprobs=prompt_logprobs)
 
 
 def _choice_result(completion: CompletionOutput, earlier: ChoiceState) -> ChoiceResult:

@@ -68,6 +68,8 @@ class DraftModelProposer:
         shadow = self._shadows.get(seq.seq_id)
         if shadow is None:
             shadow = seq.shadow()
+            if seq.params.prompt_logprobs is not None:  # the target scores the prompt, not us
+                shadow.params = seq.params.model_copy(update={"prompt_logprobs": None})
             self.block_manager.allocate_prompt(shadow, [])
             self._shadows[seq.seq_id] = shadow
             return shadow

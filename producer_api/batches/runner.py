@@ -252,7 +252,9 @@ class BatchRunner:
                 context = model.max_model_len if model is not None else None
                 limits[request.model] = await prompt_limits(model, context, self.tokenizers)
             try:
-                await check_prompt(request, limits[request.model], prompt_param(line))
+                await check_prompt(
+                    request, limits[request.model], prompt_param(line), sampling_prefix="body."
+                )
             except ApiError as exc:
                 refused[line.number] = line_not_run(line, exc.error.code.value, exc.error.message)
         return refused

@@ -105,6 +105,8 @@ def _sampling(request: GenerationRequest, max_tokens: int) -> dict[str, object]:
             continue
         if name == "structured_output":
             fields[name] = _structured_output(value)
+        elif field.message_type is not None and field.message_type.GetOptions().map_entry:
+            fields[name] = dict(value)
         elif field.is_repeated:
             fields[name] = list(value)
         else:

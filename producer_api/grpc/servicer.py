@@ -139,6 +139,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         stream: bool,
     ) -> Job:
         check_n(self.state, requested_n(request), "n")
+        if request.HasField("best_of"):
+            check_n(self.state, request.best_of, "best_of")
         timeout_s = self._job_timeout(request, context)
 
         def build(max_tokens: int) -> Iterator[PromptedRequest]:

@@ -15,7 +15,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer_api.admission import PromptedRequest, admit_jobs, cancel_jobs, job_failure
+from producer_api.admission import (
+    PromptedRequest,
+    admit_jobs,
+    cancel_jobs,
+    check_n,
+    job_failure,
+)
 from producer_api.deps import ApiState, Caller, State
 from producer_api.errors import ApiError, error_responses
 from producer_api.routes.openai import GENERATION_ERRORS, wait_all
@@ -37,13 +43,31 @@ class GenerateRequest(BaseModel):
     # SamplingParams' fields, bounds and defaults; where this body publishes fewer bounds,
     # SamplingParams checks the rest once the job is built.
     n: int = sampling_field("n", bounds="lower")
+    best_of: int | None = sampling_field("best_of", None, bounds="lower")
     use_beam_search: bool = sampling_field("use_beam_search")
     length_penalty: float = sampling_field("length_penalty", bounds="none")
     temperature: float = sampling_field("temperature", bounds="lower")
     top_p: float = sampling_field("top_p")
+    top_k: int = sampling_field("top_k")
+    min_p: float = sampling_field("min_p")
+    seed: int | None = sampling_field("seed")
+    presence_penalty: float = sampling_field("presence_penalty")
+    frequency_penalty: float = sampling_field("frequency_penalty")
+    repetition_penalty: float = sampling_field("repetition_penalty")
     max_tokens: int | None = sampling_field("max_tokens", bounds="lower")
+    min_tokens: int = sampling_field("min_tokens")
     stop: str | list[str] | None = sampling_field("stop", None, bounds="none")
+    stop_token_ids: list[int] | None = sampling_field("stop_token_ids", None)
+    include_stop_str_in_output: bool = sampling_field("include_stop_str_in_output")
     ignore_eos: bool = sampling_field("ignore_eos")
+    # vLLM's `logprobs` is the number of alternatives; any number asks for logprobs.
+    logprobs: int | None = sampling_field("top_logprobs", None)
+    prompt_logprobs: int | None = sampling_field("prompt_logprobs", None)
+    skip_special_tokens: bool = sampling_field("skip_special_tokens")
+    truncate_prompt_tokens: int | None = sampling_field("truncate_prompt_tokens", None)
+    bad_words: list[str] | None = sampling_field("bad_words", None)
+    allowed_token_ids: list[int] | None = sampling_field("allowed_token_ids", None)
+    logit_bias: dict[int, float] | None = sampling_field("logit_bias", None, bounds="none")
     stream: bool = False
 
 
@@ -53,7 +77,12 @@ def _job_request(
     fields = {
         "model": model,
         "prompt": body.prompt,
-        "sampling": sampling_values(body, max_tokens=max_tokens),
+        "sampling": sampling_values(
+            body,
+            max_tokens=max_tokens,
+            logprobs=body.logprobs is not None,
+            top_logprobs=body.logprobs,
+        ),
         "stream": body.stream,
         "timeout_s": timeout_s,
     }
@@ -93,6 +122,8 @@ async def generate(
     body: GenerateRequest, request: Request, state: State, caller: Caller
 ) -> Response:
     model = await _model_of(state, body)
+    check_n(state, body.n, "n")
+    check_n(state, body.best_of or body.n, "best_of")
 
     def build(max_tokens: int) -> Iterator[PromptedRequest]:
         yield _job_request(body, model, max_tokens, state.settings.request_timeout_s), "prompt"

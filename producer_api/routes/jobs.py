@@ -61,8 +61,10 @@ async def create_job(
             ) from exc
     served, context = await model_and_context(state, body.model, allow_configured=True)
     check_n(state, body.sampling.n, "sampling.n")
+    check_n(state, body.sampling.num_candidates, "sampling.best_of")
     resolve_max_tokens(state, body.sampling.max_tokens, context, "sampling.max_tokens")
-    await check_prompt(body, await limits_of(state, served, context), body.input_kind)
+    limits = await limits_of(state, served, context)
+    await check_prompt(body, limits, body.input_kind, sampling_prefix="sampling.")
     job = await submit(state, body, caller)
     view = job_view(job)
     return JSONResponse(

@@ -91,6 +91,7 @@ async def completions(
 ) -> Response:
     check_completion(body)
     check_n(state, body.n, "n")
+    check_n(state, body.best_of or body.n, "best_of")
     prompts = completion_prompts(body)
     if len(prompts) > state.settings.max_prompts:
         raise ApiError(

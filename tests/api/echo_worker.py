@@ -108,6 +108,15 @@ def _logprobs(piece: str, top: int) -> TokenLogprob:
     )
 
 
+def _prompt_logprobs(request: JobRequest) -> list[TokenLogprob | None] | None:
+    """Each prompt word's logprob as the echo model scores it; none for the first (vLLM's)."""
+    top = request.sampling.prompt_logprobs
+    if top is None:
+        return None
+    pieces = [" " + word for word in input_words(request)[1:]]
+    return [None, *(_logprobs(piece, top) for piece in pieces)]
+
+
 class EchoWorker(FakeWorker):
     def __init__(
         self,
@@ -240,5 +249,6 @@ class EchoWorker(FakeWorker):
             choices=choices,
             usage=Usage.of(output.prompt_tokens, len(output.pieces) * sampling.n),
             timings=Timings.from_times(job.created_at, job.started_at, first_token_at, utc_now()),
+            prompt_logprobs=_prompt_logprobs(request),
         )
         await self._end(claimed, JobStatus.SUCCEEDED, {"result": result, "finished_at": utc_now()})

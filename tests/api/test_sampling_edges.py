@@ -14,13 +14,15 @@ from schemas import SamplingParams
 
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "maxItems", "minItems")
 BODIES = ("CompletionRequest", "ChatCompletionRequest", "GenerateRequest")
-# OpenAI names the number of alternatives of a completion `logprobs`; best_of is a number of
-# choices, as n.
-SAME_BOUNDS_AS = {("CompletionRequest", "logprobs"): "top_logprobs", ("*", "best_of"): "n"}
+# OpenAI names the number of alternatives of a completion `logprobs` (vLLM's /generate too).
+SAME_BOUNDS_AS = {
+    ("CompletionRequest", "logprobs"): "top_logprobs",
+    ("GenerateRequest", "logprobs"): "top_logprobs",
+}
 # Published with fewer bounds than SamplingParams checks once the job is built: max_tokens is
 # bounded by the model's context, the others take their OpenAI form, or a looser one on /generate.
 FEWER_BOUNDS = {"max_tokens", "max_completion_tokens", "stop", "logit_bias", "length_penalty"}
-GENERATE_FEWER = {"n", "temperature"}
+GENERATE_FEWER = {"n", "best_of", "temperature"}
 
 
 def _bounds(schema: dict) -> dict[str, float]:
@@ -75,6 +77,14 @@ GRPC_VALUES = {
     "skip_special_tokens": False,
 }
 BEAM_VALUES = {"use_beam_search": True, "length_penalty": 0.5}
+VLLM_VALUES = {
+    "logit_bias": {5: 1.5, 9: -100.0},
+    "allowed_token_ids": [1, 2, 5],
+    "bad_words": ["no"],
+    "include_stop_str_in_output": True,
+    "truncate_prompt_tokens": 4,
+    "best_of": 3,
+}
 RENAMED = {"stop_sequences": "stop", "num_tokens": "max_tokens"}
 
 
@@ -82,11 +92,17 @@ RENAMED = {"stop_sequences": "stop", "num_tokens": "max_tokens"}
 def test_every_sampling_field_of_a_grpc_message_reaches_the_job(message):
     names = {field.name for field in message.DESCRIPTOR.fields}
     sampled = {name for name in names if RENAMED.get(name, name) in SamplingParams.model_fields}
-    assert sampled == {*GRPC_VALUES, *BEAM_VALUES, "num_tokens", "structured_output"}
+    assert sampled == {
+        *GRPC_VALUES,
+        *BEAM_VALUES,
+        *VLLM_VALUES,
+        "num_tokens",
+        "structured_output",
+    }
     prompt = {"messages": [pb.ChatMessage(role="user", content="hi")]}
     if message is pb.CompletionsRequest:
         prompt = {"prompt": "hi"}
-    for values in (GRPC_VALUES, BEAM_VALUES):
+    for values in (GRPC_VALUES, BEAM_VALUES, VLLM_VALUES):
         request = message(model_id="m", **prompt, **values)
         if values is GRPC_VALUES:  # beam search takes no constraint
             request.structured_output.regex = "a+"

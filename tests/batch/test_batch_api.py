@@ -352,3 +352,36 @@ def test_lines_the_model_would_refuse_go_to_the_error_file_and_never_to_the_queu
     assert redis.xinfo_stream(KEYS.bulk_stream(FAKE_MODEL))["entries-added"] == 1
     assert not redis.exists(KEYS.dead_letters(FAKE_MODEL))
     redis.close()
+
+
+def test_lines_with_sampling_token_ids_past_the_vocabulary_never_reach_the_queue(
+    batch_stack: BatchStack,
+):
+    def line(custom_id: str, **extra: object) -> str:
+        body = {"model": FAKE_MODEL, "prompt": [11, 12], "max_tokens": MAX_TOKENS, **extra}
+        return json.dumps(
+            {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+        )
+
+    lines = [
+        line("fits", logit_bias={"11": 5}, allowed_token_ids=[11, 12]),
+        line("bias-past-vocab", logit_bias={str(VOCAB + 3): 5}),
+        line("allowed-past-vocab", allowed_token_ids=[11, VOCAB]),
+    ]
+    uploaded = batch_stack.upload("\n".join(lines) + "\n")
+    batch_stack.start_worker()
+    redis = Redis.from_url(batch_stack.redis_url, decode_responses=True)
+    give_up = time.monotonic() + 10
+    while not redis.exists(KEYS.worker("fw-0")):  # the bounds come from its heartbeat
+        assert time.monotonic() < give_up
+        time.sleep(0.05)
+    batch_stack.start_controller()
+    done = batch_stack.wait(batch_stack.create(uploaded["id"])["id"], {"completed", "failed"})
+
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    errors = {e["custom_id"]: e for e in batch_stack.content(done["error_file_id"])}
+    assert "body.logit_bias" in errors["bias-past-vocab"]["error"]["message"]
+    assert "body.allowed_token_ids" in errors["allowed-past-vocab"]["error"]["message"]
+    assert all(e["response"] is None for e in errors.values())  # never became jobs
+    assert redis.xinfo_stream(KEYS.bulk_stream(FAKE_MODEL))["entries-added"] == 1
+    redis.close()

@@ -65,7 +65,8 @@ BAD_VALUES = [
     ("sampling", "greedy"),
     ("sampling", {"temperature": -0.5}),
     ("sampling", {"max_tokens": 0}),
-    ("sampling", {"best_of": 2}),
+    ("sampling", {"n": 2, "best_of": 1}),  # best_of below n
+    ("sampling", {"early_stopping": True}),  # a field inferq does not have
     ("stream", "yes"),
     ("stream", 1),
     ("priority", -1),

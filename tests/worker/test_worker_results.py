@@ -71,3 +71,15 @@ def test_logprobs_carry_the_engines_token_texts():
     assert first.token == " the"
     assert [(t.token_id, t.token) for t in first.top_logprobs] == [(7, " the"), (9, " a")]
     assert second.token is None and second.top_logprobs[0].token is None
+
+
+def test_prompt_logprobs_reach_the_result_with_the_first_token_unscored():
+    out = output(outputs.CompletionOutput(0, "a", [5], "stop"))
+    assert job_result(out, TIMINGS).prompt_logprobs is None
+    out.prompt_logprobs = [None, *logprobs(2, 3)]
+    scored = job_result(out, TIMINGS).prompt_logprobs
+    assert scored is not None and scored[0] is None
+    assert [(lp.token_id, lp.logprob) for lp in scored[1:] if lp is not None] == [
+        (2, -0.5),
+        (3, -0.5),
+    ]
