@@ -76,7 +76,7 @@ REPLAY_FIELD = "c"
 @dataclass(frozen=True)
 class ChunkWrite:
     """One chunk as a worker writes it: XADD to `out_stream` at `entry_id`, PUBLISH on
-    `channel` (see `schemas.redis_scripts.chunks_call`)."""
+    `channel` (see `worker.chunk_relay`)."""
 
     job_id: str
     index: int
