@@ -61,6 +61,7 @@ class Listeners:
     """Which jobs had a subscriber on their channel at the last look."""
 
     _heard: dict[str, bool] = field(default_factory=dict)
+    _channels: dict[str, str] = field(default_factory=dict)  # job -> channel, of jobs looked at
 
     def publishes(self, job_id: str) -> bool:
         """Whether a chunk of `job_id` goes out live now (yes until a look said nobody)."""
@@ -70,6 +71,14 @@ class Listeners:
         keep = set(job_ids)
         for job_id in [j for j in self._heard if j not in keep]:
             del self._heard[job_id]
+            self._channels.pop(job_id, None)
+
+    def unheard(self) -> dict[str, str]:
+        """Jobs (and their channels) nobody listened to at the last look: each flush looks
+        again, chunks or not, so a listener that subscribes is noticed within a round."""
+        return {
+            job_id: self._channels[job_id] for job_id, heard in self._heard.items() if not heard
+        }
 
     @staticmethod
     def look_commands(channels: Sequence[str]) -> list[Command]:
@@ -90,6 +99,7 @@ class Listeners:
             anyone = int(numpat) > 0
         heard = set()
         for job_id, channel in job_channels.items():
+            self._channels[job_id] = channel
             self._heard[job_id] = anyone or counts.get(channel, 0) > 0
             if self._heard[job_id]:
                 heard.add(job_id)

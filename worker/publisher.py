@@ -90,8 +90,8 @@ class Outbox:
 
     @property
     def pending(self) -> bool:
-        """Whether a flush has anything to send."""
-        return bool(self.ops or self._catch_up)
+        """Whether a flush has anything to send (a look at unheard jobs counts)."""
+        return bool(self.ops or self._catch_up or self.listeners.unheard())
 
     def keep_only(self, job_ids: set[str]) -> None:
         """Forget what is kept per job for the jobs not in `job_ids` (no longer this worker's)."""
@@ -274,6 +274,7 @@ class Outbox:
                 plan.units.append((op.commands, _retry_on_noscript(op, plan.retry)))
             else:
                 plan.units.append((op.commands, op.on_reply))
+        plan.channels = {**self.listeners.unheard(), **plan.channels}
         if plan.channels:
             look = Listeners.look_commands(list(plan.channels.values()))
             plan.units.append((look, lambda replies: self._learn(plan, replies)))

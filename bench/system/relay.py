@@ -74,7 +74,7 @@ class Figures:
     cpu_s: float
     gaps_ms: list[float]
     chunks_per_job: float
-    by_command: dict[str, int] = field(default_factory=dict)
+    by_command: dict[str, tuple[int, int]] = field(default_factory=dict)  # calls, µs
 
     def pct(self, q: float) -> float:
         if not self.gaps_ms:
@@ -103,11 +103,12 @@ def worker_command(setting: Setting, args: argparse.Namespace, redis_url: str, i
     return [sys.executable, "-m", "cli", "--log-level", "warning", "worker"], env, setting.repo
 
 
-async def redis_counters(redis: Redis) -> tuple[float, dict[str, int]]:
+async def redis_counters(redis: Redis) -> tuple[float, dict[str, tuple[int, int]]]:
+    """Redis's CPU seconds so far, and per command (calls, µs spent executing it)."""
     cpu = await redis.info("cpu")
     stats = await redis.info("commandstats")
     calls = {
-        name.removeprefix("cmdstat_"): int(value["calls"])
+        name.removeprefix("cmdstat_"): (int(value["calls"]), int(value["usec"]))
         for name, value in stats.items()
         if name not in ("cmdstat_info",)
     }
@@ -196,15 +197,15 @@ async def run_setting(setting: Setting, args: argparse.Namespace, redis_url: str
                 process.kill()
         await redis.aclose()
     by_command = {
-        name: calls_after.get(name, 0) - calls_before.get(name, 0)
-        for name in calls_after
-        if calls_after.get(name, 0) != calls_before.get(name, 0)
+        name: (calls - calls_before.get(name, (0, 0))[0], usec - calls_before.get(name, (0, 0))[1])
+        for name, (calls, usec) in calls_after.items()
+        if calls != calls_before.get(name, (0, 0))[0]
     }
     return Figures(
         setting=setting.name,
         tokens=args.jobs * args.output_len,
         seconds=seconds,
-        commands=sum(by_command.values()),
+        commands=sum(calls for calls, _ in by_command.values()),
         cpu_s=cpu_after - cpu_before,
         gaps_ms=gaps,
         chunks_per_job=chunks,
@@ -226,9 +227,13 @@ def print_table(results: list[Figures]) -> None:
             f"{r.pct(0.5):.1f} / {r.pct(0.99):.1f} ms | {r.seconds:.1f} s |"
         )
     for r in results:
-        top = sorted(r.by_command.items(), key=lambda item: -item[1])[:8]
-        line = ", ".join(f"{name} {calls / r.tokens:.3f}" for name, calls in top)
-        print(f"# {r.setting}: commands per token: {line}")
+        top = sorted(r.by_command.items(), key=lambda item: -item[1][1])[:8]
+        line = ", ".join(
+            f"{name} {calls / r.tokens:.3f} ({usec / r.tokens:.2f} µs)"
+            for name, (calls, usec) in top
+        )
+        executing = sum(usec for _, usec in r.by_command.values()) / r.tokens
+        print(f"# {r.setting}: per token, {executing:.1f} µs executing commands: {line}")
 
 
 async def run(args: argparse.Namespace) -> list[Figures]:
