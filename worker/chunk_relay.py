@@ -43,10 +43,15 @@ def chunk_commands(
     xadd = ("XADD", write.out_stream, "MAXLEN", "~", maxlen, write.entry_id, field_name)
     commands: list[Command] = [(*xadd, write.payload)]
     if publish:
-        commands.append(("PUBLISH", write.channel, write.payload))
+        commands.append(publish_command(write))
     if write.set_ttl:
         commands.append(("EXPIRE", write.out_stream, ttl_s))
     return commands
+
+
+def publish_command(write: ChunkWrite) -> Command:
+    """The live copy of a chunk, on the job's channel."""
+    return ("PUBLISH", write.channel, write.payload)
 
 
 def check_chunk_replies(replies: Sequence[Any]) -> None:

@@ -36,7 +36,13 @@ from schemas import (
 from schemas.chunks import ChunkWrite
 from schemas.keys import DEAD_LETTER_MAXLEN, FIRST_STEP_TTL_S, JOB_ENTRY_FIELD
 from schemas.redis_connection import ReplicaWait
-from worker.chunk_relay import Command, Listeners, check_chunk_replies, chunk_commands
+from worker.chunk_relay import (
+    Command,
+    Listeners,
+    check_chunk_replies,
+    chunk_commands,
+    publish_command,
+)
 from worker.logs import log_event
 from worker.replay_log import ReplayLog
 
@@ -256,7 +262,7 @@ class Outbox:
         them the look at who listens to the jobs written (see worker.chunk_relay)."""
         plan = _Plan()
         if catch_up:
-            publishes = [("PUBLISH", w.channel, w.payload) for w in catch_up]
+            publishes = [publish_command(write) for write in catch_up]
             plan.units.append((publishes, None))
         plan.scripts = {op.script for op in batch if op.script is not None}
         if plan.scripts - self.scripts_loaded:
