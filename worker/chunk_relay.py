@@ -39,11 +39,16 @@ def chunk_commands(
     ttl_s: int = OUT_STREAM_TTL_S,
     field_name: str = REPLAY_FIELD,
 ) -> list[Command]:
-    """XADD to the replay stream, then PUBLISH (when `publish`), then EXPIRE (when asked)."""
-    xadd = ("XADD", write.out_stream, "MAXLEN", "~", maxlen, write.entry_id, field_name)
-    commands: list[Command] = [(*xadd, write.payload)]
+    """XADD to the replay stream, then PUBLISH (when `publish`), then EXPIRE (when asked).
+    The XADD names its MAXLEN only from chunk `maxlen` on: before, the stream (at most one
+    entry per chunk so far) is below the cap, and the three arguments cost on every chunk."""
+    trim = ("MAXLEN", "~", maxlen) if write.index + 1 > maxlen else ()
+    payload = write.payload.encode()  # once, for both commands
+    commands: list[Command] = [
+        ("XADD", write.out_stream, *trim, write.entry_id, field_name, payload)
+    ]
     if publish:
-        commands.append(publish_command(write))
+        commands.append(("PUBLISH", write.channel, payload))
     if write.set_ttl:
         commands.append(("EXPIRE", write.out_stream, ttl_s))
     return commands
