@@ -2,10 +2,11 @@
 SHA1, not its text, and loads the text only when it does not know it (after a restart, or on a
 master a failover just promoted), through EVAL, which also caches it for the next call.
 
-Scripts queued in a pipeline go as EVAL (the worker's outbox, its hand-back) or as redis-py's
-registered script, which loads them before the pipeline runs (an enqueue with a replica WAIT):
-a NOSCRIPT reply inside a pipeline could not be retried without re-sending the writes around
-it."""
+Scripts queued in a pipeline go as EVALSHA with the script's SCRIPT LOAD earlier in the same
+pipeline (the worker's outbox loads only when it cannot know Redis has them; its hand-back
+always), or as redis-py's registered script, which loads them before the pipeline runs (an
+enqueue with a replica WAIT): a NOSCRIPT reply inside a pipeline could not be retried without
+re-sending the writes around it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ ScriptArg = str | int | float | bytes
 def script_sha(script: str) -> str:
     """The SHA1 Redis names `script` by (computed once per script text)."""
     return hashlib.sha1(script.encode()).hexdigest()
+
+
+def evalsha_command(
+    script: str, keys: Sequence[str], args: Sequence[ScriptArg] = ()
+) -> tuple[ScriptArg, ...]:
+    """The EVALSHA of `script` on `keys` and `args`, for a pipeline that loads it first."""
+    return ("EVALSHA", script_sha(script), len(keys), *keys, *args)
+
+
+def load_command(script: str) -> tuple[str, ...]:
+    """SCRIPT LOAD of `script`: in a pipeline, every EVALSHA after it finds the script."""
+    return ("SCRIPT", "LOAD", script)
 
 
 async def run_script(

@@ -34,17 +34,24 @@ result text, and concatenating `token_ids` gives its output token ids. A worker 
 (after another worker died) continues numbering after the last published index and never
 republishes an index.
 
-Where chunks go (the worker does both, in this order, in one pipeline per engine step):
+Where chunks go (in this order, in the one pipeline a worker sends per engine step):
 
 1. `XADD {p}:out:{job_id} MAXLEN ~ OUT_STREAM_MAXLEN <chunk_stream_id(index)> c <chunk JSON>`
    The replay stream uses explicit entry ids `0-<index+1>` (see `chunk_stream_id`): Redis then
    refuses (error "equal or smaller") a second chunk with the same or an older index, so a
    duplicate run can never put a token twice into the replay stream, and a reader resumes after
    chunk k with `XRANGE key <replay_start_after(k)> +`. `EXPIRE` the stream OUT_STREAM_TTL_S.
-2. `PUBLISH {p}:chan:{job_id} <the same chunk JSON>` for live listeners.
+2. `PUBLISH {p}:chan:{job_id} <the same chunk JSON>` for live listeners, only while the job's
+   channel has a subscriber (or any pattern subscription exists): the worker asks Redis
+   (`PUBSUB NUMSUB` / `NUMPAT`) after the XADDs of each pipeline, and publishes in the next
+   pipeline the chunks a subscriber that just joined may have missed.
 
 XADD before PUBLISH matters: a listener that sees chunk k live can fetch every chunk < k from
-the replay stream. For a job with `stream=false` a worker may coalesce: publish nothing until
+the replay stream. A listener MUST subscribe first and replay after (then dedupe by index):
+every chunk XADDed before its replay is in the replay, and every later one reaches it live
+(perhaps one worker round late, perhaps twice). A streaming job coalesces by tokens and time
+(the worker's `chunk_tokens`, `chunk_interval_ms`), and while nobody subscribes by
+`chunk_unwatched_ms`. For a job with `stream=false` a worker may coalesce: publish nothing until
 the end, then one chunk per choice carrying the choice's whole output (the last one final).
 
 The job channel also carries `StatusEvent` messages (see `schemas.events`); tell the two apart
@@ -76,7 +83,7 @@ REPLAY_FIELD = "c"
 @dataclass(frozen=True)
 class ChunkWrite:
     """One chunk as a worker writes it: XADD to `out_stream` at `entry_id`, PUBLISH on
-    `channel` (see `schemas.redis_scripts.chunks_call`)."""
+    `channel` (see `worker.chunk_relay`)."""
 
     job_id: str
     index: int

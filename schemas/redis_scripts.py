@@ -9,13 +9,11 @@ which travels in KEYS and ARGV.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from enum import StrEnum
 from string import Template
 
 from schemas.batches import BatchField
-from schemas.chunks import ChunkWrite
 from schemas.jobs import JobField, JobStatus
 from schemas.keys import JOB_ENTRY_FIELD
 from schemas.transitions import UNKNOWN_STATUS_SOURCE
@@ -121,47 +119,6 @@ return {'$ENQUEUE_CREATED', entry}
 """,
     SET_FIELDS=_hset_argv_pairs("6"),
 )
-
-# A run of token chunks in one command, in order: per chunk XADD to its replay stream (a
-# repeated index is refused, and skipped), then PUBLISH, then (re)set the stream's TTL if asked.
-# Same writes as one XADD + PUBLISH pair per chunk, with one reply to parse instead of two.
-# KEYS[i]: replay stream of chunk i
-# ARGV[1] MAXLEN ~, ARGV[2] TTL seconds, ARGV[3] entry field,
-# ARGV[4] a JSON array with one [channel, entry id, payload, set the TTL?] per key
-# returns {chunks written, {errors other than a refused repeat}}
-CHUNKS_SCRIPT = _render(
-    """
-local writes = cjson.decode(ARGV[4])
-local written, errors = 0, {}
-for i = 1, #KEYS do
-  local channel, entry, payload, set_ttl = writes[i][1], writes[i][2], writes[i][3], writes[i][4]
-  local added = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', ARGV[1], entry, ARGV[3], payload)
-  if type(added) == 'table' and added.err then
-    if not string.find(added.err, 'equal or smaller', 1, true) then
-      table.insert(errors, added.err)
-    end
-  else
-    written = written + 1
-  end
-  redis.call('PUBLISH', channel, payload)
-  if set_ttl then redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-end
-return {written, errors}
-"""
-)
-
-
-def chunks_call(
-    writes: Sequence[ChunkWrite], maxlen: int, ttl_s: int, entry_field: str
-) -> tuple[list[str], list[str | int]]:
-    """`(KEYS, ARGV)` for `CHUNKS_SCRIPT`. The per-chunk values travel as one JSON argument:
-    a step writes a chunk for every streaming job, and a client library encodes each argument
-    on its own (redis-py: microseconds apiece, on the thread that feeds the engine), while
-    `json.dumps` packs them all at once."""
-    rows = [(w.channel, w.entry_id, w.payload, w.set_ttl) for w in writes]
-    packed = json.dumps(rows, ensure_ascii=False, separators=(",", ":"))
-    return [w.out_stream for w in writes], [maxlen, ttl_s, entry_field, packed]
-
 
 # A worker's read of new jobs, interactive first: up to ARGV[3] entries of the jobs stream,
 # then of the bulk stream as many as are left, at most ARGV[4]; one round trip for both.

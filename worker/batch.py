@@ -80,6 +80,10 @@ class Batch:
         self.outcomes: dict[str, int] = {}
         self._aborts: dict[str, AbortReason] = {}
         self._buffered: set[str] = set()  # jobs with output held back by chunk coalescing
+        # when the last step's output was collected: about when the next step began, which is
+        # when its tokens count as made (a step longer than the chunk interval then publishes
+        # every step, and coalescing adds at most the interval to a client's wait)
+        self._last_collected: float | None = None
         # jobs joined the engine this turn: their start and first-step marker must reach Redis
         # before the step (see worker.crashes); the worker sends the outbox first and clears it
         self.first_step_unsent = False
@@ -363,6 +367,8 @@ class Batch:
             self._step_failed(error)
             return
         now = time.monotonic()
+        made = now if self._last_collected is None else self._last_collected
+        self._last_collected = now
         wall = utc_now()
         touched: dict[str, HeldJob] = {}
         finished: list[tuple[HeldJob, RequestOutput]] = []
@@ -370,7 +376,7 @@ class Batch:
             held = self.held.get(delta.request_id)
             if held is None:
                 continue
-            absorb(held, delta, now)
+            absorb(held, delta, made)
             if not held.progressed and (delta.token_ids or delta.finish_reason):
                 self._mark_progress(held)
             if delta.token_ids and held.first_token_at is None and not held.resumed:
@@ -382,7 +388,8 @@ class Batch:
         if coalescing:
             touched.update((i, self.held[i]) for i in self._buffered if i in self.held)
         for held in touched.values():
-            for chunk in take_chunks(held, self.policy, now):
+            watched = self.outbox.listeners.publishes(held.job_id)
+            for chunk in take_chunks(held, self.policy, now, watched=watched):
                 self.outbox.chunk(chunk, set_ttl=chunk.final or not held.ttl_set)
                 held.ttl_set = True
                 self.tracer.emit(chunk.job_id, chunk.index, emitted_at)

@@ -14,20 +14,27 @@ from worker.held import ChoiceState, HeldJob
 @dataclass(frozen=True)
 class ChunkPolicy:
     """When a streaming choice's buffered output goes out: once it holds `tokens` tokens or its
-    oldest token waited `interval_s`. A finish always goes out at once; jobs with stream=false
-    publish only at the end (or when handed back)."""
+    oldest token waited `interval_s` (a token counts from when the step that made it began, so
+    steps longer than the interval publish every step). A job whose channel had no subscriber
+    at the worker's last look (`watched` false) waits `unwatched_interval_s` instead, whatever
+    its token count: nobody waits for it live, and once a listener subscribes the next look
+    makes the job watched again (see worker.chunk_relay). A finish always goes out at once;
+    jobs with stream=false publish only at the end (or when handed back)."""
 
     tokens: int = 1
     interval_s: float = 0.0
+    unwatched_interval_s: float = 0.0
 
     @property
     def every_step(self) -> bool:
-        return self.tokens <= 1 and self.interval_s <= 0
+        return self.tokens <= 1 and self.interval_s <= 0 and self.unwatched_interval_s <= 0
 
-    def due(self, choice: ChoiceState, now: float) -> bool:
+    def due(self, choice: ChoiceState, now: float, *, watched: bool = True) -> bool:
+        since = choice.pending_since
+        if not watched and self.unwatched_interval_s > 0:
+            return since is not None and now - since >= self.unwatched_interval_s
         if len(choice.pending_token_ids) >= self.tokens:
             return True
-        since = choice.pending_since
         return self.interval_s > 0 and since is not None and now - since >= self.interval_s
 
 
@@ -59,7 +66,8 @@ def convert_logprobs(items: Iterable[outputs.TokenLogprob] | None) -> list[Token
 
 
 def absorb(held: HeldJob, delta: outputs.RequestDelta, now: float) -> None:
-    """Add one engine RequestDelta to its choice's unpublished output."""
+    """Add one engine RequestDelta to its choice's unpublished output; `now`: when its tokens
+    were made."""
     choice = held.choices[delta.choice_index]
     if delta.token_ids:
         if choice.pending_since is None:
@@ -77,17 +85,17 @@ def absorb(held: HeldJob, delta: outputs.RequestDelta, now: float) -> None:
 
 
 def take_chunks(
-    held: HeldJob, policy: ChunkPolicy, now: float, *, force: bool = False
+    held: HeldJob, policy: ChunkPolicy, now: float, *, force: bool = False, watched: bool = True
 ) -> list[TokenChunk]:
     """The chunks due now, numbered on from `held.next_index`; the last one is `final` when the
     job's every choice has finished and nothing else is left unpublished. `force` publishes all
-    buffered output (used before handing a job back)."""
+    buffered output (used before handing a job back); `watched`: see ChunkPolicy."""
     ready = []
     for choice in held.choices:
         if not choice.has_pending:
             continue
         finishing = choice.finish_reason is not None
-        if force or finishing or (held.stream and policy.due(choice, now)):
+        if force or finishing or (held.stream and policy.due(choice, now, watched=watched)):
             ready.append(choice)
     if not ready:
         return []

@@ -3,7 +3,9 @@
 Every write here is safe to send twice (a pipeline cut off by a lost connection is re-sent
 whole): chunk XADDs use explicit ids, which Redis refuses to repeat; status changes are
 compare-and-set; XACK / XDEL of a gone entry are no-ops. Live listeners skip repeated PUBLISHes
-by chunk index."""
+by chunk index. Chunks go as plain commands, published live only where someone listens
+(worker.chunk_relay); scripts go by EVALSHA, loaded at the head of the pipeline whenever this
+outbox cannot know Redis has them (first flush, after a failed one, on a new master)."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from redis_io.replica_wait import fell_short, wait_command
+from redis_io.scripts import evalsha_command, load_command
 from schemas import (
-    OUT_STREAM_MAXLEN,
-    OUT_STREAM_TTL_S,
     TRANSITION_SCRIPT,
     ErrorBody,
     JobField,
@@ -32,10 +34,16 @@ from schemas import (
     utc_now,
 )
 from schemas.batches import BATCH_ENDED_TTL_S
-from schemas.chunks import REPLAY_FIELD, ChunkWrite
+from schemas.chunks import ChunkWrite
 from schemas.keys import DEAD_LETTER_MAXLEN, FIRST_STEP_TTL_S, JOB_ENTRY_FIELD
 from schemas.redis_connection import ReplicaWait
-from schemas.redis_scripts import CHUNKS_SCRIPT, chunks_call
+from worker.chunk_relay import (
+    Command,
+    Listeners,
+    check_chunk_replies,
+    chunk_commands,
+    publish_command,
+)
 from worker.logs import log_event
 from worker.replay_log import ReplayLog
 
@@ -46,11 +54,23 @@ Reply = Callable[[list[Any]], None]
 
 @dataclass
 class _Op:
-    commands: list[tuple[Any, ...]] = field(default_factory=list)
+    commands: list[Command] = field(default_factory=list)
     on_reply: Reply | None = None
-    chunk: ChunkWrite | None = None  # chunk ops are sent as runs through CHUNKS_SCRIPT
+    chunk: ChunkWrite | None = None  # chunk ops are sent as worker.chunk_relay's commands
     acks_entry: str | None = None  # jobs-stream entry this op retires
     job_id: str | None = None  # the job whose chunk or status this op writes
+    script: str | None = None  # the script its EVALSHA runs
+
+
+@dataclass
+class _Plan:
+    """One flush's commands, in units that each have their reply handler."""
+
+    units: list[tuple[list[Command], Reply | None]] = field(default_factory=list)
+    unpublished: dict[str, list[ChunkWrite]] = field(default_factory=dict)  # job -> writes
+    channels: dict[str, str] = field(default_factory=dict)  # job with chunks -> its channel
+    scripts: set[str] = field(default_factory=set)  # the scripts its EVALSHAs run
+    retry: list[_Op] = field(default_factory=list)  # script ops Redis did not know the script of
 
 
 @dataclass
@@ -62,7 +82,10 @@ class Outbox:
     worker_name: str
     replicas: ReplicaWait | None = None  # WAIT for them before an ack goes out
     replay: ReplayLog = field(default_factory=ReplayLog)
+    listeners: Listeners = field(default_factory=Listeners)
     ops: list[_Op] = field(default_factory=list)
+    scripts_loaded: set[str] = field(default_factory=set)  # scripts Redis has, as we know
+    _catch_up: list[ChunkWrite] = field(default_factory=list)  # to PUBLISH at the next flush
     _in_flight: list[_Op] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -71,6 +94,16 @@ class Outbox:
     def entries_being_acked(self) -> set[str]:
         """Entries whose XACK is queued or on its way (they still show as pending in Redis)."""
         return {op.acks_entry for op in (*self._in_flight, *self.ops) if op.acks_entry}
+
+    @property
+    def pending(self) -> bool:
+        """Whether a flush has anything to send (a look at unheard jobs counts)."""
+        return bool(self.ops or self._catch_up or self.listeners.unheard())
+
+    def keep_only(self, job_ids: set[str]) -> None:
+        """Forget what is kept per job for the jobs not in `job_ids` (no longer this worker's)."""
+        self.replay.keep_only(job_ids)
+        self.listeners.keep_only(job_ids)
 
     def jobs_queued(self) -> set[str]:
         """Jobs with a chunk or status change queued or on its way."""
@@ -110,8 +143,8 @@ class Outbox:
             if on_done is not None:
                 on_done(*transition_applied(reply))
 
-        command = ("EVAL", TRANSITION_SCRIPT, 2, *script_keys, *args)
-        self.ops.append(_Op([command], handle, job_id=job_id))
+        command = evalsha_command(TRANSITION_SCRIPT, script_keys, args)
+        self.ops.append(_Op([command], handle, job_id=job_id, script=TRANSITION_SCRIPT))
 
     def mark_first_step(self, job_ids: list[str]) -> None:
         """Add jobs to this worker's first-step marker (see worker.crashes)."""
@@ -194,34 +227,75 @@ class Outbox:
     async def flush(self, redis: Redis) -> int:
         """Send everything queued in one pipeline; returns how many ops went out. On a
         connection error the ops stay queued (in order) and the error propagates."""
-        if not self.ops:
+        if not self.pending:
             return 0
         batch, self.ops = self.ops, []
+        catch_up, self._catch_up = self._catch_up, []
         self._in_flight = batch
-        units = _units(self._with_replica_wait(batch))
+        plan = self._plan(catch_up, self._with_replica_wait(batch))
         try:
             async with redis.pipeline(transaction=False) as pipe:
-                for commands, _ in units:
+                for commands, _ in plan.units:
                     for command in commands:
                         pipe.execute_command(*command)
                 replies = await pipe.execute(raise_on_error=False)
         except BaseException:
             self.ops = batch + self.ops
+            self._catch_up = catch_up + self._catch_up
+            self.scripts_loaded.clear()
             raise
         finally:
             self._in_flight = []
+        self.scripts_loaded |= plan.scripts
         for op in batch:
             if op.chunk is not None:
                 self.replay.record(op.chunk)
         position = 0
-        for commands, on_reply in units:
+        for commands, on_reply in plan.units:
             if on_reply is not None:
                 try:
                     on_reply(replies[position : position + len(commands)])
                 except Exception:  # one bad callback must not lose the rest
                     logger.exception("outbox callback failed")
             position += len(commands)
+        if plan.retry:  # scripts flushed since we loaded them: compare-and-set, safe to re-send
+            log_event(logger, logging.WARNING, "scripts_reloaded", ops=len(plan.retry))
+            self.scripts_loaded.clear()
+            self.ops[:0] = plan.retry
         return len(batch)
+
+    def _plan(self, catch_up: list[ChunkWrite], batch: list[_Op]) -> _Plan:
+        """The catch-up PUBLISHes, the scripts to load, every op's commands in order, and after
+        them the look at who listens to the jobs written (see worker.chunk_relay)."""
+        plan = _Plan()
+        if catch_up:
+            publishes = [publish_command(write) for write in catch_up]
+            plan.units.append((publishes, None))
+        plan.scripts = {op.script for op in batch if op.script is not None}
+        if plan.scripts - self.scripts_loaded:
+            loads = [load_command(s) for s in sorted(plan.scripts - self.scripts_loaded)]
+            plan.units.append((loads, None))
+        for op in batch:
+            if op.chunk is not None:
+                write = op.chunk
+                publish = self.listeners.publishes(write.job_id)
+                if not publish:
+                    plan.unpublished.setdefault(write.job_id, []).append(write)
+                plan.channels[write.job_id] = write.channel
+                plan.units.append((chunk_commands(write, publish=publish), check_chunk_replies))
+            elif op.script is not None:
+                plan.units.append((op.commands, _retry_on_noscript(op, plan.retry)))
+            else:
+                plan.units.append((op.commands, op.on_reply))
+        plan.channels = {**self.listeners.unheard(), **plan.channels}
+        if plan.channels:
+            look = Listeners.look_commands(list(plan.channels.values()))
+            plan.units.append((look, lambda replies: self._learn(plan, replies)))
+        return plan
+
+    def _learn(self, plan: _Plan, replies: list[Any]) -> None:
+        for job_id in self.listeners.learn(plan.channels, replies):
+            self._catch_up += plan.unpublished.get(job_id, [])
 
     def _with_replica_wait(self, batch: list[_Op]) -> list[_Op]:
         """`batch` with a WAIT for the replicas before its first ack: a result (and every chunk
@@ -248,31 +322,13 @@ class Outbox:
         return [*batch[:first_ack], op, *batch[first_ack:]]
 
 
-def _units(batch: list[_Op]) -> list[tuple[list[tuple[Any, ...]], Reply | None]]:
-    """Commands to send, in order, each run of consecutive chunk ops folded into one EVAL."""
-    units: list[tuple[list[tuple[Any, ...]], Reply | None]] = []
-    run: list[ChunkWrite] = []
-    for op in batch:
-        if op.chunk is not None:
-            run.append(op.chunk)
-            continue
-        if run:
-            units.append(_chunk_run(run))
-            run = []
-        units.append((op.commands, op.on_reply))
-    if run:
-        units.append(_chunk_run(run))
-    return units
+def _retry_on_noscript(op: _Op, retry: list[_Op]) -> Reply:
+    """`op`'s reply handler, unless Redis did not know its script: then `op` goes to `retry`."""
 
+    def handle(replies: list[Any]) -> None:
+        if any(isinstance(reply, NoScriptError) for reply in replies):
+            retry.append(op)
+        elif op.on_reply is not None:
+            op.on_reply(replies)
 
-def _chunk_run(run: list[ChunkWrite]) -> tuple[list[tuple[Any, ...]], Reply]:
-    keys, args = chunks_call(run, OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD)
-    return [("EVAL", CHUNKS_SCRIPT, len(keys), *keys, *args)], _check_chunk_reply
-
-
-def _check_chunk_reply(replies: list[Any]) -> None:
-    reply = replies[0]
-    if isinstance(reply, Exception):
-        log_event(logger, logging.WARNING, "chunk_write_failed", error=reply)
-    elif reply[1]:
-        log_event(logger, logging.WARNING, "chunk_write_failed", errors=reply[1])
+    return handle

@@ -14,8 +14,6 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from redis_io.clients import master_address
-from schemas import OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S
-from schemas.chunks import REPLAY_FIELD
 from worker.backoff import Backoff
 from worker.batch import Batch
 from worker.control import REDIS_DOWN
@@ -94,7 +92,7 @@ class RedisRounds:
             await self.failed(failures[0])
             return
         held = {h.job_id for h in self.batch.all_jobs()}
-        self.outbox.replay.keep_only(held | self.outbox.jobs_queued())
+        self.outbox.keep_only(held | self.outbox.jobs_queued())
         if self.backoff.succeeded():
             log_event(logger, logging.INFO, "redis_reconnected", worker=self.name)
             self.puller.recover_pending = True  # reads cut off while Redis was away left entries
@@ -105,9 +103,8 @@ class RedisRounds:
         master = master_address(self.redis)
         moved = master is not None and self._master is not None and master != self._master
         if self.backoff.failures or moved:
-            sent = await refill(
-                self.redis, self.outbox.replay, OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD
-            )
+            self.outbox.scripts_loaded.clear()  # a new master may not have them
+            sent = await refill(self.redis, self.outbox.replay)
             if sent:
                 self.metrics.chunks_republished.labels(self.model).inc(sent)
         self._master = master_address(self.redis) or master
@@ -130,7 +127,7 @@ class RedisRounds:
         )
 
     async def flush(self) -> None:
-        if not self.outbox.ops:
+        if not self.outbox.pending:
             return
         started = time.perf_counter()
         await self.outbox.flush(self.redis)

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field, replace
 
 from redis.asyncio import Redis
 
-from redis_io.scripts import run_script
-from schemas import chunk_index_from_stream_id
-from schemas.chunks import ChunkWrite
-from schemas.redis_scripts import CHUNKS_SCRIPT, chunks_call
+from schemas import OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, chunk_index_from_stream_id
+from schemas.chunks import REPLAY_FIELD, ChunkWrite
+from worker.chunk_relay import check_chunk_replies, chunk_commands
 from worker.logs import log_event
 
 logger = logging.getLogger(__name__)
@@ -54,9 +53,15 @@ class ReplayLog:
         return [w for w in self._by_job.get(job_id, []) if w.index > last_index]
 
 
-async def refill(redis: Redis, log: ReplayLog, maxlen: int, ttl_s: int, field_name: str) -> int:
-    """Re-publish every logged chunk its replay stream lacks (two round trips); returns how
-    many chunks went out again."""
+async def refill(
+    redis: Redis,
+    log: ReplayLog,
+    maxlen: int = OUT_STREAM_MAXLEN,
+    ttl_s: int = OUT_STREAM_TTL_S,
+    field_name: str = REPLAY_FIELD,
+) -> int:
+    """Re-publish every logged chunk its replay stream lacks (two round trips; live too, as
+    who listens is not known on a new master); returns how many chunks went out again."""
     streams = log.streams()
     if not streams:
         return 0
@@ -72,6 +77,12 @@ async def refill(redis: Redis, log: ReplayLog, maxlen: int, ttl_s: int, field_na
         return 0
     jobs = len({write.job_id for write in missing})
     log_event(logger, logging.WARNING, "replay_streams_refilled", jobs=jobs, chunks=len(missing))
-    keys, args = chunks_call([replace(w, set_ttl=True) for w in missing], maxlen, ttl_s, field_name)
-    await run_script(redis, CHUNKS_SCRIPT, keys, args)
+    async with redis.pipeline(transaction=False) as pipe:
+        for write in missing:
+            again = replace(write, set_ttl=True)
+            for command in chunk_commands(
+                again, publish=True, maxlen=maxlen, ttl_s=ttl_s, field_name=field_name
+            ):
+                pipe.execute_command(*command)
+        check_chunk_replies(await pipe.execute(raise_on_error=False))
     return len(missing)

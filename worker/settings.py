@@ -81,9 +81,22 @@ class WorkerSettings(RedisConnectionSettings, EngineSettings):
     status_check_interval_s: float = Field(2.0, gt=0)
 
     # publishing: a choice's chunk goes out once it holds chunk_tokens tokens or its oldest
-    # token waited chunk_interval_ms (1 and 0: every step)
-    chunk_tokens: int = Field(1, ge=1)
-    chunk_interval_ms: float = Field(0.0, ge=0)
+    # token waited chunk_interval_ms (1 and 0: every step); see worker.chunking.ChunkPolicy
+    chunk_tokens: int = Field(
+        16, ge=1, description="a streaming chunk closes at this many tokens (1: every step)"
+    )
+    chunk_interval_ms: float = Field(
+        10.0,
+        ge=0,
+        description="... or once its oldest token waited this long (counted from the start of "
+        "the step that made it: steps longer than this publish every step)",
+    )
+    chunk_unwatched_ms: float = Field(
+        500.0,
+        ge=0,
+        description="a streaming job nobody subscribes to writes its replay stream this often "
+        "instead (0: as if watched); a subscriber is noticed within a round",
+    )
 
     # lifecycle
     drain_timeout_s: float = Field(

@@ -75,7 +75,11 @@ class Worker:
             self.engine,
             self.outbox,
             worker_name=self.name,
-            policy=ChunkPolicy(settings.chunk_tokens, settings.chunk_interval_ms / 1000),
+            policy=ChunkPolicy(
+                settings.chunk_tokens,
+                settings.chunk_interval_ms / 1000,
+                settings.chunk_unwatched_ms / 1000,
+            ),
             metrics=self.metrics,
             tracer=self.tracer,
             prompt_estimate=settings.admission_prompt_tokens,

@@ -36,6 +36,11 @@ FAST = dict(
     reconnect_min_s=0.05,
     reconnect_max_s=0.5,
     socket_timeout_s=5.0,
+    # a chunk per step, published whether anyone listens or not: these tests check per-token
+    # numbering (test_worker_relay.py runs the coalescing defaults)
+    chunk_tokens=1,
+    chunk_interval_ms=0,
+    chunk_unwatched_ms=0,
 )
 
 
