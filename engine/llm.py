@@ -14,20 +14,23 @@ from engine.distributed.executor import run_executor
 from engine.distributed.group import is_torchrun_executor
 from engine.engine import Engine
 from engine.outputs import EngineRequest, RequestOutput
+from engine.pooling.engine import PoolingEngine
+from engine.pooling_llm import PoolingMethods, pooling_config
 from schemas.sampling import SamplingParams
 
 Prompt = str | list[int]
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Offline batch generation with continuous batching, e.g.
 
     >>> llm = LLM("SmolLM2-135M-Instruct")
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     """
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str, task: str | None = None, **engine_args: Any) -> None:
+        """task: vLLM's older name of the runner ("embed" -> runner="pooling")."""
         unknown = set(engine_args) - _ENGINE_FIELDS
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
@@ -36,6 +39,9 @@ class LLM:
             # A non-driver rank of a torchrun-started replica serves the driver's steps, then
             # ends the script here: only the driver generates.
             raise SystemExit(run_executor(config))
+        if pooling_config(config, task):  # embeddings: see engine.pooling_llm
+            self.pooling_engine = PoolingEngine(config)
+            return
         self.engine = Engine(config)
         self._ids = itertools.count()
 

@@ -1,0 +1,126 @@
+"""The offline API's pooling methods, as vLLM writes them: `LLM(model, runner="pooling")` (or
+the older `task="embed"`, or a folder detected as a pooling model), then `llm.embed(texts)`
+-> `outputs[i].outputs.embedding` and `llm.encode(texts)` -> `outputs[i].outputs.data`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+
+from engine.config import EngineConfig
+from engine.model_files import ModelNotFoundError, resolve_model_path
+from engine.model_runner import load_hf_config
+from engine.pooling.engine import PoolingEngine
+from engine.pooling.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PooledResult,
+    PoolingOutput,
+    PoolingRequest,
+    PoolingRequestOutput,
+)
+from engine.pooling.task import resolve_runner, runner_of_task
+from schemas.pooling import PoolingParams
+
+PoolingPrompt = str | list[int]
+
+
+def pooling_config(config: EngineConfig, task: str | None) -> bool:
+    """Whether `config` (with vLLM's `task`, when given) is served by the pooling runner; a
+    task naming the runner sets config.runner."""
+    if task is not None:
+        by_task = runner_of_task(task)
+        if by_task is not None:
+            if config.runner not in ("auto", by_task):
+                raise ValueError(f"task={task!r} contradicts runner={config.runner!r}")
+            config.runner = by_task
+    if config.runner != "auto":
+        return config.runner == "pooling"
+    try:
+        model_path = resolve_model_path(config.model)
+    except ModelNotFoundError:
+        return False  # the generating engine reports the missing model
+    return resolve_runner("auto", model_path, load_hf_config(model_path)) == "pooling"
+
+
+class PoolingMethods:
+    """Mixed into LLM: set `pooling_engine` where the model is a pooling one."""
+
+    pooling_engine: PoolingEngine | None = None
+    _pooling_ids = itertools.count()
+
+    def _pooling(self) -> PoolingEngine:
+        if self.pooling_engine is None:
+            raise ValueError(
+                "this LLM generates: load an embedding model with runner='pooling' to embed"
+            )
+        return self.pooling_engine
+
+    def encode(
+        self,
+        prompts: PoolingPrompt | SequenceABC[PoolingPrompt],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One pooled vector (a float32 tensor) per prompt, in prompt order."""
+        return [
+            PoolingRequestOutput(r.request_id, r.prompt_token_ids, PoolingOutput(r.data))
+            for r in self._pool(prompts, pooling_params, use_tqdm)
+        ]
+
+    def embed(
+        self,
+        prompts: PoolingPrompt | SequenceABC[PoolingPrompt],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding (a list of floats) per prompt, in prompt order."""
+        return [
+            EmbeddingRequestOutput(
+                r.request_id, r.prompt_token_ids, EmbeddingOutput(r.data.tolist())
+            )
+            for r in self._pool(prompts, pooling_params, use_tqdm)
+        ]
+
+    def _pool(
+        self,
+        prompts: PoolingPrompt | SequenceABC[PoolingPrompt],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None,
+        use_tqdm: bool,
+    ) -> list[PooledResult]:
+        from tqdm.auto import tqdm
+
+        engine = self._pooling()
+        prompt_list = _as_prompts(prompts)
+        params = pooling_params or PoolingParams()
+        params_list = (
+            [params] * len(prompt_list) if isinstance(params, PoolingParams) else list(params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(
+                f"got {len(params_list)} pooling params for {len(prompt_list)} prompts"
+            )
+        ids = [f"embed-{next(self._pooling_ids)}" for _ in prompt_list]
+        try:
+            for request_id, prompt, param in zip(ids, prompt_list, params_list, strict=True):
+                engine.add_request(PoolingRequest(request_id, prompt, param))
+        except BaseException:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
+        results: dict[str, PooledResult] = {}
+        with tqdm(total=len(ids), desc="embed", disable=not use_tqdm) as progress:
+            while engine.has_unfinished():
+                for result in engine.step():
+                    results[result.request_id] = result
+                    progress.update(1)
+        return [results[request_id] for request_id in ids]
+
+
+def _as_prompts(prompts: PoolingPrompt | SequenceABC[PoolingPrompt]) -> list[PoolingPrompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # type: ignore[list-item]  # one prompt given as token ids
+    return [p if isinstance(p, str) else list(p) for p in prompts]
