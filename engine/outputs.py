@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas.chunks import FinishReason
+from schemas.pooling import PoolingParams
 from schemas.sampling import SamplingParams
 
 
@@ -23,6 +24,7 @@ class EngineRequest:
     priority: int = 0  # lower runs first
     arrival_time: float | None = None  # time.monotonic(); None: now
     prior_output_token_ids: list[list[int]] | None = None
+    pooling: PoolingParams | None = None  # an embedding request (a pooling engine's only kind)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = False
+    embedding: list[float] | None = None  # a pooling engine's output
 
 
 @dataclass

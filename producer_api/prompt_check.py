@@ -53,7 +53,10 @@ async def check_prompt(request: JobRequest, limits: PromptLimits, param: str) ->
     else:
         prompt_tokens = await _least_prompt_tokens(request, limits)
     if prompt_tokens is not None and limits.context is not None:
-        _check_context(prompt_tokens, request.sampling.max_tokens, limits.context, param)
+        if request.pooling is not None:  # an embedding generates nothing: the input alone
+            _check_input(prompt_tokens, limits.context, param)
+        else:
+            _check_context(prompt_tokens, request.sampling.max_tokens, limits.context, param)
 
 
 def _check_vocabulary(ids: list[int], vocab_size: int | None, param: str) -> None:
@@ -80,6 +83,16 @@ def _check_context(prompt_tokens: int, max_tokens: int, context: int, param: str
         )
 
 
+def _check_input(input_tokens: int, context: int, param: str) -> None:
+    if input_tokens > context:
+        raise ApiError(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"{param}: this model embeds at most {context} tokens, the input has at least "
+            f"{input_tokens}. Shorten it.",
+            param,
+        )
+
+
 async def _least_prompt_tokens(request: JobRequest, limits: PromptLimits) -> int | None:
     """At least how many tokens the text prompt has, or None when it is not worth counting (no
     tokenizer, no context, or too short to matter)."""
@@ -93,7 +106,8 @@ async def _least_prompt_tokens(request: JobRequest, limits: PromptLimits) -> int
     # most), so prompts this short fit and are not tokenized here; a tokenizer that broke the
     # rule would only leave the refusal to the worker.
     most = sum(len(text.encode()) + 1 for text in texts)
-    if most + request.sampling.max_tokens <= limits.context:
+    output = 0 if request.pooling is not None else request.sampling.max_tokens
+    if most + output <= limits.context:
         return None
     tokenizer = limits.tokenizer
     return await anyio.to_thread.run_sync(lambda: sum(tokenizer.count(t) for t in texts))

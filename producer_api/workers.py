@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from schemas import RedisKeys, WorkerInfo
+from schemas import JobKind, RedisKeys, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,8 @@ class ServedModel:
     tokenizer_file: str | None = None  # a tokenizer.json one of its workers advertises
     # the distinct quantizations of its workers, full precision (None) first, then by name
     quantizations: tuple[str | None, ...] = ()
+    tasks: frozenset[JobKind] = frozenset()  # the kinds of job its workers take
+    embedding_size: int | None = None  # the smallest vector size among its embedding workers
 
     @property
     def quantization(self) -> str | None:
@@ -52,6 +54,8 @@ class ServedModel:
             _smallest(self.vocab_size, info.vocab_size),
             self.tokenizer_file or info.tokenizer_file,
             _distinct((*self.quantizations, info.quantization)),
+            self.tasks | {info.task},
+            _smallest(self.embedding_size, info.embedding_size),
         )
 
 

@@ -23,6 +23,7 @@ from pydantic import (
 
 from schemas.chunks import TokenId
 from schemas.errors import ErrorBody, field_error
+from schemas.pooling import PoolingParams
 from schemas.results import JobResult, as_utc
 from schemas.sampling import SamplingParams
 
@@ -105,6 +106,13 @@ class JobStatus(StrEnum):
         return self in TERMINAL_STATUSES
 
 
+class JobKind(StrEnum):
+    """What a job asks of a model; a worker serves the one kind its model supports."""
+
+    GENERATION = "generation"
+    EMBEDDING = "embedding"
+
+
 TERMINAL_STATUSES = frozenset(
     {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED}
 )
@@ -119,7 +127,9 @@ class ChatMessage(BaseModel):
 
 
 class JobRequest(BaseModel):
-    """A generation request. Give exactly one of `prompt`, `messages`, `prompt_token_ids`.
+    """A generation request, or an embedding request when `pooling` is given (one input: a
+    `prompt` or `prompt_token_ids`, pooled into one vector). Give exactly one of `prompt`,
+    `messages`, `prompt_token_ids`.
 
     `timeout_s` is an input convenience: validation turns it into the absolute `deadline`
     (now + timeout_s, UTC) and clears it, so a stored request always carries `deadline` only and
@@ -132,6 +142,9 @@ class JobRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     prompt_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKENS)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    pooling: PoolingParams | None = Field(
+        None, description="an embedding job: how its input is pooled into one vector"
+    )
     stream: StrictBool = False
     priority: int = Field(PRIORITY_INTERACTIVE, ge=0, le=MAX_PRIORITY, strict=True)
     deadline: AwareDatetime | None = None
@@ -162,12 +175,18 @@ class JobRequest(BaseModel):
                 given[1] if len(given) > 1 else "prompt",
                 f"exactly one of prompt, messages, prompt_token_ids must be given (got {got})",
             )
+        if self.pooling is not None and self.messages is not None:
+            raise field_error("messages", "an embedding job takes prompt or prompt_token_ids")
         if self.timeout_s is not None:
             if self.deadline is not None:
                 raise field_error("timeout_s", "give deadline or timeout_s, not both")
             self.deadline = utc_now() + timedelta(seconds=self.timeout_s)
             self.timeout_s = None
         return self
+
+    @property
+    def kind(self) -> JobKind:
+        return JobKind.GENERATION if self.pooling is None else JobKind.EMBEDDING
 
     @property
     def input_kind(self) -> Literal["prompt", "messages", "prompt_token_ids"]:

@@ -201,6 +201,7 @@ class Batch:
                         request.sampling,
                         priority=request.priority,
                         prior_output_token_ids=held.prior_output_token_ids,
+                        pooling=request.pooling,
                     )
                 )
             except RequestRejectedError as exc:
@@ -249,6 +250,7 @@ class Batch:
                         request.sampling,
                         priority=request.priority,
                         prior_output_token_ids=held.prior_output_token_ids,
+                        pooling=request.pooling,
                     )
                 )
             except Exception as exc:

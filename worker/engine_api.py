@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from engine.outputs import EngineRequest, EngineStats, RequestDelta
+from schemas.jobs import JobKind
 
 if TYPE_CHECKING:
     from worker.settings import WorkerSettings
@@ -26,6 +27,8 @@ class EngineLike(Protocol):
     tokenizer_file: Path | None  # the model's tokenizer.json; None without a tokenizer
     quantization: str | None  # the weight quantization in use; None: full precision
     weight_bytes: int  # bytes the loaded weights take
+    task: JobKind  # the one kind of job it runs (advertised, so the API refuses the other)
+    embedding_size: int | None  # an embedding engine's vector size; None for generation
 
     def tokenize(self, text: str) -> list[int]: ...
 
@@ -52,5 +55,11 @@ def build_engine(settings: WorkerSettings) -> EngineLike:
         factory = getattr(importlib.import_module(module_name), function_name or "build_engine")
         return factory(settings)
     from engine import Engine
+    from engine.pooling_llm import pooling_config
 
-    return Engine(settings.engine_config())
+    config = settings.engine_config()
+    if pooling_config(config, task=None):
+        from worker.pooling_engine import PoolingWorkerEngine
+
+        return PoolingWorkerEngine(config)
+    return Engine(config)

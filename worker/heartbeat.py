@@ -16,7 +16,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from engine.outputs import EngineStats
-from schemas import RedisKeys, WorkerInfo, utc_now
+from schemas import JobKind, RedisKeys, WorkerInfo, utc_now
 from schemas.workers import LIVE_STATS_MAXLEN, LIVE_STATS_WINDOW_S, TokenSample, TtftSample
 
 MAX_BUFFERED_TTFTS = 10_000  # TTFTs kept while Redis is away (the oldest are dropped)
@@ -67,12 +67,15 @@ async def beat(
     tokenizer_file: Path | None = None,
     quantization: str | None = None,
     weight_bytes: int | None = None,
+    task: JobKind = JobKind.GENERATION,
+    embedding_size: int | None = None,
     ttfts: Iterable[TtftSample] = (),
 ) -> WorkerInfo:
     """Write one heartbeat from an EngineStats snapshot, with the model's live-stats samples, in
     one round trip (a MULTI/EXEC transaction). `max_model_len` (the context length), `vocab_size`
     and `tokenizer_file` let the API refuse over-long prompts and unknown token ids at the door;
-    `quantization` (None: full precision) and `weight_bytes` tell operators what the worker runs."""
+    `quantization` (None: full precision) and `weight_bytes` tell operators what the worker runs;
+    `task` and `embedding_size` which kind of job it takes (and how many dimensions)."""
     info = WorkerInfo(
         name=name,
         model=model,
@@ -86,6 +89,8 @@ async def beat(
         tokenizer_file=str(tokenizer_file) if tokenizer_file is not None else None,
         quantization=quantization,
         weight_bytes=weight_bytes,
+        task=task,
+        embedding_size=embedding_size,
         prompt_tokens=max(0, stats.num_prompt_tokens_computed),
         generated_tokens=max(0, stats.num_generation_tokens),
         started_at=started_at,

@@ -24,7 +24,7 @@ def job_result(
     prompt_tokens = len(output.prompt_token_ids)
     cached = min(output.metrics.num_cached_prompt_tokens, prompt_tokens)
     usage = Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices), cached)
-    return JobResult(choices=choices, usage=usage, timings=timings)
+    return JobResult(choices=choices, usage=usage, timings=timings, embedding=output.embedding)
 
 
 def _choice_result(completion: CompletionOutput, earlier: ChoiceState) -> ChoiceResult:

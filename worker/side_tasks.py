@@ -89,6 +89,8 @@ class SideTasks:
                 tokenizer_file=self.engine.tokenizer_file,
                 quantization=self.engine.quantization,
                 weight_bytes=self.engine.weight_bytes,
+                task=self.engine.task,
+                embedding_size=self.engine.embedding_size,
                 ttfts=ttfts,
             )
         except BaseException:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engine import outputs
 from engine.errors import ContextLengthExceededError, InvalidTokenIdError, RequestRejectedError
+from schemas.jobs import JobKind
 from schemas.sampling import SamplingParams
 
 VOCAB = 1000
@@ -82,6 +83,8 @@ class FakeEngine:
     tokenizer_file: Path | None = None  # its tokenizer is a function, with no tokenizer.json
     quantization: str | None = None  # what it says it runs (the heartbeat carries it)
     weight_bytes: int = 0
+    task: JobKind = JobKind.GENERATION
+    embedding_size: int | None = None
     step_seconds: float = 0.0
     fail_on_prompt_token: int | None = None  # a prompt holding this id makes step() raise
     fail_after_tokens: int = 0  # ... once its sequence has generated this many tokens
