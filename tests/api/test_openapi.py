@@ -24,6 +24,7 @@ STATUSES = {
     ("get", "/v1/models/{model}"): {200, 401, 404, 503},
     ("post", "/v1/completions"): GENERATION,
     ("post", "/v1/chat/completions"): GENERATION,
+    ("post", "/v1/embeddings"): GENERATION,
     ("post", "/generate"): GENERATION,
     ("post", "/v1/files"): {200, 400, 401, 413, 503},
     ("get", "/v1/files"): {200, 400, 401, 503},
