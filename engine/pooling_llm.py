@@ -101,9 +101,12 @@ class PoolingMethods:
                 f"got {len(params_list)} pooling params for {len(prompt_list)} prompts"
             )
         ids = [f"embed-{next(self._pooling_ids)}" for _ in prompt_list]
+        token_ids = [engine.tokenize(p) if isinstance(p, str) else p for p in prompt_list]
+        # Shortest first: batches of like lengths pad an encoder's batch least.
+        order = sorted(range(len(ids)), key=lambda i: len(token_ids[i]))
         try:
-            for request_id, prompt, param in zip(ids, prompt_list, params_list, strict=True):
-                engine.add_request(PoolingRequest(request_id, prompt, param))
+            for i in order:
+                engine.add_request(PoolingRequest(ids[i], token_ids[i], params_list[i]))
         except BaseException:
             for request_id in ids:
                 engine.abort(request_id)
