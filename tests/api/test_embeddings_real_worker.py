@@ -162,3 +162,18 @@ def test_jobs_api_embedding_job(http: httpx.Client, reference) -> None:
     assert done["status"] == "succeeded"
     vector = torch.tensor(done["result"]["embedding"])
     assert cosine_distance(vector, reference[0]) < 1e-5
+
+
+@pytest.mark.parametrize("transport", ["http", "redis"])
+def test_python_client_embed(system: Stack, reference, transport: str) -> None:
+    from producer_api.client import Client, QueueError
+
+    url = system.servers[0].url if transport == "http" else system.redis_url
+    with Client(url, api_key=ALICE_KEY) as client:
+        vectors = torch.tensor(client.embed(MODEL, TEXTS, timeout=60))
+        assert cosine_distance(vectors, reference).max() < 1e-5
+        (short,) = client.embed(MODEL, TEXTS[0], dimensions=16, timeout=60)
+        assert len(short) == 16
+        if transport == "redis":  # straight into the queue: the worker refuses it
+            with pytest.raises(QueueError, match="at most 256"):
+                client.embed(MODEL, "word " * 600, timeout=60)
