@@ -1,11 +1,15 @@
 """The offline API's pooling methods, as vLLM writes them: `LLM(model, runner="pooling")` (or
 the older `task="embed"`, or a folder detected as a pooling model), then `llm.embed(texts)`
--> `outputs[i].outputs.embedding` and `llm.encode(texts)` -> `outputs[i].outputs.data`."""
+-> `outputs[i].outputs.embedding`, `llm.encode(texts)` -> `outputs[i].outputs.data` and
+`llm.score(a, b)` -> `outputs[i].outputs.score` (cross-encoders, or cosine of embeddings)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceABC
+
+import torch
+import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.model_files import ModelNotFoundError, resolve_model_path
@@ -18,6 +22,8 @@ from engine.pooling.outputs import (
     PoolingOutput,
     PoolingRequest,
     PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from engine.pooling.task import resolve_runner, runner_of_task
 from schemas.pooling import PoolingParams
@@ -82,14 +88,51 @@ class PoolingMethods:
             for r in self._pool(prompts, pooling_params, use_tqdm)
         ]
 
+    def score(
+        self,
+        text_1: str | SequenceABC[str],
+        text_2: str | SequenceABC[str],
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """One score per pair (text_1[i], text_2[i]); a single text_1 pairs with every
+        text_2. A cross-encoder (*ForSequenceClassification, one label) scores each pair
+        joined as one input, through a sigmoid as sentence-transformers' CrossEncoder does;
+        an embedding model scores the cosine similarity of the two texts' embeddings."""
+        engine = self._pooling()
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise ValueError(f"got {len(firsts)} first texts for {len(seconds)} second texts")
+        if engine.num_labels is not None:
+            if engine.num_labels != 1:
+                raise ValueError(f"score needs a one-label cross-encoder ({engine.num_labels})")
+            pairs = [engine.tokenize_pair(a, b) for a, b in zip(firsts, seconds, strict=True)]
+            results = self._pool_inputs(pairs, [PoolingParams()] * len(pairs), use_tqdm)
+            return [
+                ScoringRequestOutput(
+                    r.request_id, r.prompt_token_ids, ScoringOutput(torch.sigmoid(r.data[0]).item())
+                )
+                for r in results
+            ]
+        vectors = self._pool([*firsts, *seconds], None, use_tqdm)
+        half = len(firsts)
+        return [
+            ScoringRequestOutput(
+                a.request_id,
+                a.prompt_token_ids + b.prompt_token_ids,
+                ScoringOutput(F.cosine_similarity(a.data, b.data, dim=0).item()),
+            )
+            for a, b in zip(vectors[:half], vectors[half:], strict=True)
+        ]
+
     def _pool(
         self,
         prompts: PoolingPrompt | SequenceABC[PoolingPrompt],
         pooling_params: PoolingParams | SequenceABC[PoolingParams] | None,
         use_tqdm: bool,
     ) -> list[PooledResult]:
-        from tqdm.auto import tqdm
-
         engine = self._pooling()
         prompt_list = _as_prompts(prompts)
         params = pooling_params or PoolingParams()
@@ -100,13 +143,28 @@ class PoolingMethods:
             raise ValueError(
                 f"got {len(params_list)} pooling params for {len(prompt_list)} prompts"
             )
-        ids = [f"embed-{next(self._pooling_ids)}" for _ in prompt_list]
-        token_ids = [engine.tokenize(p) if isinstance(p, str) else p for p in prompt_list]
+        inputs = [(engine.tokenize(p) if isinstance(p, str) else p, None) for p in prompt_list]
+        return self._pool_inputs(inputs, params_list, use_tqdm)
+
+    def _pool_inputs(
+        self,
+        inputs: SequenceABC[tuple[list[int], list[int] | None]],
+        params_list: SequenceABC[PoolingParams],
+        use_tqdm: bool,
+    ) -> list[PooledResult]:
+        """Run tokenized inputs (ids, token type ids or None) to completion, in input order."""
+        from tqdm.auto import tqdm
+
+        engine = self._pooling()
+        ids = [f"embed-{next(self._pooling_ids)}" for _ in inputs]
         # Shortest first: batches of like lengths pad an encoder's batch least.
-        order = sorted(range(len(ids)), key=lambda i: len(token_ids[i]))
+        order = sorted(range(len(ids)), key=lambda i: len(inputs[i][0]))
         try:
             for i in order:
-                engine.add_request(PoolingRequest(ids[i], token_ids[i], params_list[i]))
+                token_ids, token_types = inputs[i]
+                engine.add_request(
+                    PoolingRequest(ids[i], token_ids, params_list[i], token_type_ids=token_types)
+                )
         except BaseException:
             for request_id in ids:
                 engine.abort(request_id)

@@ -1,7 +1,9 @@
 """Encoder models of the BERT family (BERT, RoBERTa, XLM-RoBERTa): bidirectional attention,
 token-type ids and learned absolute positions, post-norm blocks. Used by the pooling runner
-(embeddings), never for generation: there is no KV cache, each batch is padded and attended
-whole under a padding mask.
+(embeddings, and the scores of *ForSequenceClassification cross-encoders: dense, tanh and a
+linear over the first token's state, BERT's pooler + classifier or RoBERTa's classifier head),
+never for generation: there is no KV cache, each batch is padded and attended whole under a
+padding mask.
 
 RoBERTa and XLM-R number positions from pad_token_id + 1 (position ids are cumulative over
 real tokens, offset past the padding index); BERT numbers them from 0.
@@ -32,6 +34,14 @@ _OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta"})
 # Checkpoint name prefixes of the bare encoder inside a task model, and tensors it does not use.
 _PREFIXES = ("bert.", "roberta.", "model.")
 _UNUSED = ("pooler.", "cls.", "lm_head.", "classifier.", "embeddings.position_ids")
+# A cross-encoder's head, by its checkpoint names (BERT: pooler + classifier; RoBERTa/XLM-R:
+# classifier.dense + classifier.out_proj) -> this module's.
+_HEAD_NAMES = {
+    "pooler.dense": "head.dense",
+    "classifier.dense": "head.dense",
+    "classifier.out_proj": "head.out",
+    "classifier": "head.out",
+}
 
 
 @dataclass(frozen=True)
@@ -134,14 +144,28 @@ class BertLayer(nn.Module):
         return self.output_norm(hidden + self.output(self.act(self.intermediate(hidden))))
 
 
-class BertEncoder(nn.Module):
-    """The bare encoder: token ids -> the last layer's token states."""
+class ClassifierHead(nn.Module):
+    """A cross-encoder's scores from the first token's state: out(tanh(dense(state)))."""
 
-    def __init__(self, shape: EncoderShape) -> None:
+    def __init__(self, hidden_size: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.out = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, first_token: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.dense(first_token)))
+
+
+class BertEncoder(nn.Module):
+    """The bare encoder: token ids -> the last layer's token states; with `num_labels`, also a
+    cross-encoder's classifier head (`head`)."""
+
+    def __init__(self, shape: EncoderShape, num_labels: int | None = None) -> None:
         super().__init__()
         self.shape = shape
         self.embeddings = BertEmbeddings(shape)
         self.layers = nn.ModuleList(BertLayer(shape) for _ in range(shape.num_layers))
+        self.head = None if num_labels is None else ClassifierHead(shape.hidden_size, num_labels)
 
     @property
     def hidden_size(self) -> int:
@@ -160,12 +184,16 @@ class BertEncoder(nn.Module):
         return hidden
 
 
-def _checkpoint_name(name: str) -> str | None:
-    """The bare encoder's name of a checkpoint tensor; None for tensors it does not use."""
+def _checkpoint_name(name: str, classify: bool) -> str | None:
+    """The encoder's name of a checkpoint tensor; None for tensors it does not use."""
     for prefix in _PREFIXES:
         if name.startswith(prefix):
             name = name[len(prefix) :]
             break
+    if classify:
+        module, _, param = name.rpartition(".")
+        if module in _HEAD_NAMES:
+            return f"{_HEAD_NAMES[module]}.{param}"
     if name.startswith(_UNUSED):
         return None
     return name
@@ -194,13 +222,19 @@ def _our_name(name: str) -> tuple[str, int | None]:
     return f"layers.{index}.{renamed[module]}.{param}", None
 
 
+def is_cross_encoder(hf_config: PretrainedConfig) -> bool:
+    return any(arch.endswith("ForSequenceClassification") for arch in hf_config.architectures or ())
+
+
 def load_encoder(
     hf_config: PretrainedConfig, model_path: Path, device: torch.device, dtype: torch.dtype
 ) -> BertEncoder:
-    """Build the encoder and fill every parameter from the folder's safetensors files."""
+    """Build the encoder (with a cross-encoder's head where the config names one) and fill
+    every parameter from the folder's safetensors files."""
     shape = EncoderShape.read(hf_config)
+    classify = is_cross_encoder(hf_config)
     with torch.device("meta"):
-        model = BertEncoder(shape)
+        model = BertEncoder(shape, hf_config.num_labels if classify else None)
     model.to_empty(device=device)
     model.to(dtype)
     params = dict(model.named_parameters())
@@ -209,7 +243,7 @@ def load_encoder(
     hidden = shape.hidden_size
     with torch.no_grad():
         for stored in checkpoint.names():
-            name = _checkpoint_name(stored)
+            name = _checkpoint_name(stored, classify)
             if name is None:
                 continue
             target, shard = _our_name(name)

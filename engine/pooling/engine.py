@@ -33,6 +33,7 @@ class _Waiting:
     token_ids: list[int]
     params: PoolingParams
     arrival_time: float
+    token_type_ids: list[int] | None = None
 
 
 class PoolingEngine:
@@ -54,10 +55,23 @@ class PoolingEngine:
         self.num_prompt_tokens_computed = 0
         self.num_steps = 0
 
+    @property
+    def num_labels(self) -> int | None:
+        """A cross-encoder's labels (its outputs are scores); None for an embedding model."""
+        return self.runner.num_labels
+
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise RequestRejectedError("this model has no tokenizer: pass token ids")
         return self.tokenizer.encode(prompt)
+
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A text pair as one input, as the tokenizer joins them: (ids, token type ids)."""
+        if self.tokenizer is None:
+            raise RequestRejectedError("this model has no tokenizer: pass token ids")
+        encoded = self.tokenizer(first, second)
+        ids = list(encoded["input_ids"])
+        return ids, list(encoded.get("token_type_ids") or [0] * len(ids))
 
     def validate(self, token_ids: list[int], params: PoolingParams) -> None:
         """Refuse what can never run: empty or too long inputs, bad ids, too many dimensions."""
@@ -70,6 +84,8 @@ class PoolingEngine:
             )
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise InvalidTokenIdError(f"input token ids must be in [0, {self.vocab_size})")
+        if params.dimensions is not None and self.num_labels is not None:
+            raise RequestRejectedError("dimensions: a cross-encoder's outputs are scores")
         if params.dimensions is not None and params.dimensions > self.hidden_size:
             raise RequestRejectedError(
                 f"dimensions {params.dimensions} exceeds this model's {self.hidden_size}"
@@ -83,7 +99,11 @@ class PoolingEngine:
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(token_ids, request.params)
         arrival = request.arrival_time or time.monotonic()
-        self._waiting.append(_Waiting(request.request_id, token_ids, request.params, arrival))
+        if request.token_type_ids is not None and len(request.token_type_ids) != len(token_ids):
+            raise RequestRejectedError("token_type_ids must have one entry per token")
+        self._waiting.append(
+            _Waiting(request.request_id, token_ids, request.params, arrival, request.token_type_ids)
+        )
         self._ids.add(request.request_id)
         return token_ids
 
@@ -126,10 +146,16 @@ class PoolingEngine:
         if not batch:
             return []
         resolved = [self.runner.pooler.resolve(w.params) for w in batch]
-        pooled = self.runner.run([w.token_ids for w in batch], [kind for kind, _ in resolved])
-        vectors = finish(
-            pooled.cpu(), [w.params.dimensions for w in batch], [norm for _, norm in resolved]
-        )
+        pooled = self.runner.run(
+            [w.token_ids for w in batch],
+            [kind for kind, _ in resolved],
+            [w.token_type_ids for w in batch],
+        ).cpu()
+        if self.num_labels is not None:  # scores: neither truncated nor normalized
+            vectors = list(pooled)
+        else:
+            dimensions = [w.params.dimensions for w in batch]
+            vectors = finish(pooled, dimensions, [norm for _, norm in resolved])
         self.num_steps += 1
         results = []
         for item, vector in zip(batch, vectors, strict=True):

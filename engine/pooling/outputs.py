@@ -16,6 +16,7 @@ class PoolingRequest:
     prompt: str | list[int]  # text, or token ids
     params: PoolingParams = field(default_factory=PoolingParams)
     arrival_time: float | None = None  # time.monotonic(); None: now
+    token_type_ids: list[int] | None = None  # an encoder's segments (a text pair's second: 1)
 
 
 @dataclass(frozen=True)
@@ -54,4 +55,17 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
     finished: bool = True

@@ -17,7 +17,7 @@ from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_runner import resolve_device, resolve_dtype
-from engine.models.bert import BertEncoder, EncoderShape, load_encoder
+from engine.models.bert import BertEncoder, EncoderShape, is_cross_encoder, load_encoder
 from engine.models.checkpoint import SafetensorsCheckpoint
 from engine.models.interface import CausalLM
 from engine.models.loader import build_model, load_weights
@@ -53,10 +53,14 @@ class PoolingRunner:
         self.pooler: PoolerConfig = read_pooler_config(model_path, self.is_encoder)
         self.encoder: BertEncoder | None = None
         self.decoder: CausalLM | None = None
+        # A cross-encoder: one score per label of each (pair) input instead of a vector.
+        self.num_labels: int | None = None
         if self.is_encoder:
             self.encoder = load_encoder(hf_config, model_path, self.device, self.dtype)
             model_limit = EncoderShape.read(hf_config).max_tokens
             self.hidden_size = self.encoder.hidden_size
+            if is_cross_encoder(hf_config):
+                self.num_labels = int(hf_config.num_labels)
         else:
             self.decoder = self._load_decoder(config, model_path, hf_config)
             model_limit = self.decoder.dims.max_position_embeddings
@@ -85,13 +89,28 @@ class PoolingRunner:
         return model
 
     @torch.inference_mode()
-    def run(self, token_ids: Sequence[list[int]], types: Sequence[PoolingType]) -> torch.Tensor:
-        """Pool every sequence of the batch: float32 [B, hidden]."""
+    def run(
+        self,
+        token_ids: Sequence[list[int]],
+        types: Sequence[PoolingType],
+        token_type_ids: Sequence[list[int] | None] = (),
+    ) -> torch.Tensor:
+        """Pool every sequence of the batch: float32 [B, hidden]; a cross-encoder's scores
+        instead: float32 [B, num_labels]. token_type_ids: an encoder's segment of each token
+        (a pair's second text is segment 1); none: every token is segment 0."""
         lens = [len(ids) for ids in token_ids]
-        hidden = self._encode(token_ids) if self.is_encoder else self._decode(token_ids)
+        if not self.is_encoder:
+            return pool(self._decode(token_ids), lens, types)
+        hidden = self._encode(token_ids, token_type_ids)
+        if self.num_labels is not None:
+            assert self.encoder is not None and self.encoder.head is not None
+            starts = torch.tensor([0, *np.cumsum(lens)[:-1].tolist()], device=hidden.device)
+            return self.encoder.head(hidden.index_select(0, starts)).float()
         return pool(hidden, lens, types)
 
-    def _encode(self, token_ids: Sequence[list[int]]) -> torch.Tensor:
+    def _encode(
+        self, token_ids: Sequence[list[int]], token_type_ids: Sequence[list[int] | None]
+    ) -> torch.Tensor:
         """The encoder over the batch padded to its longest sequence -> flat [T, hidden]."""
         assert self.encoder is not None
         lens = np.asarray([len(ids) for ids in token_ids])
@@ -99,9 +118,17 @@ class PoolingRunner:
         mask = np.arange(width)[None, :] < lens[:, None]
         ids = np.zeros((len(token_ids), width), dtype=np.int64)
         ids[mask] = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids])
+        segments = np.zeros_like(ids)
+        if any(t is not None for t in token_type_ids):
+            segments[mask] = np.concatenate(
+                [
+                    np.asarray(t if t is not None else [0] * n, dtype=np.int64)
+                    for t, n in zip(token_type_ids, lens, strict=True)
+                ]
+            )
         ids_t = torch.from_numpy(ids).to(self.device)
         mask_t = torch.from_numpy(mask.astype(np.int64)).to(self.device)
-        hidden = self.encoder(ids_t, torch.zeros_like(ids_t), mask_t)
+        hidden = self.encoder(ids_t, torch.from_numpy(segments).to(self.device), mask_t)
         return hidden[mask_t.bool()]
 
     def _decode(self, token_ids: Sequence[list[int]]) -> torch.Tensor:
