@@ -5,6 +5,7 @@ Heavy modules (torch, transformers) load on first use, so `import engine` stays 
 
 from typing import TYPE_CHECKING, Any
 
+from schemas.pooling import PoolingParams
 from schemas.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from engine.engine import Engine
     from engine.llm import LLM
 
-__all__ = ["LLM", "BeamSearchParams", "Engine", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "Engine", "EngineConfig", "PoolingParams", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
