@@ -31,6 +31,11 @@ class PoolingWorkerEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.pooling = PoolingEngine(config)
+        if self.pooling.num_labels is not None:
+            raise ValueError(
+                f"{config.model} is a cross-encoder: its scores are served offline "
+                "(LLM.score), not as embedding jobs"
+            )
         self.max_model_len = self.pooling.max_model_len
         self.vocab_size = self.pooling.vocab_size
         self.embedding_size: int | None = self.pooling.hidden_size

@@ -177,3 +177,25 @@ def test_python_client_embed(system: Stack, reference, transport: str) -> None:
         if transport == "redis":  # straight into the queue: the worker refuses it
             with pytest.raises(QueueError, match="at most 256"):
                 client.embed(MODEL, "word " * 600, timeout=60)
+
+
+def test_score_and_rerank_are_cosines_of_the_embeddings(http: httpx.Client, reference) -> None:
+    scored = http.post(
+        "/v1/score", json={"model": MODEL, "text_1": TEXTS[0], "text_2": TEXTS[1:]}
+    ).json()
+    expected = F.cosine_similarity(reference[0:1], reference[1:])
+    got = torch.tensor([item["score"] for item in scored["data"]])
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert scored["usage"]["prompt_tokens"] > 0
+    reranked = http.post(
+        "/v1/rerank",
+        json={"model": MODEL, "query": TEXTS[0], "documents": TEXTS[1:], "top_n": 1},
+    ).json()
+    (best,) = reranked["results"]
+    assert best["index"] == int(expected.argmax())
+    assert best["document"]["text"] == TEXTS[1 + best["index"]]
+    assert abs(best["relevance_score"] - expected.max().item()) < 1e-5
+    bad = http.post("/v1/score", json={"model": MODEL, "text_1": ["a", "b"], "text_2": ["c"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    empty = http.post("/v1/rerank", json={"model": MODEL, "query": "q", "documents": ["d", ""]})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents.1"

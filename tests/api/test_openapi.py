@@ -25,6 +25,8 @@ STATUSES = {
     ("post", "/v1/completions"): GENERATION,
     ("post", "/v1/chat/completions"): GENERATION,
     ("post", "/v1/embeddings"): GENERATION,
+    ("post", "/v1/score"): GENERATION,
+    ("post", "/v1/rerank"): GENERATION,
     ("post", "/generate"): GENERATION,
     ("post", "/v1/files"): {200, 400, 401, 413, 503},
     ("get", "/v1/files"): {200, 400, 401, 503},
