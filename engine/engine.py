@@ -104,6 +104,9 @@ class Engine:
             raise RequestRejectedError("this model has no tokenizer: pass prompt token ids")
         return self.tokenizer.encode(prompt)
 
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        raise RequestRejectedError("text pairs are scored by cross-encoders, not generated from")
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestRejectedError("this model has no chat template")

@@ -25,6 +25,7 @@ class EngineRequest:
     arrival_time: float | None = None  # time.monotonic(); None: now
     prior_output_token_ids: list[list[int]] | None = None
     pooling: PoolingParams | None = None  # an embedding request (a pooling engine's only kind)
+    token_type_ids: list[int] | None = None  # a cross-encoder's text pair: the second is 1
 
 
 @dataclass

@@ -101,7 +101,7 @@ async def _least_prompt_tokens(request: JobRequest, limits: PromptLimits) -> int
     if request.messages is not None:
         texts = [m.content for m in request.messages if m.role in _KEPT_ROLES]
     else:
-        texts = [request.prompt or ""]
+        texts = [request.prompt or "", *([request.prompt_pair] if request.prompt_pair else [])]
     # A token covers at least one byte of its text (plus one word-start marker per text at
     # most), so prompts this short fit and are not tokenized here; a tokenizer that broke the
     # rule would only leave the refusal to the worker.

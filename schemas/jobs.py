@@ -111,6 +111,7 @@ class JobKind(StrEnum):
 
     GENERATION = "generation"
     EMBEDDING = "embedding"
+    SCORE = "score"  # a cross-encoder's scores of a text pair (prompt, prompt_pair)
 
 
 TERMINAL_STATUSES = frozenset(
@@ -145,6 +146,12 @@ class JobRequest(BaseModel):
     pooling: PoolingParams | None = Field(
         None, description="an embedding job: how its input is pooled into one vector"
     )
+    prompt_pair: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_PROMPT_CHARS,
+        description="a score job: the second text a cross-encoder scores with `prompt`",
+    )
     stream: StrictBool = False
     priority: int = Field(PRIORITY_INTERACTIVE, ge=0, le=MAX_PRIORITY, strict=True)
     deadline: AwareDatetime | None = None
@@ -177,6 +184,8 @@ class JobRequest(BaseModel):
             )
         if self.pooling is not None and self.messages is not None:
             raise field_error("messages", "an embedding job takes prompt or prompt_token_ids")
+        if self.prompt_pair is not None and (self.pooling is None or self.prompt is None):
+            raise field_error("prompt_pair", "a text pair needs pooling and a prompt")
         if self.timeout_s is not None:
             if self.deadline is not None:
                 raise field_error("timeout_s", "give deadline or timeout_s, not both")
@@ -186,7 +195,9 @@ class JobRequest(BaseModel):
 
     @property
     def kind(self) -> JobKind:
-        return JobKind.GENERATION if self.pooling is None else JobKind.EMBEDDING
+        if self.pooling is None:
+            return JobKind.GENERATION
+        return JobKind.EMBEDDING if self.prompt_pair is None else JobKind.SCORE
 
     @property
     def input_kind(self) -> Literal["prompt", "messages", "prompt_token_ids"]:

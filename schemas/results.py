@@ -121,7 +121,8 @@ class Timings(BaseModel):
 
 class JobResult(BaseModel):
     """What a succeeded job produced; stored JSON-encoded in the job hash's `result` field. An
-    embedding job has its vector in `embedding` and one empty choice (no tokens generated)."""
+    embedding job has its vector in `embedding` (a score job: its cross-encoder's label logits)
+    and one empty choice (no tokens generated)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 

@@ -25,20 +25,18 @@ from schemas.jobs import JobKind
 
 
 class PoolingWorkerEngine:
-    task = JobKind.EMBEDDING
     quantization: str | None = None
     block_size = 1
 
     def __init__(self, config: EngineConfig) -> None:
         self.pooling = PoolingEngine(config)
-        if self.pooling.num_labels is not None:
-            raise ValueError(
-                f"{config.model} is a cross-encoder: its scores are served offline "
-                "(LLM.score), not as embedding jobs"
-            )
+        # A cross-encoder takes score jobs (text pairs); its outputs are label scores.
+        self.task = JobKind.EMBEDDING if self.pooling.num_labels is None else JobKind.SCORE
         self.max_model_len = self.pooling.max_model_len
         self.vocab_size = self.pooling.vocab_size
-        self.embedding_size: int | None = self.pooling.hidden_size
+        self.embedding_size: int | None = (
+            self.pooling.hidden_size if self.task is JobKind.EMBEDDING else None
+        )
         runner = self.pooling.runner
         model = runner.encoder if runner.encoder is not None else runner.decoder
         assert model is not None
@@ -53,16 +51,31 @@ class PoolingWorkerEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.pooling.tokenize(text)
 
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        if self.task is not JobKind.SCORE:
+            raise RequestRejectedError(
+                "this model embeds single texts; text pairs need a cross-encoder"
+            )
+        return self.pooling.tokenize_pair(first, second)
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         raise RequestRejectedError("an embedding model takes prompt or prompt_token_ids")
 
     def add_request(self, new: EngineRequest) -> None:
         if new.pooling is None:
             raise RequestRejectedError(
-                "this model serves embeddings; generation requests need a generating model"
+                f"this model serves {self.task.value} jobs; generation needs a generating model"
+            )
+        if (new.token_type_ids is None) == (self.task is JobKind.SCORE):
+            raise RequestRejectedError(
+                f"this model serves {self.task.value} jobs: "
+                + ("a text pair (prompt_pair)" if self.task is JobKind.SCORE else "one text")
             )
         arrival = new.arrival_time or time.monotonic()
-        self.pooling.add_request(PoolingRequest(new.request_id, new.prompt, new.pooling, arrival))
+        request = PoolingRequest(
+            new.request_id, new.prompt, new.pooling, arrival, token_type_ids=new.token_type_ids
+        )
+        self.pooling.add_request(request)
         self._arrivals[new.request_id] = arrival
 
     def abort(self, request_id: str) -> bool:

@@ -1,7 +1,8 @@
-"""vLLM's `POST /v1/score` and the Cohere/Jina-style `POST /v1/rerank` for embedding models:
-each distinct text becomes one embedding job (producer_api.routes.embeddings), and a pair's
-score is the cosine similarity of its two vectors (a bi-encoder's score). Cross-encoders score
-offline only (`LLM.score`)."""
+"""vLLM's `POST /v1/score` and the Cohere/Jina-style `POST /v1/rerank`. For a cross-encoder
+(its workers take score jobs) each pair is one score job, scored as sentence-transformers'
+CrossEncoder does (the sigmoid of its one logit); for an embedding model each distinct text is
+one embedding job (producer_api.routes.embeddings) and a pair's score is the cosine similarity
+of its two vectors (a bi-encoder's score)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from producer_api.admission import check_task, limits_of, model_and_context, submit_all
 from producer_api.deps import Caller, State
 from producer_api.errors import ApiError, error_responses
+from producer_api.prompt_check import check_prompt
 from producer_api.routes.embeddings import embed_inputs
-from producer_api.routes.openai import GENERATION_ERRORS
-from schemas import ErrorCode, Job
+from producer_api.routes.openai import GENERATION_ERRORS, wait_all
+from schemas import ErrorCode, Job, JobKind, JobRequest
 from schemas.jobs import MAX_PROMPT_CHARS
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=error_responses(401, 503))
@@ -70,6 +73,47 @@ def cosine(a: list[float], b: list[float]) -> float:
     return dot / norms if norms else 0.0
 
 
+def _sigmoid(logits: list[float]) -> float:
+    if len(logits) != 1:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST,
+            f"model: scores come from one-label cross-encoders (this one has {len(logits)})",
+            "model",
+        )
+    return 1.0 / (1.0 + math.exp(-logits[0]))
+
+
+async def _pair_scores(
+    state: State,
+    caller: Caller,
+    request: Request,
+    model: str,
+    firsts: list[tuple[str, str]],
+    seconds: list[tuple[str, str]],
+) -> tuple[list[float], int] | None:
+    """Each pair's cross-encoder score (one score job each) and the prompt tokens they took;
+    None where the model's workers are no cross-encoder (they embed, or none beats yet)."""
+    served, context = await model_and_context(state, model, allow_configured=False)
+    if served is None or JobKind.SCORE not in served.tasks:
+        return None
+    check_task(served, JobKind.SCORE)
+    limits = await limits_of(state, served, context)
+    requests = []
+    timeout_s = state.settings.request_timeout_s
+    for (first, param), (second, _) in zip(firsts, seconds, strict=True):
+        fields = {"model": model, "prompt": first, "prompt_pair": second, "pooling": {}}
+        job_request = JobRequest.model_validate({**fields, "timeout_s": timeout_s})
+        await check_prompt(job_request, limits, param)
+        requests.append(job_request)
+    jobs = await wait_all(state, request, await submit_all(state, caller, requests))
+    scores, tokens = [], 0
+    for job in jobs:
+        assert job.result is not None and job.result.embedding is not None
+        scores.append(_sigmoid(job.result.embedding))
+        tokens += job.result.usage.prompt_tokens
+    return scores, tokens
+
+
 async def _vectors(
     state: State, caller: Caller, request: Request, model: str, texts: list[tuple[str, str]]
 ) -> tuple[dict[str, list[float]], int]:
@@ -102,10 +146,16 @@ async def score(body: ScoreRequest, request: Request, state: State, caller: Call
             "as many as text_2)",
             "text_2",
         )
-    vectors, tokens = await _vectors(state, caller, request, body.model, firsts + seconds)
+    crossed = await _pair_scores(state, caller, request, body.model, firsts, seconds)
+    if crossed is not None:
+        scores, tokens = crossed
+    else:
+        vectors, tokens = await _vectors(state, caller, request, body.model, firsts + seconds)
+        scores = [
+            cosine(vectors[a], vectors[b]) for (a, _), (b, _) in zip(firsts, seconds, strict=True)
+        ]
     data = [
-        {"index": index, "object": "score", "score": cosine(vectors[a], vectors[b])}
-        for index, ((a, _), (b, _)) in enumerate(zip(firsts, seconds, strict=True))
+        {"index": index, "object": "score", "score": value} for index, value in enumerate(scores)
     ]
     return JSONResponse(
         {
@@ -125,11 +175,18 @@ async def rerank(
 ) -> JSONResponse:
     query = _texts(body.query, "query")
     documents = _texts(body.documents, "documents")
-    vectors, tokens = await _vectors(state, caller, request, body.model, query + documents)
+    crossed = await _pair_scores(
+        state, caller, request, body.model, query * len(documents), documents
+    )
+    if crossed is not None:
+        scores, tokens = crossed
+    else:
+        vectors, tokens = await _vectors(state, caller, request, body.model, query + documents)
+        scores = [cosine(vectors[body.query], vectors[text]) for text, _ in documents]
     ranked = sorted(
         (
-            (cosine(vectors[body.query], vectors[text]), index, text)
-            for index, (text, _) in enumerate(documents)
+            (score, index, text)
+            for index, (score, (text, _)) in enumerate(zip(scores, documents, strict=True))
         ),
         key=lambda item: (-item[0], item[1]),
     )

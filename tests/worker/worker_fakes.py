@@ -98,6 +98,9 @@ class FakeEngine:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- requests
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        raise RequestRejectedError("the fake engine scores no text pairs")
+
     def tokenize(self, text: str) -> list[int]:
         return [10 + (ord(ch) % (VOCAB - 10)) for ch in text]
 
