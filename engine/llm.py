@@ -47,12 +47,16 @@ class LLM(PoolingMethods):
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel replica now (else done at exit)."""
+        if self.pooling_engine is not None:
+            return  # a pooling model runs on this process alone
         ranks = self.engine.runner.tp_ranks
         if ranks is not None:
             ranks.stop()
 
     @property
     def tokenizer(self) -> Any:
+        if self.pooling_engine is not None:
+            return self.pooling_engine.tokenizer
         return self.engine.tokenizer
 
     def generate(

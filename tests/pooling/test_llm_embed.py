@@ -57,7 +57,7 @@ def test_minilm_alone_equals_sentence_transformers(
         (output,) = minilm_llm.embed(text, use_tqdm=False)
         vector = torch.tensor(output.outputs.embedding)
         assert cosine_distance(vector, st_reference[index]) < 1e-5
-        assert output.prompt_token_ids == minilm_llm.pooling_engine.tokenize(text)
+        assert output.prompt_token_ids == minilm_llm.tokenizer.encode(text)
 
 
 def test_runner_and_task_names_as_vllm(minilm_path: Path, st_reference: torch.Tensor) -> None:
@@ -111,6 +111,7 @@ def test_bad_inputs_are_refused(minilm_llm: LLM) -> None:
     with pytest.raises(RequestRejectedError, match="dimensions 385"):
         minilm_llm.embed("hi", PoolingParams(dimensions=385), use_tqdm=False)
     assert not minilm_llm.pooling_engine.has_unfinished()
+    minilm_llm.shutdown()  # nothing to stop: no tensor-parallel ranks
 
 
 @pytest.mark.parametrize("bare", [False, True], ids=["causal-lm-folder", "bare-model-folder"])
