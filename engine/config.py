@@ -43,6 +43,14 @@ class EngineConfig:
         Field(description="dummy: random weights of the model's config (benchmarks)"),
     ] = "auto"
     seed: Annotated[int, Field(description="seed of the random weights of load_format dummy")] = 0
+    runner: Annotated[
+        Literal["auto", "generate", "pooling"],
+        Field(
+            description="generate: text generation; pooling: embeddings (one pooled vector "
+            "per input, no KV cache kept); auto: pooling for sentence-transformers folders, "
+            "encoders (BERT family) and bare transformers, else generate"
+        ),
+    ] = "auto"
     quantization: Annotated[QuantizationName | None, Field(description=scheme_help())] = None
     quantization_group_size: Annotated[
         int,

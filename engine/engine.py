@@ -32,6 +32,7 @@ from engine.speculative.speculator import SpeculationCounts
 from engine.stop import StopRules
 from engine.structured import StructuredDecoding
 from engine.tokenizer import load_tokenizer, read_eos_token_ids
+from schemas.jobs import JobKind
 from schemas.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 class Engine:
     """Continuous-batching engine over a paged KV cache. Not thread-safe: drive it from one loop."""
+
+    task = JobKind.GENERATION  # what a worker serving it advertises (engine.pooling: embeddings)
+    embedding_size: int | None = None
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -109,6 +113,9 @@ class Engine:
             raise RequestRejectedError("this model has no tokenizer: pass prompt token ids")
         return self.tokenizer.encode(prompt)
 
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        raise RequestRejectedError("text pairs are scored by cross-encoders, not generated from")
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestRejectedError("this model has no chat template")
@@ -120,6 +127,10 @@ class Engine:
 
     def add_request(self, new: EngineRequest) -> None:
         """Queue a request (or refuse it with a RequestRejectedError)."""
+        if new.pooling is not None:
+            raise RequestRejectedError(
+                "this model generates text; embedding requests need an embedding model"
+            )
         requests = self.outputs.requests
         if new.request_id in requests:
             raise DuplicateRequestError(f"request {new.request_id!r} is already running")

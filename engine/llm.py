@@ -15,6 +15,8 @@ from engine.distributed.group import is_torchrun_executor
 from engine.engine import Engine
 from engine.engine_args import ENGINE_ARG_NAMES, EngineArgs
 from engine.outputs import EngineRequest, RequestOutput
+from engine.pooling.engine import PoolingEngine
+from engine.pooling_llm import PoolingMethods, pooling_config
 from engine.prompts import PromptType, parse_prompts
 from schemas.sampling import SamplingParams
 
@@ -30,29 +32,38 @@ def start_engine(config: EngineConfig) -> Engine:
     return Engine(config)
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Offline batch generation with continuous batching, e.g.
 
     >>> llm = LLM("SmolLM2-135M-Instruct")
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     """
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        """engine_args: EngineConfig's fields, or vLLM's names for them (engine.engine_args)."""
+    def __init__(self, model: str, task: str | None = None, **engine_args: Any) -> None:
+        """engine_args: EngineConfig's fields, or vLLM's names for them (engine.engine_args).
+        task: vLLM's older name of the runner ("embed" -> runner="pooling")."""
         unknown = set(engine_args) - ENGINE_ARG_NAMES
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        self.engine = start_engine(EngineArgs(model=model, **engine_args).create_engine_config())
+        config = EngineArgs(model=model, **engine_args).create_engine_config()
+        if pooling_config(config, task):  # embeddings: see engine.pooling_llm
+            self.pooling_engine = PoolingEngine(config)
+            return
+        self.engine = start_engine(config)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel replica now (else done at exit)."""
+        if self.pooling_engine is not None:
+            return  # a pooling model runs on this process alone
         ranks = self.engine.runner.tp_ranks
         if ranks is not None:
             ranks.stop()
 
     @property
     def tokenizer(self) -> Any:
+        if self.pooling_engine is not None:
+            return self.pooling_engine.tokenizer
         return self.engine.tokenizer
 
     def get_tokenizer(self) -> Any:

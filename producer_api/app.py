@@ -17,7 +17,16 @@ from producer_api.errors import error_response, install_error_handlers
 from producer_api.limits import BodySizeLimitMiddleware
 from producer_api.metrics import ApiMetrics, RequestMetricsMiddleware
 from producer_api.openapi import install_openapi
-from producer_api.routes import dashboard, generate, jobs, openai, ops, tokenize
+from producer_api.routes import (
+    dashboard,
+    embeddings,
+    generate,
+    jobs,
+    openai,
+    ops,
+    scores,
+    tokenize,
+)
 from producer_api.settings import ApiSettings
 from producer_api.state import open_state
 from schemas import ErrorBody, ErrorCode
@@ -55,6 +64,8 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     app.include_router(jobs.router)
     app.include_router(openai.router)
+    app.include_router(embeddings.router)  # OpenAI's /v1/embeddings (embedding jobs)
+    app.include_router(scores.router)  # /v1/score, /v1/rerank: cosine of embedding jobs
     app.include_router(generate.router)  # vLLM's simple /generate
     app.include_router(tokenize.router)  # vLLM's /tokenize, /detokenize, /version
     app.include_router(ops.router)

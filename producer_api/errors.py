@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 OPENAI_PATHS = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
     "/v1/models",
     "/v1/files",
     "/v1/batches",

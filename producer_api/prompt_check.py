@@ -61,7 +61,10 @@ async def check_prompt(
     if prompt_tokens is not None and truncate is not None:
         prompt_tokens = min(prompt_tokens, truncate)
     if prompt_tokens is not None and limits.context is not None:
-        _check_context(prompt_tokens, request.sampling.max_tokens, limits.context, param)
+        if request.pooling is not None:  # an embedding generates nothing: the input alone
+            _check_input(prompt_tokens, limits.context, param)
+        else:
+            _check_context(prompt_tokens, request.sampling.max_tokens, limits.context, param)
 
 
 def _check_vocabulary(ids: list[int], vocab_size: int | None, param: str) -> None:
@@ -101,6 +104,16 @@ def _check_context(prompt_tokens: int, max_tokens: int, context: int, param: str
         )
 
 
+def _check_input(input_tokens: int, context: int, param: str) -> None:
+    if input_tokens > context:
+        raise ApiError(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"{param}: this model embeds at most {context} tokens, the input has at least "
+            f"{input_tokens}. Shorten it.",
+            param,
+        )
+
+
 async def _least_prompt_tokens(request: JobRequest, limits: PromptLimits) -> int | None:
     """At least how many tokens the text prompt has, or None when it is not worth counting (no
     tokenizer, no context, or too short to matter)."""
@@ -109,12 +122,13 @@ async def _least_prompt_tokens(request: JobRequest, limits: PromptLimits) -> int
     if request.messages is not None:
         texts = [m.content for m in request.messages if m.role in _KEPT_ROLES]
     else:
-        texts = [request.prompt or ""]
+        texts = [request.prompt or "", *([request.prompt_pair] if request.prompt_pair else [])]
     # A token covers at least one byte of its text (plus one word-start marker per text at
     # most), so prompts this short fit and are not tokenized here; a tokenizer that broke the
     # rule would only leave the refusal to the worker.
     most = sum(len(text.encode()) + 1 for text in texts)
-    if most + request.sampling.max_tokens <= limits.context:
+    output = 0 if request.pooling is not None else request.sampling.max_tokens
+    if most + output <= limits.context:
         return None
     tokenizer = limits.tokenizer
     return await anyio.to_thread.run_sync(lambda: sum(tokenizer.count(t) for t in texts))

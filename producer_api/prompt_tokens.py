@@ -61,7 +61,11 @@ def _load(path: str) -> PromptTokenizer | None:
         log.info("tokenizer %s is not on this host: prompt lengths are left to the workers", path)
         return None
     try:
-        return PromptTokenizer(Tokenizer.from_file(str(file)))
+        tokenizer = Tokenizer.from_file(str(file))
+        # Counted whole: a tokenizer.json that truncates (sentence-transformers folders cut at
+        # 128 tokens) would hide an input too long for the model.
+        tokenizer.no_truncation()
+        return PromptTokenizer(tokenizer)
     except Exception as exc:  # a file this tokenizers version cannot read: the worker counts
         log.warning(
             "cannot load tokenizer %s (%s): prompt lengths are left to the workers", path, exc

@@ -55,6 +55,9 @@ class ApiSettings(RedisConnectionSettings, BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_n: int = Field(8, ge=1, le=MAX_N)
     max_prompts: int = Field(32, ge=1, description="prompts in one /v1/completions call")
+    max_embedding_inputs: int = Field(
+        2048, ge=1, description="inputs in one /v1/embeddings call (one job each)"
+    )
     default_max_tokens: int = Field(
         1024, ge=1, description="chat max_tokens when neither the request nor a context caps it"
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from schemas import RedisKeys, WorkerInfo
+from schemas import JobKind, RedisKeys, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ class ServedModel:
     quantizations: tuple[str | None, ...] = ()
     # the distinct architectures its workers serve it as, by name (none: workers too old to say)
     architectures: tuple[str, ...] = ()
+    tasks: frozenset[JobKind] = frozenset()  # the kinds of job its workers take
+    embedding_size: int | None = None  # the smallest vector size among its embedding workers
 
     @property
     def quantization(self) -> str | None:
@@ -55,6 +57,8 @@ class ServedModel:
             self.tokenizer_file or info.tokenizer_file,
             _distinct((*self.quantizations, info.quantization)),
             tuple(sorted({*self.architectures, *filter(None, [info.architecture])})),
+            self.tasks | {info.task},
+            _smallest(self.embedding_size, info.embedding_size),
         )
 
 

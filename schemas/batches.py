@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 BATCH_ID_PREFIX = "batch_"
 FILE_ID_PREFIX = "file-"
-BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 MAX_CUSTOM_ID_CHARS = 512
 MAX_BATCH_METADATA_PAIRS = 16
 # A batch line's job carries its batch id under this metadata key; the worker that ends the job
@@ -31,7 +31,7 @@ _WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([smh])$")
 _WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600}
 MAX_COMPLETION_WINDOW_S = 7 * 24 * 3600
 
-Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
+Endpoint = Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
 
 
 def new_batch_id() -> str:

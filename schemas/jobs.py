@@ -23,6 +23,7 @@ from pydantic import (
 
 from schemas.chunks import TokenId
 from schemas.errors import ErrorBody, field_error
+from schemas.pooling import PoolingParams
 from schemas.results import JobResult, as_utc
 from schemas.sampling import SamplingParams
 
@@ -105,6 +106,14 @@ class JobStatus(StrEnum):
         return self in TERMINAL_STATUSES
 
 
+class JobKind(StrEnum):
+    """What a job asks of a model; a worker serves the one kind its model supports."""
+
+    GENERATION = "generation"
+    EMBEDDING = "embedding"
+    SCORE = "score"  # a cross-encoder's scores of a text pair (prompt, prompt_pair)
+
+
 TERMINAL_STATUSES = frozenset(
     {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED}
 )
@@ -119,7 +128,9 @@ class ChatMessage(BaseModel):
 
 
 class JobRequest(BaseModel):
-    """A generation request. Give exactly one of `prompt`, `messages`, `prompt_token_ids`.
+    """A generation request, or an embedding request when `pooling` is given (one input: a
+    `prompt` or `prompt_token_ids`, pooled into one vector). Give exactly one of `prompt`,
+    `messages`, `prompt_token_ids`.
 
     `timeout_s` is an input convenience: validation turns it into the absolute `deadline`
     (now + timeout_s, UTC) and clears it, so a stored request always carries `deadline` only and
@@ -132,6 +143,15 @@ class JobRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     prompt_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKENS)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    pooling: PoolingParams | None = Field(
+        None, description="an embedding job: how its input is pooled into one vector"
+    )
+    prompt_pair: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_PROMPT_CHARS,
+        description="a score job: the second text a cross-encoder scores with `prompt`",
+    )
     stream: StrictBool = False
     priority: int = Field(PRIORITY_INTERACTIVE, ge=0, le=MAX_PRIORITY, strict=True)
     deadline: AwareDatetime | None = None
@@ -162,12 +182,22 @@ class JobRequest(BaseModel):
                 given[1] if len(given) > 1 else "prompt",
                 f"exactly one of prompt, messages, prompt_token_ids must be given (got {got})",
             )
+        if self.pooling is not None and self.messages is not None:
+            raise field_error("messages", "an embedding job takes prompt or prompt_token_ids")
+        if self.prompt_pair is not None and (self.pooling is None or self.prompt is None):
+            raise field_error("prompt_pair", "a text pair needs pooling and a prompt")
         if self.timeout_s is not None:
             if self.deadline is not None:
                 raise field_error("timeout_s", "give deadline or timeout_s, not both")
             self.deadline = utc_now() + timedelta(seconds=self.timeout_s)
             self.timeout_s = None
         return self
+
+    @property
+    def kind(self) -> JobKind:
+        if self.pooling is None:
+            return JobKind.GENERATION
+        return JobKind.EMBEDDING if self.prompt_pair is None else JobKind.SCORE
 
     @property
     def input_kind(self) -> Literal["prompt", "messages", "prompt_token_ids"]:

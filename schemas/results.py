@@ -120,15 +120,18 @@ class Timings(BaseModel):
 
 
 class JobResult(BaseModel):
-    """What a succeeded job produced; stored JSON-encoded in the job hash's `result` field."""
+    """What a succeeded job produced; stored JSON-encoded in the job hash's `result` field. An
+    embedding job has its vector in `embedding` (a score job: its cross-encoder's label logits)
+    and one empty choice (no tokens generated)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     choices: list[ChoiceResult] = Field(min_length=1)
     usage: Usage
     timings: Timings
     # With sampling.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    embedding: list[float] | None = None
 
     @model_validator(mode="after")
     def _choices_numbered(self) -> JobResult:

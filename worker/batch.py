@@ -198,7 +198,7 @@ class Batch:
         for held in ready:
             request = held.job.request
             try:
-                prompt_ids = self._prompt_ids(request)
+                prompt_ids, token_types = self._prompt_ids(request)
                 self.engine.add_request(
                     EngineRequest(
                         held.job_id,
@@ -206,6 +206,8 @@ class Batch:
                         request.sampling,
                         priority=request.priority,
                         prior_output_token_ids=held.prior_output_token_ids,
+                        pooling=request.pooling,
+                        token_type_ids=token_types,
                     )
                 )
             except RequestRejectedError as exc:
@@ -222,6 +224,7 @@ class Batch:
                 continue
             held.prompt_len = len(prompt_ids)
             held.prompt_ids = prompt_ids
+            held.token_type_ids = token_types
             held.in_engine = True
             held.started_at = utc_now()
             self.held[held.job_id] = held
@@ -254,6 +257,8 @@ class Batch:
                         request.sampling,
                         priority=request.priority,
                         prior_output_token_ids=held.prior_output_token_ids,
+                        pooling=request.pooling,
+                        token_type_ids=held.token_type_ids,
                     )
                 )
             except Exception as exc:
@@ -282,13 +287,16 @@ class Batch:
         attempts = held.job.attempts
         self.reject(Reject(held.entry_id, held.job_id, error, fields, attempts, held.queue_stream))
 
-    def _prompt_ids(self, request: JobRequest) -> list[int]:
+    def _prompt_ids(self, request: JobRequest) -> tuple[list[int], list[int] | None]:
+        """The prompt's token ids, and a text pair's token types (None for one input)."""
         if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
+            return list(request.prompt_token_ids), None
         if request.messages is not None:
             messages = [m.model_dump(exclude_none=True) for m in request.messages]
-            return self.engine.apply_chat_template(messages)
-        return self.engine.tokenize(request.prompt or "")
+            return self.engine.apply_chat_template(messages), None
+        if request.prompt_pair is not None:
+            return self.engine.tokenize_pair(request.prompt or "", request.prompt_pair)
+        return self.engine.tokenize(request.prompt or ""), None
 
     def _learn_size(self, prompt_len: int, max_tokens: int) -> None:
         w = _ESTIMATE_WEIGHT

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from engine.outputs import EngineRequest, EngineStats, RequestDelta
+from schemas.jobs import JobKind
 
 if TYPE_CHECKING:
     from worker.settings import WorkerSettings
@@ -27,8 +28,14 @@ class EngineLike(Protocol):
     quantization: str | None  # the weight quantization in use; None: full precision
     weight_bytes: int  # bytes the loaded weights take
     architecture: str | None  # the architecture the model is served as; None: unknown
+    task: JobKind  # the one kind of job it runs (advertised, so the API refuses the other)
+    embedding_size: int | None  # an embedding engine's vector size; None for generation
 
     def tokenize(self, text: str) -> list[int]: ...
+
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A text pair as one input: (token ids, token type ids)."""
+        ...
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
 
@@ -53,5 +60,11 @@ def build_engine(settings: WorkerSettings) -> EngineLike:
         factory = getattr(importlib.import_module(module_name), function_name or "build_engine")
         return factory(settings)
     from engine import Engine
+    from engine.pooling_llm import pooling_config
 
-    return Engine(settings.engine_config())
+    config = settings.engine_config()
+    if pooling_config(config, task=None):
+        from worker.pooling_engine import PoolingWorkerEngine
+
+        return PoolingWorkerEngine(config)
+    return Engine(config)

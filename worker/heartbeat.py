@@ -16,7 +16,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from engine.outputs import EngineStats
-from schemas import RedisKeys, WorkerInfo, utc_now
+from schemas import JobKind, RedisKeys, WorkerInfo, utc_now
 from schemas.workers import LIVE_STATS_MAXLEN, LIVE_STATS_WINDOW_S, TokenSample, TtftSample
 
 MAX_BUFFERED_TTFTS = 10_000  # TTFTs kept while Redis is away (the oldest are dropped)
@@ -68,13 +68,16 @@ async def beat(
     quantization: str | None = None,
     weight_bytes: int | None = None,
     architecture: str | None = None,
+    task: JobKind = JobKind.GENERATION,
+    embedding_size: int | None = None,
     ttfts: Iterable[TtftSample] = (),
 ) -> WorkerInfo:
     """Write one heartbeat from an EngineStats snapshot, with the model's live-stats samples, in
     one round trip (a MULTI/EXEC transaction). `max_model_len` (the context length), `vocab_size`
     and `tokenizer_file` let the API refuse over-long prompts and unknown token ids at the door;
     `quantization` (None: full precision), `weight_bytes` and `architecture` (e.g.
-    "Qwen3ForCausalLM") tell operators what the worker runs."""
+    "Qwen3ForCausalLM") tell operators what the worker runs; `task` and `embedding_size` which
+    kind of job it takes (and how many dimensions)."""
     info = WorkerInfo(
         name=name,
         model=model,
@@ -89,6 +92,8 @@ async def beat(
         quantization=quantization,
         weight_bytes=weight_bytes,
         architecture=architecture,
+        task=task,
+        embedding_size=embedding_size,
         prompt_tokens=max(0, stats.num_prompt_tokens_computed),
         generated_tokens=max(0, stats.num_generation_tokens),
         started_at=started_at,

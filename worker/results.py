@@ -29,7 +29,13 @@ def job_result(
         prompt_logprobs = [
             None if item is None else convert_logprobs([item])[0] for item in output.prompt_logprobs
         ]
-    return JobResult(choices=choices, usage=usage, timings=timings, prompt_logprobs=prompt_logprobs)
+    return JobResult(
+        choices=choices,
+        usage=usage,
+        timings=timings,
+        prompt_logprobs=prompt_logprobs,
+        embedding=output.embedding,
+    )
 
 
 def _choice_result(completion: CompletionOutput, earlier: ChoiceState) -> ChoiceResult:

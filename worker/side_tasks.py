@@ -90,6 +90,8 @@ class SideTasks:
                 quantization=self.engine.quantization,
                 weight_bytes=self.engine.weight_bytes,
                 architecture=self.engine.architecture,
+                task=self.engine.task,
+                embedding_size=self.engine.embedding_size,
                 ttfts=ttfts,
             )
         except BaseException:

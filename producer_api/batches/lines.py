@@ -15,6 +15,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from producer_api.errors import ApiError
+from producer_api.openai_embeddings import (
+    EmbeddingRequest,
+    embedding_inputs,
+    embedding_job,
+    embeddings_body,
+)
 from producer_api.openai_jobs import (
     chat_job,
     chat_max_tokens,
@@ -36,13 +42,15 @@ from schemas import (
 )
 from schemas.batches import BATCH_ID_METADATA, error_line, output_line
 from schemas.errors import error_from_validation
+from schemas.pooling import PoolingParams
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _PLACEHOLDER_TIMEOUT_S = 3600.0  # replaced by the batch's own deadline
 
-OpenAIRequest = CompletionRequest | ChatCompletionRequest
+OpenAIRequest = CompletionRequest | ChatCompletionRequest | EmbeddingRequest
 
 
 @dataclass
@@ -111,13 +119,21 @@ def line_request(
 ) -> tuple[OpenAIRequest, JobRequest]:
     """The OpenAI request and the job request of one line's body (ApiError when invalid)."""
     try:
-        if endpoint == COMPLETIONS:
+        if endpoint == EMBEDDINGS:
+            embedding = EmbeddingRequest.model_validate(body)
+        elif endpoint == COMPLETIONS:
             completion = CompletionRequest.model_validate(body)
         else:
             chat = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         error = error_from_validation(exc)
         raise ApiError(error.code, error.message, error.param) from exc
+    if endpoint == EMBEDDINGS:
+        ((item, param),) = embedding_inputs(embedding, limit=1)  # a line: one input, one job
+        pooling = PoolingParams(dimensions=embedding.dimensions)
+        return embedding, embedding_job(
+            embedding.model, item, pooling, _PLACEHOLDER_TIMEOUT_S, param
+        )
     if endpoint == COMPLETIONS:
         _no_stream(completion.stream)
         check_completion(completion)
@@ -154,10 +170,14 @@ def batch_job_request(
 
 def prompt_param(line: ParsedLine) -> str:
     """Where a line's prompt is, as the error file names fields."""
+    if isinstance(line.openai, EmbeddingRequest):
+        return "body.input"
     return "body.prompt" if isinstance(line.openai, CompletionRequest) else "body.messages"
 
 
 def response_body(openai: OpenAIRequest, job: Job) -> dict[str, Any]:
+    if isinstance(openai, EmbeddingRequest):
+        return embeddings_body(openai, [job])
     if isinstance(openai, CompletionRequest):
         return completion_body(openai, [job])
     return chat_body(openai, job)

@@ -3,11 +3,14 @@ blocking wrapper rely on."""
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any, Self
 
-from schemas import Job, JobRequest, TokenChunk
+from producer_api.queue import QueueError
+from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus, TokenChunk
+from schemas.pooling import PoolingParams
 
 
 def as_request(
@@ -70,8 +73,39 @@ class AsyncJobClient(ABC):
         job = await self.enqueue(request, **fields)
         return await self.wait(job.id, timeout=timeout)
 
+    async def embed(
+        self,
+        model: str,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> list[list[float]]:
+        """Embed each input (a text or token ids) as one embedding job of `model`; the vectors
+        in input order. A job that does not succeed raises its error as a QueueError."""
+        items = [inputs] if isinstance(inputs, str) else list(inputs)
+        pooling = PoolingParams(dimensions=dimensions)
+        jobs = []
+        for item in items:
+            given = {"prompt": item} if isinstance(item, str) else {"prompt_token_ids": list(item)}
+            jobs.append(await self.enqueue(model=model, pooling=pooling, **given, **fields))
+        finished = await asyncio.gather(*(self.wait(job.id, timeout=timeout) for job in jobs))
+        vectors = []
+        for job in finished:
+            if job.status is not JobStatus.SUCCEEDED or job.result is None:
+                raise QueueError(job.error or _unfinished(job))
+            assert job.result.embedding is not None
+            vectors.append(job.result.embedding)
+        return vectors
+
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _unfinished(job: Job) -> ErrorBody:
+    code = ErrorCode.DEADLINE_EXCEEDED if not job.status.is_terminal else ErrorCode.CANCELLED
+    return ErrorBody.of(code, f"job {job.id} ended as {job.status.value}")

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Generic, Self, TypeVar
 
@@ -132,6 +132,19 @@ class BlockingClient(Generic[C]):
         **fields: Any,
     ) -> Job:
         return self._loop.call(self.async_client.run(request, timeout=timeout, **fields))
+
+    def embed(
+        self,
+        model: str,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        timeout: float | None = None,
+        **fields: Any,
+    ) -> list[list[float]]:
+        return self._loop.call(
+            self.async_client.embed(model, inputs, dimensions=dimensions, timeout=timeout, **fields)
+        )
 
     def close(self) -> None:
         """Close open streams and the async client, and end the thread."""

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from producer_api import queue
 from producer_api.admission import (
     check_n,
+    check_task,
     limits_of,
     model_and_context,
     resolve_max_tokens,
@@ -60,6 +61,7 @@ async def create_job(
                 ErrorCode.INVALID_REQUEST, f"Idempotency-Key: {exc}", "Idempotency-Key"
             ) from exc
     served, context = await model_and_context(state, body.model, allow_configured=True)
+    check_task(served, body.kind)
     check_n(state, body.sampling.n, "sampling.n")
     check_n(state, body.sampling.num_candidates, "sampling.best_of")
     resolve_max_tokens(state, body.sampling.max_tokens, context, "sampling.max_tokens")

@@ -124,7 +124,7 @@ def test_bad_uploads_are_400_with_a_reason(batch_stack: BatchStack, files, data,
 def test_bad_batch_requests_are_400(batch_stack: BatchStack):
     file_id = batch_stack.upload(completion_line("a", "b"))["id"]
     cases = [
-        ({"input_file_id": file_id, "endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"input_file_id": file_id, "endpoint": "/v1/moderations"}, "endpoint"),
         (
             {"input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "1y"},
             "completion_window",

@@ -111,6 +111,54 @@ def test_up_answers_a_completion_and_stops_cleanly(tmp_path):
     assert not answers(api_port) and not answers(redis_port) and not answers(grpc_port)
 
 
+@pytest.mark.slow
+def test_up_serves_the_embedding_model_beside(tmp_path):
+    from engine.model_files import ModelNotFoundError, resolve_model_path
+
+    try:
+        resolve_model_path("all-MiniLM-L6-v2")
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    api_port, redis_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("INFERQ_API_KEYS",)}
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "cli", "--log-level", "warning", "up", "--no-worker",
+            "--no-grpc", "--embedding-model", "all-MiniLM-L6-v2",
+            "--port", str(api_port), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+            "--data-dir", str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    output: list[str] = []
+    try:
+        give_up = time.monotonic() + 300
+        assert process.stdout is not None
+        while not any("Ctrl-C stops everything" in line for line in output):
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "".join(output)
+            output.append(line)
+            assert time.monotonic() < give_up, "".join(output)
+        assert "/v1/embeddings" in "".join(output)
+        response = httpx.post(
+            f"http://127.0.0.1:{api_port}/v1/embeddings",
+            json={"model": "all-MiniLM-L6-v2", "input": ["Hello", "world"]},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        assert [len(item["embedding"]) for item in response.json()["data"]] == [384, 384]
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, "".join(output) + rest
+    assert "embedding-worker stopped cleanly" in rest, rest
+
+
 def _grpc_completion(port: int):
     """The issue's example request, through the gRPC server `inferq up` started."""
     from producer_api.grpc.stubs import inference_pb2, inference_pb2_grpc

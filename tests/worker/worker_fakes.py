@@ -27,6 +27,7 @@ from pathlib import Path
 
 from engine import outputs
 from engine.errors import ContextLengthExceededError, InvalidTokenIdError, RequestRejectedError
+from schemas.jobs import JobKind
 from schemas.sampling import SamplingParams
 
 VOCAB = 1000
@@ -83,6 +84,8 @@ class FakeEngine:
     quantization: str | None = None  # what it says it runs (the heartbeat carries it)
     weight_bytes: int = 0
     architecture: str | None = None  # the architecture it says it serves the model as
+    task: JobKind = JobKind.GENERATION
+    embedding_size: int | None = None
     step_seconds: float = 0.0
     fail_on_prompt_token: int | None = None  # a prompt holding this id makes step() raise
     fail_after_tokens: int = 0  # ... once its sequence has generated this many tokens
@@ -96,6 +99,9 @@ class FakeEngine:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- requests
+    def tokenize_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        raise RequestRejectedError("the fake engine scores no text pairs")
+
     def tokenize(self, text: str) -> list[int]:
         return [10 + (ord(ch) % (VOCAB - 10)) for ch in text]
 

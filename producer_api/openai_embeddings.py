@@ -1,0 +1,89 @@
+"""OpenAI's embeddings request and response shapes, and each input's job: shared by the live
+`POST /v1/embeddings` and the Batch API's `/v1/embeddings` lines, so both run the same jobs."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from producer_api.errors import ApiError
+from schemas import ErrorCode, Job, JobRequest
+from schemas.chunks import TokenId
+from schemas.jobs import MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS
+from schemas.pooling import PoolingParams
+
+Text = str
+TokenIds = list[TokenId]
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256)
+    input: Text | list[Text] | TokenIds | list[TokenIds] = Field(
+        description="a text, a list of texts, token ids, or a list of token-id lists"
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(
+        None, ge=1, description="keep the first this many dimensions (Matryoshka models)"
+    )
+    user: str | None = Field(None, max_length=256)
+
+
+def embedding_inputs(body: EmbeddingRequest, limit: int) -> list[tuple[str | list[int], str]]:
+    """Each input and the request field it came from; 400 naming the field for an empty one."""
+    given = body.input
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        inputs: list[str | list[int]] = [given]  # type: ignore[list-item]
+        params = ["input"]
+    else:
+        inputs = list(given)  # type: ignore[arg-type]
+        params = [f"input.{index}" for index in range(len(inputs))]
+    if not inputs:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "input: give at least one input", "input")
+    if len(inputs) > limit:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, f"input: at most {limit} inputs in one request", "input"
+        )
+    for item, param in zip(inputs, params, strict=True):
+        if not item:
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"{param}: the input is empty", param)
+        if isinstance(item, str) and len(item) > MAX_PROMPT_CHARS:
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"{param}: the input is too long", param)
+        if isinstance(item, list) and len(item) > MAX_PROMPT_TOKENS:
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"{param}: the input is too long", param)
+    return list(zip(inputs, params, strict=True))
+
+
+def embedding_job(
+    model: str, item: str | list[int], pooling: PoolingParams, timeout_s: float, param: str
+) -> JobRequest:
+    fields: dict[str, Any] = {"model": model, "pooling": pooling, "timeout_s": timeout_s}
+    fields["prompt" if isinstance(item, str) else "prompt_token_ids"] = item
+    try:
+        return JobRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"{param}: {exc}", param) from exc
+
+
+def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def embeddings_body(body: EmbeddingRequest, jobs: list[Job]) -> dict[str, Any]:
+    """OpenAI's answer for the finished jobs of the request's inputs, in input order."""
+    data = []
+    prompt_tokens = 0
+    for index, job in enumerate(jobs):
+        result = job.result
+        assert result is not None and result.embedding is not None
+        prompt_tokens += result.usage.prompt_tokens
+        vector = encode_vector(result.embedding, body.encoding_format)
+        data.append({"object": "embedding", "index": index, "embedding": vector})
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    return {"object": "list", "data": data, "model": body.model, "usage": usage}

@@ -1,0 +1,201 @@
+"""POST /v1/embeddings against the real system: uvicorn, a real Redis and a real worker process
+(`inferq worker`) on the shipped MiniLM, driven by the official `openai` package. The vectors
+must equal sentence-transformers' own; bad inputs are refused with a 400 naming the field
+before anything is queued."""
+
+from __future__ import annotations
+
+import base64
+import os
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+from redis import Redis
+
+from schemas import RedisKeys
+from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack, auth
+from tests.conftest import _started_server
+
+MODEL = "all-MiniLM-L6-v2"
+GENERATOR = "some-generator"  # only a heartbeat: a generation model's live worker
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Queues never lose a line.", "a"]
+READY_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def reference() -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    from engine.model_files import ModelNotFoundError, resolve_model_path
+
+    try:
+        path = resolve_model_path(MODEL)
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    return torch.from_numpy(SentenceTransformer(str(path), device="cpu").encode(TEXTS))
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory, reference) -> Iterator[Stack]:
+    server = _started_server(tmp_path_factory.mktemp("redis-embed"))
+    worker = subprocess.Popen(
+        [
+            sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", MODEL,
+            "--redis-url", server.url,
+        ],
+        env={**os.environ, "INFERQ_NUM_THREADS": os.environ.get("INFERQ_NUM_THREADS", "1")},
+    )  # fmt: skip
+    bg = BackgroundLoop()
+    stack = Stack(server.url, bg)
+    try:
+        api = stack.api(models=[])
+        give_up = time.monotonic() + READY_TIMEOUT_S
+        with httpx.Client(base_url=api.url) as http:
+            while http.get("/ready").status_code != 200:
+                assert worker.poll() is None, "the worker exited during start-up"
+                assert time.monotonic() < give_up, "the worker did not come up"
+                time.sleep(0.5)
+        stack.heartbeat(GENERATOR)
+        yield stack
+    finally:
+        stack.close()
+        bg.close()
+        worker.terminate()
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        server.kill()
+
+
+@pytest.fixture
+def http(system: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=system.servers[0].url, headers=auth(), timeout=120) as client:
+        yield client
+
+
+def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return 1 - F.cosine_similarity(a.double(), b.double(), dim=-1)
+
+
+def test_openai_client_embeddings_equal_sentence_transformers(system, reference) -> None:
+    with openai.OpenAI(
+        base_url=system.servers[0].url + "/v1", api_key=ALICE_KEY, max_retries=0, timeout=120
+    ) as sdk:
+        response = sdk.embeddings.create(model=MODEL, input=TEXTS)  # base64 on the wire
+        alone = sdk.embeddings.create(model=MODEL, input=TEXTS[1], encoding_format="float")
+    ours = torch.tensor([item.embedding for item in response.data])
+    assert [item.index for item in response.data] == [0, 1, 2]
+    assert cosine_distance(ours, reference).max() < 1e-5
+    assert cosine_distance(torch.tensor(alone.data[0].embedding), reference[1]) < 1e-5
+    assert response.usage.prompt_tokens == response.usage.total_tokens > len(TEXTS)
+
+
+def test_float_base64_token_ids_and_dimensions(http: httpx.Client, reference) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.model_files import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(MODEL))
+    ids = [tokenizer.encode(text) for text in TEXTS[:2]]
+    body = {"model": MODEL, "input": ids, "encoding_format": "float"}
+    floats = http.post("/v1/embeddings", json=body).json()
+    vectors = torch.tensor([item["embedding"] for item in floats["data"]])
+    assert cosine_distance(vectors, reference[:2]).max() < 1e-5
+    assert floats["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+    packed = http.post(
+        "/v1/embeddings", json={**body, "encoding_format": "base64", "dimensions": 32}
+    ).json()
+    raw = base64.b64decode(packed["data"][0]["embedding"])
+    short = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert short.shape == (32,)
+    assert cosine_distance(short, F.normalize(reference[0][:32], dim=0)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": ["fine", ""]}, "input.1", "empty"),
+        ({"input": []}, "input", "at least one"),
+        ({"input": "word " * 600}, "input", "at most 256"),
+        ({"input": "hi", "dimensions": 385}, "dimensions", "384"),
+        ({"input": [[1, 2], [40000]]}, "input.1.0", "vocabulary"),
+    ],
+)
+def test_bad_inputs_are_refused_before_queueing(
+    system: Stack, http: httpx.Client, body: dict, param: str, words: str
+) -> None:
+    redis = Redis.from_url(system.redis_url)
+    queued = redis.xlen(RedisKeys().jobs_stream(MODEL))
+    response = http.post("/v1/embeddings", json={"model": MODEL, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert words in error["message"]
+    assert redis.xlen(RedisKeys().jobs_stream(MODEL)) == queued
+    redis.close()
+
+
+def test_wrong_task_is_refused_naming_it(http: httpx.Client) -> None:
+    generate = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert generate.status_code == 400
+    assert generate.json()["error"]["param"] == "model"
+    assert "serves embedding jobs, not generation" in generate.json()["error"]["message"]
+    embed = http.post("/v1/embeddings", json={"model": GENERATOR, "input": "hi"})
+    assert embed.status_code == 400
+    assert "serves generation jobs, not embedding" in embed.json()["error"]["message"]
+
+
+def test_jobs_api_embedding_job(http: httpx.Client, reference) -> None:
+    created = http.post("/v1/jobs", json={"model": MODEL, "prompt": TEXTS[0], "pooling": {}})
+    assert created.status_code == 202, created.text
+    job_id = created.json()["id"]
+    done = http.get(f"/v1/jobs/{job_id}/wait", params={"timeout": 60}).json()
+    assert done["status"] == "succeeded"
+    vector = torch.tensor(done["result"]["embedding"])
+    assert cosine_distance(vector, reference[0]) < 1e-5
+
+
+@pytest.mark.parametrize("transport", ["http", "redis"])
+def test_python_client_embed(system: Stack, reference, transport: str) -> None:
+    from producer_api.client import Client, QueueError
+
+    url = system.servers[0].url if transport == "http" else system.redis_url
+    with Client(url, api_key=ALICE_KEY) as client:
+        vectors = torch.tensor(client.embed(MODEL, TEXTS, timeout=60))
+        assert cosine_distance(vectors, reference).max() < 1e-5
+        (short,) = client.embed(MODEL, TEXTS[0], dimensions=16, timeout=60)
+        assert len(short) == 16
+        if transport == "redis":  # straight into the queue: the worker refuses it
+            with pytest.raises(QueueError, match="at most 256"):
+                client.embed(MODEL, "word " * 600, timeout=60)
+
+
+def test_score_and_rerank_are_cosines_of_the_embeddings(http: httpx.Client, reference) -> None:
+    scored = http.post(
+        "/v1/score", json={"model": MODEL, "text_1": TEXTS[0], "text_2": TEXTS[1:]}
+    ).json()
+    expected = F.cosine_similarity(reference[0:1], reference[1:])
+    got = torch.tensor([item["score"] for item in scored["data"]])
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert scored["usage"]["prompt_tokens"] > 0
+    reranked = http.post(
+        "/v1/rerank",
+        json={"model": MODEL, "query": TEXTS[0], "documents": TEXTS[1:], "top_n": 1},
+    ).json()
+    (best,) = reranked["results"]
+    assert best["index"] == int(expected.argmax())
+    assert best["document"]["text"] == TEXTS[1 + best["index"]]
+    assert abs(best["relevance_score"] - expected.max().item()) < 1e-5
+    bad = http.post("/v1/score", json={"model": MODEL, "text_1": ["a", "b"], "text_2": ["c"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    empty = http.post("/v1/rerank", json={"model": MODEL, "query": "q", "documents": ["d", ""]})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents.1"
