@@ -34,7 +34,7 @@ from schemas import (
 from schemas.chunks import REPLAY_FIELD, ChunkWrite
 from schemas.keys import DEAD_LETTER_MAXLEN, FIRST_STEP_TTL_S, JOB_ENTRY_FIELD
 from schemas.redis_connection import ReplicaWait
-from schemas.redis_scripts import CHUNKS_SCRIPT, chunks_call
+from schemas.redis_scripts import chunk_script_calls, job_channel_script
 from worker.logs import log_event
 from worker.replay_log import ReplayLog
 
@@ -109,7 +109,8 @@ class Outbox:
             if on_done is not None:
                 on_done(*transition_applied(reply))
 
-        command = ("EVAL", TRANSITION_SCRIPT, 2, *script_keys, *args)
+        script = job_channel_script(TRANSITION_SCRIPT, self.keys)
+        command = ("EVAL", script, 2, *script_keys, *args)
         self.ops.append(_Op([command], handle, job_id=job_id))
 
     def mark_first_step(self, job_ids: list[str]) -> None:
@@ -191,7 +192,7 @@ class Outbox:
             return 0
         batch, self.ops = self.ops, []
         self._in_flight = batch
-        units = _units(self._with_replica_wait(batch))
+        units = _units(self._with_replica_wait(batch), self.keys)
         try:
             async with redis.pipeline(transaction=False) as pipe:
                 for commands, _ in units:
@@ -241,7 +242,7 @@ class Outbox:
         return [*batch[:first_ack], op, *batch[first_ack:]]
 
 
-def _units(batch: list[_Op]) -> list[tuple[list[tuple[Any, ...]], Reply | None]]:
+def _units(batch: list[_Op], keys: RedisKeys) -> list[tuple[list[tuple[Any, ...]], Reply | None]]:
     """Commands to send, in order, each run of consecutive chunk ops folded into one EVAL."""
     units: list[tuple[list[tuple[Any, ...]], Reply | None]] = []
     run: list[ChunkWrite] = []
@@ -250,17 +251,20 @@ def _units(batch: list[_Op]) -> list[tuple[list[tuple[Any, ...]], Reply | None]]
             run.append(op.chunk)
             continue
         if run:
-            units.append(_chunk_run(run))
+            units += _chunk_run(run, keys)
             run = []
         units.append((op.commands, op.on_reply))
     if run:
-        units.append(_chunk_run(run))
+        units += _chunk_run(run, keys)
     return units
 
 
-def _chunk_run(run: list[ChunkWrite]) -> tuple[list[tuple[Any, ...]], Reply]:
-    keys, args = chunks_call(run, OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD)
-    return [("EVAL", CHUNKS_SCRIPT, len(keys), *keys, *args)], _check_chunk_reply
+def _chunk_run(run: list[ChunkWrite], keys: RedisKeys) -> list[tuple[list[tuple[Any, ...]], Reply]]:
+    calls = chunk_script_calls(run, keys, OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD)
+    return [
+        ([("EVAL", script, len(script_keys), *script_keys, *args)], _check_chunk_reply)
+        for script, script_keys, args in calls
+    ]
 
 
 def _check_chunk_reply(replies: list[Any]) -> None:

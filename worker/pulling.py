@@ -44,7 +44,7 @@ class EntryPuller:
         self.settings = settings
         self.name = settings.name
         self.reader = reader
-        self.pacing = ReadPacing(settings.bulk_max_held, reader.bulk_stream)
+        self.pacing = ReadPacing(settings.bulk_max_held, reader.bulk_streams)
         self.crash_policy = CrashPolicy(settings.max_attempts, settings.max_crash_resumes)
         self.batch = batch
         self.outbox = outbox
@@ -65,6 +65,7 @@ class EntryPuller:
     def note_arrival(self) -> None:
         """The arrivals channel said a new entry came."""
         self._arrivals = True
+        self.reader.arrived.set()
 
     def may_have_new(self) -> bool:
         return self._arrivals or time.monotonic() >= self._next_unprompted_read

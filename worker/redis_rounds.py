@@ -106,7 +106,12 @@ class RedisRounds:
         moved = master is not None and self._master is not None and master != self._master
         if self.backoff.failures or moved:
             sent = await refill(
-                self.redis, self.outbox.replay, OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S, REPLAY_FIELD
+                self.redis,
+                self.outbox.replay,
+                OUT_STREAM_MAXLEN,
+                OUT_STREAM_TTL_S,
+                REPLAY_FIELD,
+                self.outbox.keys,
             )
             if sent:
                 self.metrics.chunks_republished.labels(self.model).inc(sent)

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 from redis.asyncio import Redis
 
 from redis_io.scripts import run_script
-from schemas import chunk_index_from_stream_id
+from schemas import RedisKeys, chunk_index_from_stream_id
 from schemas.chunks import ChunkWrite
-from schemas.redis_scripts import CHUNKS_SCRIPT, chunks_call
+from schemas.redis_scripts import chunk_script_calls
 from worker.logs import log_event
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,14 @@ class ReplayLog:
         return [w for w in self._by_job.get(job_id, []) if w.index > last_index]
 
 
-async def refill(redis: Redis, log: ReplayLog, maxlen: int, ttl_s: int, field_name: str) -> int:
+async def refill(
+    redis: Redis,
+    log: ReplayLog,
+    maxlen: int,
+    ttl_s: int,
+    field_name: str,
+    keys: RedisKeys | None = None,
+) -> int:
     """Re-publish every logged chunk its replay stream lacks (two round trips); returns how
     many chunks went out again."""
     streams = log.streams()
@@ -72,6 +79,9 @@ async def refill(redis: Redis, log: ReplayLog, maxlen: int, ttl_s: int, field_na
         return 0
     jobs = len({write.job_id for write in missing})
     log_event(logger, logging.WARNING, "replay_streams_refilled", jobs=jobs, chunks=len(missing))
-    keys, args = chunks_call([replace(w, set_ttl=True) for w in missing], maxlen, ttl_s, field_name)
-    await run_script(redis, CHUNKS_SCRIPT, keys, args)
+    writes = [replace(w, set_ttl=True) for w in missing]
+    for script, script_keys, args in chunk_script_calls(
+        writes, keys or RedisKeys(), maxlen, ttl_s, field_name
+    ):
+        await run_script(redis, script, script_keys, args)
     return len(missing)

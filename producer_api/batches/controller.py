@@ -135,7 +135,7 @@ async def startup(ctx: dict[str, Any]) -> None:
     quiet_resume_cron_logs()
     settings = BatchControllerSettings()
     ctx["settings"] = settings
-    ctx["keys"] = RedisKeys(settings.prefix)
+    ctx["keys"] = settings.redis_keys(settings.prefix)
     ctx["tokenizers"] = TokenizerCache()  # loaded once per controller process
     ctx["inferq_redis"] = redis_client(settings)
     await resume_batches(ctx)
