@@ -229,6 +229,11 @@ class RedisKeys:
         """Every partition of the model's bulk stream."""
         return [self.bulk_stream(model, k) for k in range(self.partitions)]
 
+    def queue_stream_patterns(self) -> dict[str, str]:
+        """SCAN patterns of every model's jobs ("jobs") and bulk ("bulk") streams, partitions
+        included (`model_of_jobs_stream` names the model of each)."""
+        return {"jobs": f"{self.prefix}:jobs:*", "bulk": f"{self.prefix}:bulk:*"}
+
     def jobs_stream_pattern(self) -> str:
         """SCAN pattern matching every model's jobs stream."""
         return f"{self.prefix}:jobs:*"

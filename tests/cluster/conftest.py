@@ -19,6 +19,7 @@ import pytest
 from tests.conftest import RedisServer, find_redis_binary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))  # worker_fakes, harness
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cluster_helpers
 
 PRIMARIES = 3
 NODE_TIMEOUT_MS = 1000

@@ -6,30 +6,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from cluster_helpers import MODEL, cluster_settings, collect, replay
 from worker_fakes import FakeEngine, expected_output
 from worker_harness import running_worker
 
 from producer_api.client.redis_client import AsyncRedisClient
 from redis_io.clients import redis_client
-from schemas import JobStatus, TokenChunk
-from schemas.chunks import REPLAY_FIELD
-from schemas.redis_connection import RedisConnectionSettings
+from schemas import JobStatus
 
 pytestmark = pytest.mark.anyio
-MODEL = "fake-model"
-
-
-def cluster_settings(url: str) -> RedisConnectionSettings:
-    return RedisConnectionSettings(redis_url=url, redis_cluster=True)
-
-
-async def replay(client: AsyncRedisClient, job_id: str) -> list[TokenChunk]:
-    entries = await client.redis.xrange(client.keys.out_stream(job_id), "-", "+")
-    out = []
-    for _, fields in entries:
-        raw = fields.get(REPLAY_FIELD, fields.get(REPLAY_FIELD.encode()))
-        out.append(TokenChunk.from_json(raw))
-    return out
 
 
 async def test_jobs_stream_and_finish_on_every_shard(cluster_url, redis_cluster):
@@ -53,7 +38,7 @@ async def test_jobs_stream_and_finish_on_every_shard(cluster_url, redis_cluster)
         partitions = {keys.queue_stream(MODEL, 0, job.id) for job in jobs}
         assert len({redis_cluster.primary_of(p).port for p in partitions}) > 1
         streamed = await asyncio.gather(
-            *[asyncio.wait_for(_collect(client, job.id), 30) for job in jobs]
+            *[asyncio.wait_for(collect(client, job.id), 30) for job in jobs]
         )
         for job, chunks in zip(jobs, streamed, strict=True):
             done = await client.wait(job.id, timeout=20)
@@ -72,10 +57,6 @@ async def test_jobs_stream_and_finish_on_every_shard(cluster_url, redis_cluster)
             assert await client.redis.xlen(stream) == 0
 
 
-async def _collect(client: AsyncRedisClient, job_id: str) -> list[TokenChunk]:
-    return [chunk async for chunk in client.stream(job_id)]
-
-
 async def test_a_live_subscriber_hears_chunks_on_the_jobs_shard(cluster_url):
     # The waiting call subscribes (sharded) before the job runs, and returns on the final chunk.
     settings = cluster_settings(cluster_url)
@@ -87,7 +68,7 @@ async def test_a_live_subscriber_hears_chunks_on_the_jobs_shard(cluster_url):
         job = await client.enqueue(
             model=MODEL, prompt_token_ids=[5, 6, 7], stream=True, sampling={"max_tokens": 6}
         )
-        chunks = await asyncio.wait_for(_collect(client, job.id), 30)
+        chunks = await asyncio.wait_for(collect(client, job.id), 30)
         assert "".join(c.text for c in chunks) == expected_output([5, 6, 7], 6)[1]
 
 
