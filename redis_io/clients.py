@@ -23,6 +23,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from schemas.redis_connection import RedisConnectionSettings
@@ -109,3 +111,18 @@ def pipeline(redis: Redis, *, atomic: bool) -> Pipeline:
     each node's share of it on that node, in order, but not as one transaction (MULTI cannot
     span shards): callers that need atomicity keep it to one job's keys and a script."""
     return redis.pipeline(transaction=atomic and not is_cluster(redis))
+
+
+async def raise_for_cluster_outage(redis: Redis, replies: list[object]) -> None:
+    """After `pipeline.execute(raise_on_error=False)`: on a cluster, a node that did not answer
+    leaves its commands' replies as errors and the client's slot map as it was (redis-py reloads
+    it only when an error is raised). Raise the first such error, with the map marked stale, so
+    the caller treats it as Redis being away (re-sends once the replica has taken over). Other
+    errors in `replies` are the caller's to read."""
+    if not is_cluster(redis):
+        return
+    away = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, *CLUSTER_AWAY)
+    lost = next((reply for reply in replies if isinstance(reply, away)), None)
+    if lost is not None:
+        await redis.aclose()  # the cluster client reloads its slot map on the next command
+        raise lost

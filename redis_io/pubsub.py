@@ -11,21 +11,57 @@ no pub/sub of its own).
 
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any
 
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import SlotNotCoveredError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import str_if_bytes
 
 # sharded pub/sub replies, named as their plain twins so callers read them alike
 _AS_PLAIN = {"ssubscribe": "subscribe", "smessage": "message", "sunsubscribe": "unsubscribe"}
 
 
+_LOST = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
+
+
 class _NodePubSub(PubSub):
-    """A PubSub on a pool of its own (one cluster node); closing it closes the pool."""
+    """A PubSub on a pool of its own (one cluster node); closing it closes the pool. When the
+    node does not answer, the cluster client's slot map is reloaded before the error goes on,
+    so the caller's next subscription finds the node that serves the slot now (a replica that
+    took over)."""
+
+    def __init__(self, cluster: RedisCluster, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cluster = cluster
+
+    async def _node_lost(self) -> None:
+        with contextlib.suppress(Exception):  # no node reachable yet: the next try reloads
+            await self.cluster.nodes_manager.initialize()
+
+    async def execute_command(self, *args: Any) -> None:
+        try:
+            await super().execute_command(*args)
+        except _LOST:
+            await self._node_lost()
+            raise
+
+    async def get_message(
+        self, ignore_subscribe_messages: bool = False, timeout: float | None = 0.0
+    ) -> dict[str, Any] | None:
+        try:
+            message: dict[str, Any] | None = await super().get_message(
+                ignore_subscribe_messages, timeout
+            )
+        except _LOST:
+            await self._node_lost()
+            raise
+        return message
 
     async def aclose(self) -> None:
         try:
@@ -82,7 +118,7 @@ async def broadcast_pubsub(redis: Redis, **options: Any) -> PubSub:
         return redis.pubsub(**options)
     cluster: RedisCluster = redis
     await cluster.initialize()
-    return _NodePubSub(_node_pool(random.choice(cluster.get_nodes())), **options)
+    return _NodePubSub(cluster, _node_pool(random.choice(cluster.get_nodes())), **options)
 
 
 async def job_pubsub(redis: Redis, channel: str, **options: Any) -> PubSub:
@@ -92,4 +128,4 @@ async def job_pubsub(redis: Redis, channel: str, **options: Any) -> PubSub:
         return redis.pubsub(**options)
     cluster: RedisCluster = redis
     await cluster.initialize()
-    return ShardedPubSub(_node_pool(cluster.get_node_from_key(channel)), **options)
+    return ShardedPubSub(cluster, _node_pool(cluster.get_node_from_key(channel)), **options)

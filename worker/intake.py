@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from redis_io.clients import raise_for_cluster_outage
 from schemas import (
     TERMINAL_STATUSES,
     ErrorBody,
@@ -277,6 +278,7 @@ class StreamReader:
                 for job_id in named.values():
                     pipe.hgetall(self.keys.job(job_id))
                 replies = await pipe.execute(raise_on_error=False)
+            await raise_for_cluster_outage(self.redis, replies)
             for entry_id, reply in zip(named, replies, strict=True):
                 stored[entry_id] = _job_hash(reply)
         verdicts = [classify(e, stored.get(e.entry_id), now) for e in entries]
@@ -301,6 +303,7 @@ class StreamReader:
                     pipe.sismember(marker, held.job_id)
                     pipe.scard(marker)
                 replies = await pipe.execute(raise_on_error=False)
+            await raise_for_cluster_outage(self.redis, replies)
             replays, marks = replies[: len(resuming)], replies[len(resuming) :]
             marks = list(zip(marks[0::2], marks[1::2], strict=True))
             for held, replay in zip(resuming, replays, strict=True):

@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from redis_io.clients import raise_for_cluster_outage
 from redis_io.replica_wait import fell_short, wait_command
 from schemas import (
     OUT_STREAM_MAXLEN,
@@ -199,6 +200,7 @@ class Outbox:
                     for command in commands:
                         pipe.execute_command(*command)
                 replies = await pipe.execute(raise_on_error=False)
+            await raise_for_cluster_outage(redis, replies)
         except BaseException:
             self.ops = batch + self.ops
             raise
