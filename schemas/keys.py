@@ -1,7 +1,14 @@
 """Every Redis name inferq uses, built in one place from a configurable prefix.
 
-Layout (prefix `p`, default "inferq"; one Redis instance, not Redis Cluster)
-============================================================================
+Layout (prefix `p`, default "inferq"; one Redis instance or Sentinel master)
+=============================================================================
+
+Redis Cluster (`RedisKeys(cluster=True)`) changes only how some names are spelled: a job's
+keys and channel carry its id as a hash tag (`{p}:job:{<id>}`, `{p}:out:{<id>}`,
+`{p}:chan:{<id>}`, a sharded pub/sub channel), a batch's keys its id (`{p}:batch:{<id>}...`),
+and partition k of a model's queue `{p}:jobs:{<model>:<k>}` / `{p}:bulk:{<model>:<k>}`.
+With `partitions` > 1 on a single node, partition k >= 1 is `{p}:jobs:{model}:<k>`; partition
+0 is always the name below. A job's partition is `RedisKeys.job_partition(job id)`.
 
     key / channel                     type              written by          read by
     {p}:jobs:{model}                  stream, group     enqueue (XADD)      workers (XREADGROUP)
