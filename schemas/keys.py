@@ -203,12 +203,6 @@ class RedisKeys:
         """`part` as a Redis Cluster hash tag (`{part}`) in cluster mode, else as it is."""
         return f"{{{part}}}" if self.cluster else part
 
-    @property
-    def channel_publish(self) -> str:
-        """The command that publishes on a job channel: SPUBLISH (sharded pub/sub, served by
-        the job's own shard) in cluster mode, PUBLISH otherwise."""
-        return "SPUBLISH" if self.cluster else "PUBLISH"
-
     # queue
     def job_partition(self, job_id: str) -> int:
         """Which of the model's partition streams a job is queued on (0 with one partition):

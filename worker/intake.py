@@ -268,20 +268,21 @@ class StreamReader:
         (worker.crashes)."""
         if not entries:
             return []
-        job_ids = {  # entry id -> the job it names
-            e.entry_id: e.fields.get(JOB_ENTRY_FIELD, "") for e in entries if e.fields
+        # (stream, entry id) -> the job it names: a model's partitions may repeat an entry id
+        job_ids = {
+            (e.stream, e.entry_id): e.fields.get(JOB_ENTRY_FIELD, "") for e in entries if e.fields
         }
         named = {entry: job for entry, job in job_ids.items() if is_valid_job_id(job)}
-        stored: dict[str, StoredJob] = {}
+        stored: dict[tuple[str, str], StoredJob] = {}
         if named:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for job_id in named.values():
                     pipe.hgetall(self.keys.job(job_id))
                 replies = await pipe.execute(raise_on_error=False)
             await raise_for_cluster_outage(self.redis, replies)
-            for entry_id, reply in zip(named, replies, strict=True):
-                stored[entry_id] = _job_hash(reply)
-        verdicts = [classify(e, stored.get(e.entry_id), now) for e in entries]
+            for entry, reply in zip(named, replies, strict=True):
+                stored[entry] = _job_hash(reply)
+        verdicts = [classify(e, stored.get((e.stream, e.entry_id)), now) for e in entries]
         resuming = [
             v.held
             for v in verdicts

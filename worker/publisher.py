@@ -50,6 +50,7 @@ class _Op:
     on_reply: Reply | None = None
     chunk: ChunkWrite | None = None  # chunk ops are sent as runs through CHUNKS_SCRIPT
     acks_entry: str | None = None  # jobs-stream entry this op retires
+    acks_stream: str = ""  # the stream of that entry (ids repeat across a model's partitions)
     job_id: str | None = None  # the job whose chunk or status this op writes
 
 
@@ -68,9 +69,11 @@ class Outbox:
     def __len__(self) -> int:
         return len(self.ops)
 
-    def entries_being_acked(self) -> set[str]:
-        """Entries whose XACK is queued or on its way (they still show as pending in Redis)."""
-        return {op.acks_entry for op in (*self._in_flight, *self.ops) if op.acks_entry}
+    def entries_being_acked(self) -> set[tuple[str, str]]:
+        """(stream, entry id) of the entries whose XACK is queued or on its way (they still
+        show as pending in Redis)."""
+        ops = (*self._in_flight, *self.ops)
+        return {(op.acks_stream, op.acks_entry) for op in ops if op.acks_entry}
 
     def jobs_queued(self) -> set[str]:
         """Jobs with a chunk or status change queued or on its way."""
@@ -134,6 +137,7 @@ class Outbox:
                     ("XDEL", stream, entry_id),
                 ],
                 acks_entry=entry_id,
+                acks_stream=stream,
             )
         )
 

@@ -134,8 +134,11 @@ class EntryPuller:
         return entries
 
     def _not_held(self, entries: list[Entry]) -> list[Entry]:
-        mine = {h.entry_id for h in self.batch.all_jobs()} | self.outbox.entries_being_acked()
-        return [entry for entry in entries if entry.entry_id not in mine]
+        # by stream too: two partitions of a model may hand out the same entry id
+        jobs_stream = self.reader.stream
+        held = {(h.queue_stream or jobs_stream, h.entry_id) for h in self.batch.all_jobs()}
+        mine = held | self.outbox.entries_being_acked()
+        return [e for e in entries if (e.stream or jobs_stream, e.entry_id) not in mine]
 
     def _take(self, verdicts: list[Verdict]) -> None:
         for verdict in verdicts:
