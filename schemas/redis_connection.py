@@ -102,6 +102,9 @@ class RedisConnectionSettings(BaseModel):
     def _one_topology(self) -> RedisConnectionSettings:
         if self.redis_cluster and self.redis_sentinels is not None:
             raise ValueError("redis_cluster: a cluster has no Sentinels; set one or the other")
+        if self.redis_cluster and self.redis_wait_replicas:
+            # WAIT answers for the one node it runs on, and a job's writes span several
+            raise ValueError("redis_wait_replicas: not supported with redis_cluster yet (set 0)")
         return self
 
     @field_validator("redis_sentinels")

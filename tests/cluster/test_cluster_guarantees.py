@@ -22,6 +22,8 @@ from worker_harness import running_worker, start_slow_fake_worker, stop_process,
 
 from producer_api.client.redis_client import AsyncRedisClient
 from producer_api.load import read_load
+from producer_api.status import read_snapshot
+from producer_api.system_metrics import SystemMetrics
 from schemas import ErrorCode, Job, JobRequest, JobStatus
 
 pytestmark = pytest.mark.anyio
@@ -151,6 +153,7 @@ async def test_the_operators_view_counts_every_shard(cluster_url):
         load = await read_load(client.redis, client.keys)
         (model,) = load.models()
         assert model.name == MODEL and model.queued == 30  # every partition, on every shard
+        assert await _metric(client, "inferq_queue_length") == 30  # /metrics: the same
         async with running_worker(
             cluster_url, FakeEngine(), model=MODEL, name="seen", redis_cluster=True
         ):
@@ -159,3 +162,25 @@ async def test_the_operators_view_counts_every_shard(cluster_url):
             load = await read_load(client.redis, client.keys)
             assert [w.name for w in load.workers] == ["seen"]
             assert load.models()[0].queued == 0
+            # `inferq status` / the dashboard, and /metrics, read the same across the shards
+            await wait_for(lambda: _tokens_seen(client), 10)
+            snapshot = await read_snapshot(client.redis, client.keys)
+            assert [w.name for w in snapshot.workers] == ["seen"]
+            (view,) = snapshot.models
+            assert view.name == MODEL
+            assert await _metric(client, "inferq_queue_length") == 0
+
+
+async def _metric(client: AsyncRedisClient, name: str) -> float:
+    """`name`'s value for the model on /metrics; each label set once (partitions merged)."""
+    metrics = SystemMetrics()
+    await metrics.refresh(client.redis, client.keys)
+    samples = [s for family in metrics.collect() for s in family.samples]
+    labelled = [(s.name, tuple(sorted(s.labels.items()))) for s in samples]
+    assert len(labelled) == len(set(labelled))
+    (value,) = [s.value for s in samples if s.name == name and s.labels.get("model") == MODEL]
+    return value
+
+
+async def _tokens_seen(client: AsyncRedisClient) -> bool:
+    return await client.redis.zcard(client.keys.token_samples(MODEL)) > 0

@@ -4,6 +4,8 @@ and with one partition, every name is the single-node one."""
 
 from __future__ import annotations
 
+import pytest
+from pydantic import ValidationError
 from redis.crc import key_slot
 
 from schemas import PRIORITY_BULK, RedisKeys
@@ -57,3 +59,10 @@ def test_the_cluster_setting_picks_cluster_names_and_partitions():
     keys = RedisConnectionSettings(redis_cluster=True).redis_keys("inferq")
     assert keys.cluster and keys.partitions == DEFAULT_CLUSTER_PARTITIONS
     assert keys.job(JOB) == "inferq:job:{" + JOB + "}"
+
+
+def test_settings_that_a_cluster_cannot_honour_are_refused_by_name():
+    with pytest.raises(ValidationError, match="redis_cluster"):
+        RedisConnectionSettings(redis_cluster=True, redis_sentinels="s1:26379")
+    with pytest.raises(ValidationError, match="redis_wait_replicas"):
+        RedisConnectionSettings(redis_cluster=True, redis_wait_replicas=1)
