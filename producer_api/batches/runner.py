@@ -191,7 +191,7 @@ class BatchRunner:
         if room <= 0:
             return
         model = self.valid[self.submitted].request.model  # type: ignore[union-attr]
-        backlog = await self.redis.xlen(self.keys.bulk_stream(model))
+        backlog = await queue.queue_length(self.redis, self.keys, model, bulk=True)
         room = min(room, self.settings.batch_max_backlog - backlog)
         if room <= 0:
             return
