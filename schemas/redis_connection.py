@@ -85,6 +85,12 @@ class RedisConnectionSettings(BaseModel):
         "workers read all); must be the same for the API and the workers. Unset: 1 on a single "
         f"node or Sentinel, {DEFAULT_CLUSTER_PARTITIONS} with redis_cluster",
     )
+    redis_batch_queue_url: str | None = Field(
+        None,
+        description="a plain Redis (URL) for the batch controller's own scheduling queue (arq); "
+        "unset: redis_url's server. Needed with redis_cluster, whose shards refuse arq's "
+        "multi-key transactions (the batches and their jobs stay on the cluster)",
+    )
     redis_wait_replicas: int = Field(
         0,
         ge=0,
