@@ -85,9 +85,12 @@ async def test_a_stopped_worker_hands_its_jobs_back_across_shards(cluster_url):
 
 async def test_cancel_reaches_the_worker_and_clears_the_backlog(cluster_url):
     engine = FakeEngine(step_seconds=0.05)
+    # no status polling within the test: only the cancel broadcast can stop the job
     async with (
         AsyncRedisClient(cluster_settings(cluster_url)) as client,
-        running_worker(cluster_url, engine, model=MODEL, redis_cluster=True) as worker,
+        running_worker(
+            cluster_url, engine, model=MODEL, redis_cluster=True, status_check_interval_s=60
+        ) as worker,
     ):
         job = await client.enqueue(
             model=MODEL, prompt_token_ids=[15] * 40, stream=True, sampling={"max_tokens": 400}
@@ -103,6 +106,22 @@ async def test_cancel_reaches_the_worker_and_clears_the_backlog(cluster_url):
         assert final.status is JobStatus.CANCELLED and final.error.code is ErrorCode.CANCELLED
         chunks = await asyncio.wait_for(collect(client, job.id), 10)  # the stream ends
         assert len(chunks) < 400
+
+
+async def test_an_idle_worker_hears_of_a_new_job_on_any_partition(cluster_url):
+    # Blocked reads could watch one partition only: the arrivals broadcast wakes the worker.
+    async with (
+        AsyncRedisClient(cluster_settings(cluster_url)) as client,
+        running_worker(cluster_url, FakeEngine(), model=MODEL, redis_cluster=True, block_ms=10_000),
+    ):
+        await asyncio.sleep(1.0)  # the worker is idle, waiting
+        for i in range(6):
+            job = await client.enqueue(
+                model=MODEL, prompt_token_ids=[40 + i], sampling={"max_tokens": 2}
+            )
+            started = asyncio.get_running_loop().time()
+            assert (await client.wait(job.id, timeout=20)).status is JobStatus.SUCCEEDED
+            assert asyncio.get_running_loop().time() - started < 3.0  # not a 10 s wait
 
 
 async def _nothing_pending(client: AsyncRedisClient, stream: str) -> bool:
