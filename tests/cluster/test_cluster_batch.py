@@ -3,7 +3,9 @@ cluster mode; the controller's own arq queue on a plain Redis (`redis_batch_queu
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from producer_api.batches import controller
 from redis_io.clients import redis_client
 from schemas.redis_connection import RedisConnectionSettings
 from tests.api.conftest import BackgroundLoop
-from tests.batch.conftest import FAST_CONTROLLER_ENV, BatchStack
+from tests.batch.conftest import FAKE_MODEL, FAST_CONTROLLER_ENV, BatchStack
 from tests.batch.test_batch_api import completion_line, expected_text
 
 
@@ -106,3 +108,23 @@ def test_without_a_queue_redis_the_controller_names_the_setting():
     queue = "redis://127.0.0.1:6390/0"
     with_queue = settings.model_copy(update={"redis_batch_queue_url": queue})
     assert controller.arq_redis_settings(with_queue).port == 6390
+
+
+def test_the_http_api_streams_a_completion_from_the_cluster(
+    cluster_batch_stack: ClusterBatchStack,
+):
+    stack = cluster_batch_stack
+    stack.start_worker()
+    give_up = time.monotonic() + 20
+    while FAKE_MODEL not in {m["id"] for m in stack.http.get("/v1/models").json()["data"]}:
+        assert time.monotonic() < give_up, "the worker's heartbeat never showed on the cluster"
+        time.sleep(0.1)
+    request = {"model": FAKE_MODEL, "prompt": "hello there", "max_tokens": 8, "stream": True}
+    with stack.http.stream("POST", "/v1/completions", json=request) as response:
+        assert response.status_code == 200, response.read()
+        events = [
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
+        ]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(event)["choices"][0]["text"] for event in events[:-1])
+    assert text == expected_text("hello there", 8)
