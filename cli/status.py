@@ -35,7 +35,6 @@ from producer_api.settings import ApiSettings
 from producer_api.status import StatusSnapshot, TtftStats, read_snapshot
 from producer_api.workers import parse_heartbeat
 from redis_io.clients import redis_client
-from schemas import RedisKeys
 from schemas.redis_connection import RedisConnectionSettings
 
 CHECK_TIMEOUT_S = 3.0
@@ -233,7 +232,7 @@ def _client(where: RedisConnectionSettings) -> Redis:
 async def _snapshot(where: RedisConnectionSettings, prefix: str) -> StatusSnapshot:
     redis = _client(where)
     try:
-        return await read_snapshot(redis, RedisKeys(prefix))
+        return await read_snapshot(redis, where.redis_keys(prefix))
     finally:
         await redis.aclose()
 
@@ -245,7 +244,7 @@ def worker_is_alive(
     host, as the worker's default name `host-pid-random` is) has a live heartbeat."""
 
     async def check() -> tuple[bool, str]:
-        keys = RedisKeys(prefix)
+        keys = where.redis_keys(prefix)
         redis = _client(where)
         try:
             wanted = name or os.environ.get("INFERQ_NAME")

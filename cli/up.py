@@ -76,6 +76,13 @@ class UpSettings(BaseSettings):
         description="data dir of the Redis server this command starts (default "
         "$INFERQ_HOME/redis-<port of --redis-url>; $INFERQ_HOME/redis for port 6379)",
     )
+    redis_cluster_primaries: int = Field(
+        0,
+        ge=0,
+        description="also start a local Redis Cluster of this many primaries (a replica each) "
+        "on the ports after --redis-url's, and run everything on it (--redis-url's server "
+        "then holds only the batch controller's queue); 0: no cluster",
+    )
     worker: bool = Field(True, description="start a worker (--no-worker: Redis and the API only)")
     embedding_model: str | None = Field(
         None,
@@ -204,7 +211,7 @@ def _redis_answers(url: str) -> bool:
         return False
 
 
-def _port_free(host: str, port: int) -> bool:
+def port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -212,6 +219,31 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def redis_server_args(host: str, port: int, data_dir: Path, *extra: str) -> list[str]:
+    """A redis-server command line: AOF in `data_dir`, the compose file's memory cap and
+    policy, `extra` options last (cluster mode). Raises UpError when there is no redis-server."""
+    binary = shutil.which("redis-server") or (
+        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None
+    )
+    if binary is None:
+        raise UpError("redis-server not found: install it (apt-get install -y redis-server)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        binary,
+        "--port", str(port),
+        "--bind", "127.0.0.1" if host != "::1" else "::1",
+        "--dir", str(data_dir),
+        "--appendonly", "yes",
+        # the same cap and policy as docker-compose.yml: see the README's Redis sizing
+        "--maxmemory", os.environ.get("REDIS_MAXMEMORY", "4gb"),
+        "--maxmemory-policy", "noeviction",
+        "--save", "",
+        "--daemonize", "no",
+        "--logfile", str(data_dir / "redis.log"),
+        *extra,
+    ]  # fmt: skip
 
 
 def start_redis(system: System, url: str, data_dir: Path) -> Child | None:
@@ -225,25 +257,7 @@ def start_redis(system: System, url: str, data_dir: Path) -> Child | None:
         raise UpError(
             f"nothing answers at {redacted(url)}, and inferq up only starts Redis on this host"
         )
-    binary = shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None
-    )
-    if binary is None:
-        raise UpError("redis-server not found: install it (apt-get install -y redis-server)")
-    data_dir.mkdir(parents=True, exist_ok=True)
-    args = [
-        binary,
-        "--port", str(port),
-        "--bind", "127.0.0.1" if host != "::1" else "::1",
-        "--dir", str(data_dir),
-        "--appendonly", "yes",
-        # the same cap and policy as docker-compose.yml: see the README's Redis sizing
-        "--maxmemory", os.environ.get("REDIS_MAXMEMORY", "4gb"),
-        "--maxmemory-policy", "noeviction",
-        "--save", "",
-        "--daemonize", "no",
-        "--logfile", str(data_dir / "redis.log"),
-    ]  # fmt: skip
+    args = redis_server_args(host, port, data_dir)
     child = system.spawn(
         "redis", args, dict(os.environ), waits_for="it writes its data", hurry_signal=None
     )
@@ -256,11 +270,17 @@ def start_redis(system: System, url: str, data_dir: Path) -> Child | None:
     return child
 
 
-def api_environment(settings: UpSettings) -> tuple[dict[str, str], bool]:
-    """The API's environment, and whether authentication is off."""
+def api_environment(
+    settings: UpSettings, cluster_url: str | None = None
+) -> tuple[dict[str, str], bool]:
+    """The API's environment, and whether authentication is off. With `cluster_url`, every
+    process runs on that Redis Cluster, the batch controller's queue on --redis-url's server."""
     env = dict(os.environ)
-    env["INFERQ_REDIS_URL"] = settings.redis_url
+    env["INFERQ_REDIS_URL"] = cluster_url or settings.redis_url
     env["INFERQ_PREFIX"] = settings.prefix
+    if cluster_url is not None:
+        env["INFERQ_REDIS_CLUSTER"] = "true"
+        env["INFERQ_REDIS_BATCH_QUEUE_URL"] = settings.redis_url
     keys_given = bool(env.get("INFERQ_API_KEYS", "").strip())
     auth_off = env.get("INFERQ_AUTH_DISABLED", "").lower() in ("1", "true", "yes")
     if not keys_given and not auth_off:
@@ -320,11 +340,17 @@ def wait_listening(system: System, host: str, port: int, timeout: float) -> None
         raise UpError(f"nothing listens on {host}:{port} after {timeout:.0f} s (--ready-timeout)")
 
 
-def _banner(base_url: str, settings: UpSettings, auth_off: bool) -> str:
+def _banner(
+    base_url: str, settings: UpSettings, auth_off: bool, cluster_url: str | None = None
+) -> str:
     key = "anything" if auth_off else "$INFERQ_KEY"
     model = settings.model
     # what other `inferq` commands need to find this system (they read the same variables)
-    where = f"INFERQ_REDIS_URL={redacted(settings.redis_url)} INFERQ_API_URL={base_url}"
+    where = f"INFERQ_REDIS_URL={redacted(cluster_url or settings.redis_url)}"
+    if cluster_url is not None:
+        where += " INFERQ_REDIS_CLUSTER=true"
+        where += f" INFERQ_REDIS_BATCH_QUEUE_URL={redacted(settings.redis_url)}"
+    where += f" INFERQ_API_URL={base_url}"
     if settings.prefix != DEFAULT_PREFIX:
         where += f" INFERQ_PREFIX={settings.prefix}"
     lines = [
@@ -396,16 +422,23 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
     base_url = api_base_url(settings.host, settings.port)
     code = 0
     try:
-        if not _port_free(settings.host, settings.port):
+        if not port_free(settings.host, settings.port):
             raise UpError(f"port {settings.port} on {settings.host} is taken: pass --port")
-        if settings.grpc and not _port_free(settings.host, settings.grpc_port):
+        if settings.grpc and not port_free(settings.host, settings.grpc_port):
             raise UpError(
                 f"port {settings.grpc_port} on {settings.host} is taken: pass --grpc-port "
                 "(or --no-grpc)"
             )
         data_dir = settings.data_dir or default_data_dir(settings.redis_url)
         start_redis(system, settings.redis_url, data_dir)
-        env, auth_off = api_environment(settings)
+        cluster_url = None
+        if settings.redis_cluster_primaries:
+            from cli.up_cluster import start_redis_cluster  # it builds on this module
+
+            cluster_url = start_redis_cluster(
+                system, settings.redis_cluster_primaries, settings.redis_url, data_dir
+            )
+        env, auth_off = api_environment(settings, cluster_url)
         system.spawn(
             "api",
             [
@@ -446,7 +479,7 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
         if settings.grpc:
             wait_listening(system, settings.host, settings.grpc_port, settings.ready_timeout)
         if not system.stopping:
-            print(_banner(base_url, settings, auth_off), flush=True)
+            print(_banner(base_url, settings, auth_off, cluster_url), flush=True)
         while not system.stopping:
             if system.dead():
                 names = ", ".join(c.name for c in system.dead())

@@ -9,7 +9,7 @@ plus one XRANGE per stream for the age of its oldest waiting entry.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from redis.asyncio import Redis
@@ -150,8 +150,8 @@ async def read_load(redis: Redis, keys: RedisKeys) -> SystemLoad:
     """Workers, queues and dead letters of every model, read from Redis now."""
     now = time.time()
     worker_keys = await _scan(redis, keys.workers_pattern())
-    heads = {"jobs": keys.jobs_stream(""), "bulk": keys.bulk_stream("")}
-    streams = [(k, kind) for kind, head in heads.items() for k in await _scan(redis, head + "*")]
+    patterns = keys.queue_stream_patterns()
+    streams = [(k, kind) for kind, pattern in patterns.items() for k in await _scan(redis, pattern)]
     dead_head = keys.dead_letters("")
     dead_keys = await _scan(redis, dead_head + "*")
 
@@ -183,7 +183,8 @@ async def read_load(redis: Redis, keys: RedisKeys) -> SystemLoad:
     for key, kind in streams:
         length, groups = take(2)
         backlog = await stream_backlog(redis, keys, key, length, groups, now)
-        queues.append(QueueView(_model_of(key, heads[kind]), kind, key, *backlog))
+        queues.append(QueueView(keys.model_of_jobs_stream(key), kind, key, *backlog))
+    queues = merge_partitions(keys, queues)
 
     dead_letters = []
     for key in dead_keys:
@@ -202,9 +203,11 @@ async def read_load(redis: Redis, keys: RedisKeys) -> SystemLoad:
 
 
 async def read_model_queues(redis: Redis, keys: RedisKeys, model: str) -> list[QueueView]:
-    """The two streams of one model (no SCAN: cheap enough for a readiness probe)."""
+    """The two streams of one model, each over its partitions (no SCAN: cheap enough for a
+    readiness probe)."""
     now = time.time()
-    streams = [(keys.jobs_stream(model), "jobs"), (keys.bulk_stream(model), "bulk")]
+    streams = [(key, "jobs") for key in keys.jobs_streams(model)]
+    streams += [(key, "bulk") for key in keys.bulk_streams(model)]
     async with redis.pipeline(transaction=False) as pipe:
         for key, _kind in streams:
             pipe.xlen(key)
@@ -215,7 +218,31 @@ async def read_model_queues(redis: Redis, keys: RedisKeys, model: str) -> list[Q
         length, groups = replies[2 * i], replies[2 * i + 1]
         backlog = await stream_backlog(redis, keys, key, length, groups, now)
         queues.append(QueueView(model, kind, key, *backlog))
-    return queues
+    return merge_partitions(keys, queues)
+
+
+def merge_partitions(keys: RedisKeys, queues: list[QueueView]) -> list[QueueView]:
+    """One view per model and kind: the partition streams of a queue summed (the oldest
+    waiting entry of any), named by the queue's first partition."""
+    merged: dict[tuple[str, str], QueueView] = {}
+    for view in queues:
+        name = (view.model, view.kind)
+        seen = merged.get(name)
+        if seen is None:
+            first = (
+                keys.jobs_stream(view.model)
+                if view.kind == "jobs"
+                else keys.bulk_stream(view.model)
+            )
+            merged[name] = replace(view, stream=first)
+            continue
+        merged[name] = replace(
+            seen,
+            length=seen.length + view.length,
+            pending=seen.pending + view.pending,
+            oldest_waiting_age_s=max(seen.oldest_waiting_age_s, view.oldest_waiting_age_s),
+        )
+    return list(merged.values())
 
 
 async def stream_backlog(

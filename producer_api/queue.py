@@ -20,6 +20,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producer_api.cluster_queue import cluster_enqueue
+from redis_io.clients import CLUSTER_AWAY, pipeline
+from redis_io.pubsub import job_pubsub
 from redis_io.replica_wait import replicated, wait_command
 from redis_io.scripts import run_script
 from schemas import (
@@ -44,7 +47,7 @@ from schemas import (
 from schemas.chunks import REPLAY_FIELD, chunk_stream_id
 from schemas.jobs import JobField, as_text
 from schemas.redis_connection import ReplicaWait
-from schemas.redis_scripts import ENQUEUE_SCRIPT, EnqueueOutcome
+from schemas.redis_scripts import ENQUEUE_SCRIPT, EnqueueOutcome, job_channel_script
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ SUBSCRIBE_TIMEOUT_S = 5.0
 # now answers READONLY) raises from these functions; OSError covers the socket errors that
 # reach us unwrapped.
 REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (
+    *CLUSTER_AWAY,
     RedisConnectionError,
     RedisTimeoutError,
     RedisReadOnlyError,
@@ -115,13 +119,47 @@ async def enqueue(
             ErrorBody.of(ErrorCode.INVALID_REQUEST, "deadline: is already in the past", "deadline")
         )
     job = Job.new(request, owner=owner)
+    if keys.cluster:
+        outcome, value = await cluster_enqueue(
+            redis,
+            keys,
+            job,
+            idempotency_key=request.idempotency_key,
+            owner=owner,
+            max_queue_len=max_queue_len,
+        )
+    else:
+        outcome, value = await _enqueue_on_one_node(
+            redis, keys, job, owner=owner, max_queue_len=max_queue_len, replicas=replicas
+        )
+    outcome, value = EnqueueOutcome(as_text(outcome)), as_text(value)
+    if outcome is EnqueueOutcome.CREATED:
+        return job.model_copy(update={"entry_id": value})
+    if outcome is EnqueueOutcome.EXISTING:
+        return await get_job(redis, keys, value)
+    raise QueueFullError(request.model, int(value), max_queue_len or 0)
+
+
+async def _enqueue_on_one_node(
+    redis: Redis,
+    keys: RedisKeys,
+    job: Job,
+    *,
+    owner: str | None,
+    max_queue_len: int | None,
+    replicas: ReplicaWait | None,
+) -> tuple[str | bytes, str | bytes]:
+    """ENQUEUE_SCRIPT's reply for `job` (one atomic step on a single node or Sentinel master).
+    With several partitions each holds its share of `max_queue_len`."""
+    request = job.request
     # Bulk work waits on its own stream, so its backlog neither delays nor 429s interactive jobs.
-    script_keys = [keys.job(job.id), keys.queue_stream(request.model, request.priority)]
+    script_keys = [keys.job(job.id), keys.queue_stream(request.model, request.priority, job.id)]
     if request.idempotency_key is not None:
         script_keys.append(keys.idempotency(request.idempotency_key, owner))
+    limit = -(-max_queue_len // keys.partitions) if max_queue_len else 0
     args: list[str | int] = [
         job.id,
-        max_queue_len or 0,
+        limit,
         IDEMPOTENCY_TTL_S,
         keys.job_key_prefix(),
         keys.arrivals_channel(request.model),
@@ -130,20 +168,15 @@ async def enqueue(
         args += [name, value]
     if replicas is None:
         outcome, value = await run_script(redis, ENQUEUE_SCRIPT, script_keys, args)
-    else:
-        # One pipeline, so the WAIT runs on the connection that wrote the job.
-        async with redis.pipeline(transaction=False) as pipe:
-            script = redis.register_script(ENQUEUE_SCRIPT)  # loaded before the pipeline runs
-            await script(keys=script_keys, args=args, client=pipe)
-            pipe.execute_command(*wait_command(replicas))
-            (outcome, value), reached = await pipe.execute()
-        replicated(reached, replicas, f"job {job.id}")
-    outcome, value = EnqueueOutcome(as_text(outcome)), as_text(value)
-    if outcome is EnqueueOutcome.CREATED:
-        return job.model_copy(update={"entry_id": value})
-    if outcome is EnqueueOutcome.EXISTING:
-        return await get_job(redis, keys, value)
-    raise QueueFullError(request.model, int(value), max_queue_len or 0)
+        return outcome, value
+    # One pipeline, so the WAIT runs on the connection that wrote the job.
+    async with redis.pipeline(transaction=False) as pipe:
+        script = redis.register_script(ENQUEUE_SCRIPT)  # loaded before the pipeline runs
+        await script(keys=script_keys, args=args, client=pipe)
+        pipe.execute_command(*wait_command(replicas))
+        (outcome, value), reached = await pipe.execute()
+    replicated(reached, replicas, f"job {job.id}")
+    return outcome, value
 
 
 async def get_job(redis: Redis, keys: RedisKeys, job_id: str) -> Job:
@@ -164,7 +197,13 @@ async def get_job(redis: Redis, keys: RedisKeys, job_id: str) -> Job:
 async def queue_length(redis: Redis, keys: RedisKeys, model: str, *, bulk: bool = False) -> int:
     """Jobs of `model` queued or running on its interactive stream (what max_queue_len is
     compared with), or on its bulk stream."""
-    return await redis.xlen(keys.bulk_stream(model) if bulk else keys.jobs_stream(model))
+    streams = keys.bulk_streams(model) if bulk else keys.jobs_streams(model)
+    if len(streams) == 1:
+        return await redis.xlen(streams[0])
+    async with redis.pipeline(transaction=False) as pipe:
+        for stream in streams:
+            pipe.xlen(stream)
+        return sum(await pipe.execute())
 
 
 async def cancel_job(
@@ -180,18 +219,19 @@ async def cancel_job(
         JobField.ERROR: ErrorBody.of(ErrorCode.CANCELLED, reason),
     }
     script_keys, args = transition_call(keys, job_id, JobStatus.CANCELLED, fields)
-    reply = await run_script(redis, TRANSITION_SCRIPT, script_keys, args)
+    script = job_channel_script(TRANSITION_SCRIPT, keys)
+    reply = await run_script(redis, script, script_keys, args)
     applied, previous = transition_applied(reply)
     if applied:
         async with redis.pipeline(transaction=False) as pipe:
-            pipe.publish(
-                keys.control_channel(), ControlMessage(op="cancel", job_id=job_id).to_json()
-            )
+            control = ControlMessage(op="cancel", job_id=job_id).to_json()
+            pipe.execute_command("PUBLISH", keys.control_channel(), control)
             if previous in (JobStatus.QUEUED, JobStatus.RUNNING) and job.entry_id:
                 # Shrinks the backlog (XLEN, which batch fan-out is throttled by) at once. A
                 # worker that read the entry finds the job cancelled when it tries to start it,
                 # or aborts it on the broadcast; its XACK of the entry still clears its PEL.
-                pipe.xdel(keys.queue_stream(job.model, job.request.priority), job.entry_id)
+                stream = keys.queue_stream(job.model, job.request.priority, job_id)
+                pipe.xdel(stream, job.entry_id)
             await pipe.execute()
     return await get_job(redis, keys, job_id)
 
@@ -200,7 +240,7 @@ async def cancel_job(
 async def _subscribed(redis: Redis, channel: str) -> AsyncIterator[PubSub]:
     """A pubsub on `channel` whose subscription the server has confirmed, so no message
     published after this point is missed."""
-    pubsub = redis.pubsub()
+    pubsub = await job_pubsub(redis, channel)
     try:
         await pubsub.subscribe(channel)
         loop = asyncio.get_running_loop()
@@ -302,8 +342,10 @@ async def _replay(
 async def _status_and_replay(
     redis: Redis, keys: RedisKeys, job_id: str, after: int
 ) -> tuple[JobStatus | None, list[TokenChunk]]:
-    """One consistent snapshot (MULTI) of the job's status and its chunks after `after`."""
-    async with redis.pipeline(transaction=True) as pipe:
+    """One consistent snapshot (MULTI; on a cluster, both keys on the job's node, read in this
+    order: a job's chunks are all written before its final status) of the job's status and its
+    chunks after `after`."""
+    async with pipeline(redis, atomic=True) as pipe:
         pipe.hget(keys.job(job_id), JobField.STATUS)
         pipe.xrange(keys.out_stream(job_id), min=replay_start_after(after), max="+")
         status, entries = await pipe.execute()

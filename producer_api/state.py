@@ -16,7 +16,6 @@ from producer_api.settings import ApiSettings
 from producer_api.workers import WorkerDirectory
 from redis_io.clients import redis_client
 from redis_io.memory_check import warn_about_redis_memory
-from schemas import RedisKeys
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ def connect_redis(settings: ApiSettings) -> Redis:
 async def open_state(settings: ApiSettings, metrics: ApiMetrics) -> AsyncIterator[ApiState]:
     """The process's state; its Redis connections are closed on exit."""
     redis = connect_redis(settings)
-    keys = RedisKeys(settings.prefix)
+    keys = settings.redis_keys(settings.prefix)
     state = ApiState(
         settings=settings,
         redis=redis,

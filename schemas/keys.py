@@ -1,7 +1,14 @@
 """Every Redis name inferq uses, built in one place from a configurable prefix.
 
-Layout (prefix `p`, default "inferq"; one Redis instance, not Redis Cluster)
-============================================================================
+Layout (prefix `p`, default "inferq"; one Redis instance or Sentinel master)
+=============================================================================
+
+Redis Cluster (`RedisKeys(cluster=True)`) changes only how some names are spelled: a job's
+keys and channel carry its id as a hash tag (`{p}:job:{<id>}`, `{p}:out:{<id>}`,
+`{p}:chan:{<id>}`, a sharded pub/sub channel), a batch's keys its id (`{p}:batch:{<id>}...`),
+and partition k of a model's queue `{p}:jobs:{<model>:<k>}` / `{p}:bulk:{<model>:<k>}`.
+With `partitions` > 1 on a single node, partition k >= 1 is `{p}:jobs:{model}:<k>`; partition
+0 is always the name below. A job's partition is `RedisKeys.job_partition(job id)`.
 
     key / channel                     type              written by          read by
     {p}:jobs:{model}                  stream, group     enqueue (XADD)      workers (XREADGROUP)
@@ -111,6 +118,7 @@ the API's enqueue script) with TTL IDEMPOTENCY_TTL_S; the owner part is "" for a
 from __future__ import annotations
 
 import re
+import zlib
 from urllib.parse import quote, unquote
 
 from schemas.jobs import PRIORITY_BULK, as_text
@@ -155,58 +163,112 @@ def decode_segment(segment: str) -> str:
 
 
 class RedisKeys:
-    """Key and channel names under one prefix. Cheap to build; build one per app and pass it."""
+    """Key and channel names under one prefix. Cheap to build; build one per app and pass it.
+
+    `cluster`: names for Redis Cluster, where a multi-key command or script must stay in one
+    hash slot: a job's own keys carry its id as a hash tag (`{p}:job:{<id>}`, `{p}:out:{<id>}`,
+    `{p}:chan:{<id>}`, so its status script and chunk writes touch one slot), a batch's keys its
+    id, and partition k of a model's jobs and bulk streams share the tag `{<model>:<k>}` (the
+    worker reads both in one script). `partitions`: how many streams a model's queue (and its
+    bulk queue) is split into; a job's partition follows from its id (`job_partition`).
+    Without `cluster` and with one partition every name is exactly the single-node one."""
 
     group = WORKER_GROUP
 
-    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(
+        self, prefix: str = DEFAULT_PREFIX, *, cluster: bool = False, partitions: int = 1
+    ) -> None:
         if not _PREFIX_RE.match(prefix):
             raise ValueError(
                 f"prefix {prefix!r} must be non-empty words of A-Z a-z 0-9 - . _ ~ joined by ':'"
             )
+        if partitions < 1:
+            raise ValueError(f"partitions must be at least 1, not {partitions}")
         self.prefix = prefix
+        self.cluster = cluster
+        self.partitions = partitions
 
     def __repr__(self) -> str:
-        return f"RedisKeys({self.prefix!r})"
+        return f"RedisKeys({self.prefix!r}, cluster={self.cluster}, partitions={self.partitions})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RedisKeys) and other.prefix == self.prefix
+        return (
+            isinstance(other, RedisKeys)
+            and other.prefix == self.prefix
+            and other.cluster == self.cluster
+            and other.partitions == self.partitions
+        )
 
     def __hash__(self) -> int:
-        return hash(self.prefix)
+        return hash((self.prefix, self.cluster, self.partitions))
+
+    def _tagged(self, part: str) -> str:
+        """`part` as a Redis Cluster hash tag (`{part}`) in cluster mode, else as it is."""
+        return f"{{{part}}}" if self.cluster else part
 
     # queue
-    def jobs_stream(self, model: str) -> str:
-        return f"{self.prefix}:jobs:{encode_segment(model)}"
+    def job_partition(self, job_id: str) -> int:
+        """Which of the model's partition streams a job is queued on (0 with one partition):
+        a hash of its random id, so jobs spread evenly and anyone holding the id finds it."""
+        if self.partitions == 1:
+            return 0
+        return zlib.crc32(job_id.encode()) % self.partitions
+
+    def _queue_name(self, kind: str, model: str, partition: int) -> str:
+        model_part = encode_segment(model)
+        if self.cluster:
+            return f"{self.prefix}:{kind}:{{{model_part}:{partition}}}"
+        suffix = f":{partition}" if partition else ""
+        return f"{self.prefix}:{kind}:{model_part}{suffix}"
+
+    def jobs_stream(self, model: str, partition: int = 0) -> str:
+        """Partition `partition` of the model's jobs stream (the only one by default)."""
+        return self._queue_name("jobs", model, partition)
+
+    def jobs_streams(self, model: str) -> list[str]:
+        """Every partition of the model's jobs stream."""
+        return [self.jobs_stream(model, k) for k in range(self.partitions)]
+
+    def bulk_streams(self, model: str) -> list[str]:
+        """Every partition of the model's bulk stream."""
+        return [self.bulk_stream(model, k) for k in range(self.partitions)]
+
+    def queue_stream_patterns(self) -> dict[str, str]:
+        """SCAN patterns of every model's jobs ("jobs") and bulk ("bulk") streams, partitions
+        included (`model_of_jobs_stream` names the model of each)."""
+        return {"jobs": f"{self.prefix}:jobs:*", "bulk": f"{self.prefix}:bulk:*"}
 
     def jobs_stream_pattern(self) -> str:
         """SCAN pattern matching every model's jobs stream."""
         return f"{self.prefix}:jobs:*"
 
     def model_of_jobs_stream(self, key: str | bytes) -> str:
-        """The model name of a key returned by `jobs_stream` (inverse)."""
+        """The model name of a key returned by `jobs_stream` or `bulk_stream` (inverse)."""
         text = as_text(key)
-        head = f"{self.prefix}:jobs:"
-        if not text.startswith(head):
-            raise ValueError(f"{text!r} is not a jobs stream of prefix {self.prefix!r}")
-        return decode_segment(text[len(head) :])
+        for head in (f"{self.prefix}:jobs:", f"{self.prefix}:bulk:"):
+            if text.startswith(head):
+                # an encoded model holds no ':' or '{', so what follows it is the partition
+                model_part = text[len(head) :].strip("{}").split(":", 1)[0]
+                return decode_segment(model_part)
+        raise ValueError(f"{text!r} is not a jobs stream of prefix {self.prefix!r}")
 
     def dead_letters(self, model: str) -> str:
         return f"{self.prefix}:dead:{encode_segment(model)}"
 
     # one job
     def job(self, job_id: str) -> str:
-        return f"{self.prefix}:job:{encode_segment(job_id)}"
+        return f"{self.prefix}:job:{self._tagged(encode_segment(job_id))}"
 
     def job_key_prefix(self) -> str:
-        """`job(id) == job_key_prefix() + id` for every valid job id (used inside Lua)."""
+        """`job(id) == job_key_prefix() + id` for every valid job id (used inside Lua; single
+        node only: cluster mode does not look keys up by a built name)."""
         return f"{self.prefix}:job:"
 
     def out_stream(self, job_id: str) -> str:
-        return f"{self.prefix}:out:{encode_segment(job_id)}"
+        return f"{self.prefix}:out:{self._tagged(encode_segment(job_id))}"
 
     def channel(self, job_id: str) -> str:
-        return f"{self.prefix}:chan:{encode_segment(job_id)}"
+        return f"{self.prefix}:chan:{self._tagged(encode_segment(job_id))}"
 
     def idempotency(self, key: str, owner: str | None = None) -> str:
         return f"{self.prefix}:idem:{encode_segment(owner or '')}:{encode_segment(key)}"
@@ -230,12 +292,16 @@ class RedisKeys:
         return f"{self.prefix}:arrivals:{encode_segment(model)}"
 
     # bulk work: priority streams, files and batches
-    def bulk_stream(self, model: str) -> str:
-        return f"{self.prefix}:bulk:{encode_segment(model)}"
+    def bulk_stream(self, model: str, partition: int = 0) -> str:
+        return self._queue_name("bulk", model, partition)
 
-    def queue_stream(self, model: str, priority: int) -> str:
-        """The stream a job of `priority` is queued on: bulk work has its own stream."""
-        return self.bulk_stream(model) if priority >= PRIORITY_BULK else self.jobs_stream(model)
+    def queue_stream(self, model: str, priority: int, job_id: str = "") -> str:
+        """The stream a job of `priority` is queued on: bulk work has its own stream; with
+        partitions, the job's partition of it (`job_id` names the job)."""
+        partition = self.job_partition(job_id) if job_id else 0
+        if priority >= PRIORITY_BULK:
+            return self.bulk_stream(model, partition)
+        return self.jobs_stream(model, partition)
 
     def file(self, file_id: str) -> str:
         return f"{self.prefix}:file:{encode_segment(file_id)}"
@@ -244,7 +310,7 @@ class RedisKeys:
         return f"{self.prefix}:files:{encode_segment(owner or '')}"
 
     def batch(self, batch_id: str) -> str:
-        return f"{self.prefix}:batch:{encode_segment(batch_id)}"
+        return f"{self.prefix}:batch:{self._tagged(encode_segment(batch_id))}"
 
     def batch_lines(self, batch_id: str) -> str:
         return f"{self.batch(batch_id)}:lines"

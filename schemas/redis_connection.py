@@ -14,9 +14,13 @@ from urllib.parse import unquote, urlsplit
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from schemas.defaults import DEFAULT_REDIS_URL, REDIS_URL_HELP
+from schemas.keys import RedisKeys
 
 DEFAULT_MASTER_NAME = "inferq"
 DEFAULT_WAIT_TIMEOUT_MS = 1000
+# Partition streams per model queue in cluster mode unless set: enough to spread a model's
+# queue over the shards of a small cluster (each worker reads every partition).
+DEFAULT_CLUSTER_PARTITIONS = 6
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,25 @@ class RedisConnectionSettings(BaseModel):
     redis_master_name: str = Field(
         DEFAULT_MASTER_NAME, min_length=1, description="the master's name in the Sentinels"
     )
+    redis_cluster: bool = Field(
+        False,
+        description="Redis Cluster: redis_url names any one node (the client finds the rest "
+        "and follows MOVED and failovers); job keys carry hash tags, job channels use sharded "
+        "pub/sub",
+    )
+    redis_queue_partitions: int | None = Field(
+        None,
+        ge=1,
+        description="streams each model's queue is split into (enqueue picks one by job id; "
+        "workers read all); must be the same for the API and the workers. Unset: 1 on a single "
+        f"node or Sentinel, {DEFAULT_CLUSTER_PARTITIONS} with redis_cluster",
+    )
+    redis_batch_queue_url: str | None = Field(
+        None,
+        description="a plain Redis (URL) for the batch controller's own scheduling queue (arq); "
+        "unset: redis_url's server. Needed with redis_cluster, whose shards refuse arq's "
+        "multi-key transactions (the batches and their jobs stay on the cluster)",
+    )
     redis_wait_replicas: int = Field(
         0,
         ge=0,
@@ -80,6 +103,15 @@ class RedisConnectionSettings(BaseModel):
         description="longest WAIT for those replicas; past it the write is answered and logged "
         "as not replicated",
     )
+
+    @model_validator(mode="after")
+    def _one_topology(self) -> RedisConnectionSettings:
+        if self.redis_cluster and self.redis_sentinels is not None:
+            raise ValueError("redis_cluster: a cluster has no Sentinels; set one or the other")
+        if self.redis_cluster and self.redis_wait_replicas:
+            # WAIT answers for the one node it runs on, and a job's writes span several
+            raise ValueError("redis_wait_replicas: not supported with redis_cluster yet (set 0)")
+        return self
 
     @field_validator("redis_sentinels")
     @classmethod
@@ -95,6 +127,16 @@ class RedisConnectionSettings(BaseModel):
         if scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"redis_url: scheme {scheme!r} is not redis://, rediss:// or unix://")
         return self
+
+    def queue_partitions(self) -> int:
+        """How many partition streams each model's queue has."""
+        if self.redis_queue_partitions is not None:
+            return self.redis_queue_partitions
+        return DEFAULT_CLUSTER_PARTITIONS if self.redis_cluster else 1
+
+    def redis_keys(self, prefix: str) -> RedisKeys:
+        """The Redis names under `prefix` for this deployment (cluster tags, partitions)."""
+        return RedisKeys(prefix, cluster=self.redis_cluster, partitions=self.queue_partitions())
 
     @property
     def uses_sentinel(self) -> bool:
@@ -121,6 +163,10 @@ class RedisConnectionSettings(BaseModel):
 
     def describe(self) -> str:
         """Where Redis is, for logs and messages (never the password)."""
+        if self.redis_cluster:
+            return (
+                f"cluster via {urlsplit(self.redis_url).hostname}:{urlsplit(self.redis_url).port}"
+            )
         if self.redis_sentinels:
             return f"sentinels {self.redis_sentinels} master {self.redis_master_name!r}"
         parts = urlsplit(self.redis_url)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
+from functools import cache
 from string import Template
 
 from schemas.batches import BatchField
 from schemas.jobs import JobField, JobStatus
-from schemas.keys import JOB_ENTRY_FIELD
+from schemas.keys import JOB_ENTRY_FIELD, RedisKeys
 from schemas.transitions import UNKNOWN_STATUS_SOURCE
 
 
@@ -167,6 +168,57 @@ return entry
 """
 )
 
+# Redis Cluster: a job's hash and its queue stream live in different slots, so enqueue and
+# hand-back run as steps, each one atomic on one slot, ordered so that no step leaves a job a
+# worker would skip or run twice (see producer_api.cluster_queue, worker.handback).
+#
+# CLUSTER_JOB_CREATE: the new job's hash, queued, with a provisional TTL that
+# CLUSTER_JOB_ENTRY_SCRIPT lifts once the stream entry exists (an enqueue cut off in between
+# leaves a hash that expires, never a queued job nobody will run).
+# KEYS[1] job hash; ARGV[1] provisional TTL seconds, ARGV[2..] field, value pairs
+# returns 1 when created, 0 when a job of that id exists already
+CLUSTER_JOB_CREATE_SCRIPT = _render(
+    """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+$SET_FIELDS
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+""",
+    SET_FIELDS=_hset_argv_pairs("2"),
+)
+
+# CLUSTER_JOB_ENTRY: record the job's (new) stream entry while it is queued or running, and make
+# the hash permanent again; a job that ended meanwhile keeps its result's TTL.
+# KEYS[1] job hash; ARGV[1] entry id; returns 1 when recorded, 0 when the job is over or gone
+CLUSTER_JOB_ENTRY_SCRIPT = _render(
+    """
+local status = redis.call('HGET', KEYS[1], '$JOB_STATUS')
+if status ~= '$STATUS_QUEUED' and status ~= '$STATUS_RUNNING' then return 0 end
+redis.call('HSET', KEYS[1], '$JOB_ENTRY_ID', ARGV[1])
+redis.call('PERSIST', KEYS[1])
+return 1
+"""
+)
+
+# CLUSTER_HANDBACK_JOB: HANDBACK_SCRIPT's part on the job hash, before the new entry is added:
+# unless the job is over, forget its entry (a reader of the new entry must not take it for a
+# superseded one) and, with ARGV[1] '1', give back the attempt.
+# KEYS[1] job hash; returns 1 when the job goes back to the queue, 0 when it is over
+CLUSTER_HANDBACK_JOB_SCRIPT = _render(
+    """
+local status = redis.call('HGET', KEYS[1], '$JOB_STATUS')
+if status ~= '$STATUS_QUEUED' and status ~= '$STATUS_RUNNING' then return 0 end
+redis.call('HDEL', KEYS[1], '$JOB_ENTRY_ID')
+if ARGV[1] == '1' then
+  if tonumber(redis.call('HGET', KEYS[1], '$JOB_ATTEMPTS') or '0') > 0 then
+    redis.call('HINCRBY', KEYS[1], '$JOB_ATTEMPTS', -1)
+  end
+  redis.call('HDEL', KEYS[1], '$JOB_RUN_STATE')
+end
+return 1
+"""
+)
+
 # Compare-and-set of a batch's status.
 # KEYS[1] batch hash
 # ARGV[1] new status, ARGV[2] time field to set ('': none), ARGV[3] its value,
@@ -196,6 +248,19 @@ return {1, current}
 LEASE_RENEW_SCRIPT = _if_lease_holder("redis.call('PEXPIRE', KEYS[1], ARGV[2])")
 # LEASE_RELEASE: returns 1 when deleted, 0 when the lease is not ours.
 LEASE_RELEASE_SCRIPT = _if_lease_holder("redis.call('DEL', KEYS[1])")
+
+
+@cache
+def _sharded(script: str) -> str:
+    return script.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
+
+
+def job_channel_script(script: str, keys: RedisKeys) -> str:
+    """`script` (one that publishes on job channels only, as TRANSITION_SCRIPT) as
+    it must run under `keys`: in cluster mode with SPUBLISH, the sharded pub/sub of the job's
+    own slot, which its keys share."""
+    return _sharded(script) if keys.cluster else script
+
 
 ALL_SCRIPTS: Mapping[str, str] = {
     name: text for name, text in globals().items() if name.endswith("_SCRIPT")

@@ -64,10 +64,17 @@ def _ping(port: int) -> bool:
 class RedisServer:
     """A redis-server child process on a fixed port and data dir, with AOF persistence."""
 
-    def __init__(self, binary: str, data_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        binary: str,
+        data_dir: Path,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.binary = binary
         self.data_dir = data_dir
         self.port = port or _free_port()
+        self.extra_args = extra_args  # e.g. cluster mode (tests/cluster)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -97,6 +104,7 @@ class RedisServer:
             "--save", "",
             "--daemonize", "no",
             "--logfile", str(self.log_path),
+            *self.extra_args,
         ]  # fmt: skip
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         self.process = subprocess.Popen(
@@ -141,13 +149,19 @@ class RedisServer:
             return "(no log)"
 
 
-def _started_server(data_dir: Path) -> RedisServer:
+def find_redis_binary() -> str:
+    """redis-server's path; skips the test when there is none."""
     binary = _find_redis_server()
     if binary is None:
         pytest.skip(
             "redis-server not found (looked at $INFERQ_REDIS_SERVER, PATH, /usr/bin): install "
             "it as the README's test instructions say (apt-get install -y redis-server)"
         )
+    return binary
+
+
+def _started_server(data_dir: Path) -> RedisServer:
+    binary = find_redis_binary()
     last_error: Exception | None = None
     for _ in range(3):  # another process may grab the free port between probe and bind
         server = RedisServer(binary, data_dir)

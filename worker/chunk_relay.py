@@ -11,7 +11,8 @@ that order makes skipping safe: a reader that subscribed before the look is coun
 the chunks of that pipeline it may have missed are published in the next one (a catch-up);
 a reader that subscribed after the look replays after it, so it finds every chunk XADDed
 before the look in the replay stream. A job nobody has looked at yet publishes (its first
-chunk goes out live without waiting for an answer).
+chunk goes out live without waiting for an answer). On a Redis Cluster every chunk is published
+(SPUBLISH, on the job's own shard): the look would answer for one node only.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def chunk_commands(
     maxlen: int = OUT_STREAM_MAXLEN,
     ttl_s: int = OUT_STREAM_TTL_S,
     field_name: str = REPLAY_FIELD,
+    sharded: bool = False,
 ) -> list[Command]:
-    """XADD to the replay stream, then PUBLISH (when `publish`), then EXPIRE (when asked).
+    """XADD to the replay stream, then PUBLISH (when `publish`; SPUBLISH when `sharded`, as on
+    a cluster), then EXPIRE (when asked).
     The XADD names its MAXLEN only from chunk `maxlen` on: before, the stream (at most one
     entry per chunk so far) is below the cap, and the three arguments cost on every chunk."""
     trim = ("MAXLEN", "~", maxlen) if write.index + 1 > maxlen else ()
@@ -48,15 +51,19 @@ def chunk_commands(
         ("XADD", write.out_stream, *trim, write.entry_id, field_name, payload)
     ]
     if publish:
-        commands.append(("PUBLISH", write.channel, payload))
+        commands.append((_publish_verb(sharded), write.channel, payload))
     if write.set_ttl:
         commands.append(("EXPIRE", write.out_stream, ttl_s))
     return commands
 
 
-def publish_command(write: ChunkWrite) -> Command:
+def publish_command(write: ChunkWrite, *, sharded: bool = False) -> Command:
     """The live copy of a chunk, on the job's channel."""
-    return ("PUBLISH", write.channel, write.payload)
+    return (_publish_verb(sharded), write.channel, write.payload)
+
+
+def _publish_verb(sharded: bool) -> str:
+    return "SPUBLISH" if sharded else "PUBLISH"
 
 
 def check_chunk_replies(replies: Sequence[Any]) -> None:

@@ -15,14 +15,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from redis_io.clients import CLUSTER_AWAY
+from redis_io.pubsub import broadcast_pubsub
 from schemas import ControlMessage, JobField, JobStatus, RedisKeys
 from worker.backoff import Backoff
 from worker.logs import log_event
 
 logger = logging.getLogger(__name__)
 
-# Redis away: down, unreachable, or (plain URL) a master a failover demoted, which answers READONLY
+# Redis away: down, unreachable, (plain URL) a master a failover demoted, which answers READONLY,
+# or (cluster) a shard without a primary while its replica takes over
 REDIS_DOWN = (
+    *CLUSTER_AWAY,
     RedisConnectionError,
     RedisTimeoutError,
     RedisReadOnlyError,
@@ -49,8 +53,9 @@ async def listen(
     channel = keys.control_channel()
     arrivals = keys.arrivals_channel(model)
     while not closing.is_set():
-        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = None
         try:
+            pubsub = await broadcast_pubsub(redis, ignore_subscribe_messages=True)
             await pubsub.subscribe(channel, arrivals)
             backoff.succeeded()
             on_arrival()  # whatever was published while unsubscribed went unheard
@@ -76,8 +81,9 @@ async def listen(
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(closing.wait(), wait)
         finally:
-            with contextlib.suppress(*REDIS_DOWN):
-                await pubsub.aclose()
+            if pubsub is not None:
+                with contextlib.suppress(*REDIS_DOWN):
+                    await pubsub.aclose()
 
 
 async def ended_jobs(

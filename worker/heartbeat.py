@@ -16,6 +16,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from engine.outputs import EngineStats
+from redis_io.clients import pipeline
 from schemas import JobKind, RedisKeys, WorkerInfo, utc_now
 from schemas.workers import LIVE_STATS_MAXLEN, LIVE_STATS_WINDOW_S, TokenSample, TtftSample
 
@@ -106,7 +107,7 @@ async def beat(
     ttft_members = {sample.member(): sample.finished_at for sample in ttfts}
     if ttft_members:
         samples[keys.ttft_samples(model)] = ttft_members
-    async with redis.pipeline(transaction=True) as pipe:
+    async with pipeline(redis, atomic=True) as pipe:
         pipe.hset(key, mapping=info.to_redis_hash())
         pipe.expire(key, ttl_s)
         for sample_key, members in samples.items():

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from redis_io.clients import raise_for_cluster_outage
 from schemas import (
     TERMINAL_STATUSES,
     ErrorBody,
@@ -267,19 +268,21 @@ class StreamReader:
         (worker.crashes)."""
         if not entries:
             return []
-        job_ids = {  # entry id -> the job it names
-            e.entry_id: e.fields.get(JOB_ENTRY_FIELD, "") for e in entries if e.fields
+        # (stream, entry id) -> the job it names: a model's partitions may repeat an entry id
+        job_ids = {
+            (e.stream, e.entry_id): e.fields.get(JOB_ENTRY_FIELD, "") for e in entries if e.fields
         }
         named = {entry: job for entry, job in job_ids.items() if is_valid_job_id(job)}
-        stored: dict[str, StoredJob] = {}
+        stored: dict[tuple[str, str], StoredJob] = {}
         if named:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for job_id in named.values():
                     pipe.hgetall(self.keys.job(job_id))
                 replies = await pipe.execute(raise_on_error=False)
-            for entry_id, reply in zip(named, replies, strict=True):
-                stored[entry_id] = _job_hash(reply)
-        verdicts = [classify(e, stored.get(e.entry_id), now) for e in entries]
+            await raise_for_cluster_outage(self.redis, replies)
+            for entry, reply in zip(named, replies, strict=True):
+                stored[entry] = _job_hash(reply)
+        verdicts = [classify(e, stored.get((e.stream, e.entry_id)), now) for e in entries]
         resuming = [
             v.held
             for v in verdicts
@@ -301,6 +304,7 @@ class StreamReader:
                     pipe.sismember(marker, held.job_id)
                     pipe.scard(marker)
                 replies = await pipe.execute(raise_on_error=False)
+            await raise_for_cluster_outage(self.redis, replies)
             replays, marks = replies[: len(resuming)], replies[len(resuming) :]
             marks = list(zip(marks[0::2], marks[1::2], strict=True))
             for held, replay in zip(resuming, replays, strict=True):

@@ -5,6 +5,8 @@ step."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Iterable
 from datetime import datetime
 
@@ -24,23 +26,39 @@ READ_BETWEEN_MIN_STEP_S = 0.02
 
 
 class PriorityReader:
-    """A worker's reads on both of its model's streams: the jobs stream (interactive) first,
-    then the bulk stream with whatever admission room is left, so a bulk backlog never makes an
+    """A worker's reads on its model's streams: the jobs stream (interactive) first, then the
+    bulk stream with whatever admission room is left, so a bulk backlog never makes an
     interactive job wait for a free slot. Pending recovery, the janitor (XAUTOCLAIM) and the
-    group set-up cover both streams."""
+    group set-up cover both streams.
+
+    With partitions (`RedisKeys.partitions`), the model's queue is several pairs of streams
+    (partition k of the jobs stream and of the bulk stream share a hash slot, so one script
+    reads both): every read goes over all pairs within the one budget, starting at the next
+    pair each time so no partition waits behind the others."""
 
     def __init__(self, redis: Redis, keys: RedisKeys, model: str, consumer: str) -> None:
-        self.interactive = StreamReader(redis, keys, keys.jobs_stream(model), consumer)
-        self.bulk = StreamReader(redis, keys, keys.bulk_stream(model), consumer)
+        self.pairs = [
+            (
+                StreamReader(redis, keys, keys.jobs_stream(model, k), consumer),
+                StreamReader(redis, keys, keys.bulk_stream(model, k), consumer),
+            )
+            for k in range(keys.partitions)
+        ]
+        self.interactive, self.bulk = self.pairs[0]
         self.stream = self.interactive.stream
         self.bulk_stream = self.bulk.stream
+        self.bulk_streams = frozenset(bulk.stream for _, bulk in self.pairs)
         self.keys = keys
         self.consumer = consumer
         self.redis = redis
+        self._next_pair = 0
+        # set by the arrivals channel: an idle worker with several partitions waits on it
+        # instead of a blocked read (which could watch one partition only)
+        self.arrived = asyncio.Event()
 
     @property
-    def readers(self) -> tuple[StreamReader, StreamReader]:
-        return self.interactive, self.bulk
+    def readers(self) -> tuple[StreamReader, ...]:
+        return tuple(reader for pair in self.pairs for reader in pair)
 
     async def ensure_group(self) -> None:
         for reader in self.readers:
@@ -53,9 +71,11 @@ class PriorityReader:
         return out
 
     async def autoclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
-        claimed = await self.interactive.autoclaim(min_idle_ms, count)
-        if count - len(claimed) > 0:
-            claimed += await self.bulk.autoclaim(min_idle_ms, count - len(claimed))
+        claimed: list[Entry] = []
+        for reader in (*(i for i, _ in self.pairs), *(b for _, b in self.pairs)):
+            if count - len(claimed) <= 0:
+                break
+            claimed += await reader.autoclaim(min_idle_ms, count - len(claimed))
         return claimed
 
     async def claim_from_dead(self, count: int, min_silence_ms: int) -> list[Entry]:
@@ -76,21 +96,40 @@ class PriorityReader:
         self, count: int, block_ms: int | None, bulk_room: int | None = None
     ) -> list[Entry]:
         """Up to `count` new entries, interactive ones first; at most `bulk_room` bulk ones
-        (None: no cap), in one round trip. Only the jobs stream is waited on, for `block_ms`
-        when nothing was found (an idle worker; a bulk job arriving then is picked up a block
-        later at most)."""
+        (None: no cap), one round trip per partition. With one partition only its jobs stream
+        is waited on, for `block_ms` when nothing was found (an idle worker; a bulk job arriving
+        then is picked up a block later at most); with several, the wait is for an arrivals
+        notice (or `block_ms`), then every partition is read again."""
         if count <= 0:
             return []
-        most_bulk = count if bulk_room is None else min(count, bulk_room)
-        reply = await run_script(
-            self.redis,
-            READ_NEW_JOBS_SCRIPT,
-            [self.stream, self.bulk_stream],
-            [self.keys.group, self.consumer, count, most_bulk],
-        )
-        entries = script_entries(reply, (self.stream, self.bulk_stream))
-        if not entries and block_ms:
-            entries = await self.interactive.read_new(count, block_ms)
+        self.arrived.clear()
+        entries = await self._read_pairs(count, bulk_room)
+        if entries or not block_ms:
+            return entries
+        if len(self.pairs) == 1:
+            return await self.interactive.read_new(count, block_ms)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.arrived.wait(), block_ms / 1000)
+        return await self._read_pairs(count, bulk_room)
+
+    async def _read_pairs(self, count: int, bulk_room: int | None) -> list[Entry]:
+        entries: list[Entry] = []
+        start = self._next_pair
+        self._next_pair = (start + 1) % len(self.pairs)
+        for k in range(len(self.pairs)):
+            left = count - len(entries)
+            if left <= 0:
+                break
+            interactive, bulk = self.pairs[(start + k) % len(self.pairs)]
+            bulk_taken = sum(1 for e in entries if e.stream in self.bulk_streams)
+            most_bulk = left if bulk_room is None else max(0, min(left, bulk_room - bulk_taken))
+            reply = await run_script(
+                self.redis,
+                READ_NEW_JOBS_SCRIPT,
+                [interactive.stream, bulk.stream],
+                [self.keys.group, self.consumer, left, most_bulk],
+            )
+            entries += script_entries(reply, (interactive.stream, bulk.stream))
         return entries
 
     async def load(self, entries: list[Entry], policy: CrashPolicy, now: datetime) -> list[Verdict]:
@@ -102,15 +141,15 @@ class ReadPacing:
     (keeps sequence slots free for interactive jobs), and whether to read between two steps or
     beside the next."""
 
-    def __init__(self, bulk_max_held: int | None, bulk_stream: str) -> None:
+    def __init__(self, bulk_max_held: int | None, bulk_streams: Iterable[str]) -> None:
         self.bulk_max_held = bulk_max_held
-        self.bulk_stream = bulk_stream
+        self.bulk_streams = frozenset(bulk_streams)
 
     def bulk_room(self, held: Iterable[HeldJob]) -> int | None:
         """How many more bulk jobs may be held (None: no cap beyond KV admission)."""
         if self.bulk_max_held is None:
             return None
-        bulk = sum(1 for h in held if h.queue_stream == self.bulk_stream)
+        bulk = sum(1 for h in held if h.queue_stream in self.bulk_streams)
         return max(0, self.bulk_max_held - bulk)
 
     @staticmethod

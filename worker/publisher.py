@@ -18,6 +18,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from redis_io.clients import raise_for_cluster_outage
 from redis_io.replica_wait import fell_short, wait_command
 from redis_io.scripts import evalsha_command, load_command
 from schemas import (
@@ -37,6 +38,7 @@ from schemas.batches import BATCH_ENDED_TTL_S
 from schemas.chunks import ChunkWrite
 from schemas.keys import DEAD_LETTER_MAXLEN, FIRST_STEP_TTL_S, JOB_ENTRY_FIELD
 from schemas.redis_connection import ReplicaWait
+from schemas.redis_scripts import job_channel_script
 from worker.chunk_relay import (
     Command,
     Listeners,
@@ -58,6 +60,7 @@ class _Op:
     on_reply: Reply | None = None
     chunk: ChunkWrite | None = None  # chunk ops are sent as worker.chunk_relay's commands
     acks_entry: str | None = None  # jobs-stream entry this op retires
+    acks_stream: str = ""  # the stream of that entry (ids repeat across a model's partitions)
     job_id: str | None = None  # the job whose chunk or status this op writes
     script: str | None = None  # the script its EVALSHA runs
 
@@ -91,9 +94,11 @@ class Outbox:
     def __len__(self) -> int:
         return len(self.ops)
 
-    def entries_being_acked(self) -> set[str]:
-        """Entries whose XACK is queued or on its way (they still show as pending in Redis)."""
-        return {op.acks_entry for op in (*self._in_flight, *self.ops) if op.acks_entry}
+    def entries_being_acked(self) -> set[tuple[str, str]]:
+        """(stream, entry id) of the entries whose XACK is queued or on its way (they still
+        show as pending in Redis)."""
+        ops = (*self._in_flight, *self.ops)
+        return {(op.acks_stream, op.acks_entry) for op in ops if op.acks_entry}
 
     @property
     def pending(self) -> bool:
@@ -143,8 +148,15 @@ class Outbox:
             if on_done is not None:
                 on_done(*transition_applied(reply))
 
-        command = evalsha_command(TRANSITION_SCRIPT, script_keys, args)
-        self.ops.append(_Op([command], handle, job_id=job_id, script=TRANSITION_SCRIPT))
+        script = job_channel_script(TRANSITION_SCRIPT, self.keys)
+        if self.keys.cluster:
+            # a cluster pipeline sends each command to its key's node, and SCRIPT LOAD has no
+            # key to route by: the script goes whole
+            command: Command = ("EVAL", script, len(script_keys), *script_keys, *args)
+            self.ops.append(_Op([command], handle, job_id=job_id))
+        else:
+            command = evalsha_command(script, script_keys, args)
+            self.ops.append(_Op([command], handle, job_id=job_id, script=script))
 
     def mark_first_step(self, job_ids: list[str]) -> None:
         """Add jobs to this worker's first-step marker (see worker.crashes)."""
@@ -166,6 +178,7 @@ class Outbox:
                     ("XDEL", stream, entry_id),
                 ],
                 acks_entry=entry_id,
+                acks_stream=stream,
             )
         )
 
@@ -239,6 +252,7 @@ class Outbox:
                     for command in commands:
                         pipe.execute_command(*command)
                 replies = await pipe.execute(raise_on_error=False)
+            await raise_for_cluster_outage(redis, replies)
         except BaseException:
             self.ops = batch + self.ops
             self._catch_up = catch_up + self._catch_up
@@ -269,7 +283,7 @@ class Outbox:
         them the look at who listens to the jobs written (see worker.chunk_relay)."""
         plan = _Plan()
         if catch_up:
-            publishes = [publish_command(write) for write in catch_up]
+            publishes = [publish_command(write, sharded=self.keys.cluster) for write in catch_up]
             plan.units.append((publishes, None))
         plan.scripts = {op.script for op in batch if op.script is not None}
         if plan.scripts - self.scripts_loaded:
@@ -278,17 +292,20 @@ class Outbox:
         for op in batch:
             if op.chunk is not None:
                 write = op.chunk
-                publish = self.listeners.publishes(write.job_id)
+                # on a cluster every chunk goes out live: PUBSUB SHARDNUMSUB answers for one
+                # node only, and a pipeline has no key to route the look by
+                publish = self.keys.cluster or self.listeners.publishes(write.job_id)
                 if not publish:
                     plan.unpublished.setdefault(write.job_id, []).append(write)
                 plan.channels[write.job_id] = write.channel
-                plan.units.append((chunk_commands(write, publish=publish), check_chunk_replies))
+                commands = chunk_commands(write, publish=publish, sharded=self.keys.cluster)
+                plan.units.append((commands, check_chunk_replies))
             elif op.script is not None:
                 plan.units.append((op.commands, _retry_on_noscript(op, plan.retry)))
             else:
                 plan.units.append((op.commands, op.on_reply))
         plan.channels = {**self.listeners.unheard(), **plan.channels}
-        if plan.channels:
+        if plan.channels and not self.keys.cluster:
             look = Listeners.look_commands(list(plan.channels.values()))
             plan.units.append((look, lambda replies: self._learn(plan, replies)))
         return plan

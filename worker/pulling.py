@@ -44,7 +44,7 @@ class EntryPuller:
         self.settings = settings
         self.name = settings.name
         self.reader = reader
-        self.pacing = ReadPacing(settings.bulk_max_held, reader.bulk_stream)
+        self.pacing = ReadPacing(settings.bulk_max_held, reader.bulk_streams)
         self.crash_policy = CrashPolicy(settings.max_attempts, settings.max_crash_resumes)
         self.batch = batch
         self.outbox = outbox
@@ -65,6 +65,7 @@ class EntryPuller:
     def note_arrival(self) -> None:
         """The arrivals channel said a new entry came."""
         self._arrivals = True
+        self.reader.arrived.set()
 
     def may_have_new(self) -> bool:
         return self._arrivals or time.monotonic() >= self._next_unprompted_read
@@ -133,8 +134,11 @@ class EntryPuller:
         return entries
 
     def _not_held(self, entries: list[Entry]) -> list[Entry]:
-        mine = {h.entry_id for h in self.batch.all_jobs()} | self.outbox.entries_being_acked()
-        return [entry for entry in entries if entry.entry_id not in mine]
+        # by stream too: two partitions of a model may hand out the same entry id
+        jobs_stream = self.reader.stream
+        held = {(h.queue_stream or jobs_stream, h.entry_id) for h in self.batch.all_jobs()}
+        mine = held | self.outbox.entries_being_acked()
+        return [e for e in entries if (e.stream or jobs_stream, e.entry_id) not in mine]
 
     def _take(self, verdicts: list[Verdict]) -> None:
         for verdict in verdicts:

@@ -59,9 +59,10 @@ async def refill(
     maxlen: int = OUT_STREAM_MAXLEN,
     ttl_s: int = OUT_STREAM_TTL_S,
     field_name: str = REPLAY_FIELD,
+    sharded: bool = False,
 ) -> int:
     """Re-publish every logged chunk its replay stream lacks (two round trips; live too, as
-    who listens is not known on a new master); returns how many chunks went out again."""
+    who listens is not known on a new master; SPUBLISH when `sharded`); returns how many chunks went out again."""
     streams = log.streams()
     if not streams:
         return 0
@@ -81,7 +82,12 @@ async def refill(
         for write in missing:
             again = replace(write, set_ttl=True)
             for command in chunk_commands(
-                again, publish=True, maxlen=maxlen, ttl_s=ttl_s, field_name=field_name
+                again,
+                publish=True,
+                maxlen=maxlen,
+                ttl_s=ttl_s,
+                field_name=field_name,
+                sharded=sharded,
             ):
                 pipe.execute_command(*command)
         check_chunk_replies(await pipe.execute(raise_on_error=False))

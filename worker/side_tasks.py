@@ -13,7 +13,6 @@ from datetime import datetime
 from redis.asyncio import Redis
 
 from engine.outputs import EngineStats
-from schemas import RedisKeys
 from worker.backoff import Backoff
 from worker.batch import AbortReason, Batch
 from worker.control import REDIS_DOWN, ended_jobs, listen
@@ -42,7 +41,7 @@ class SideTasks:
         self.settings = settings
         self.name = settings.name
         self.model = settings.queue_model
-        self.keys = RedisKeys(settings.prefix)
+        self.keys = settings.redis_keys(settings.prefix)
         self.jobs_stream = self.keys.jobs_stream(self.model)
         self.redis = redis
         self.engine = engine

@@ -28,7 +28,7 @@ from redis.asyncio import Redis
 from engine.outputs import EngineStats, RequestDelta
 from redis_io.clients import redis_client
 from redis_io.memory_check import warn_about_redis_memory
-from schemas import RedisKeys, utc_now
+from schemas import utc_now
 from worker.batch import Batch
 from worker.chunking import ChunkPolicy
 from worker.control import REDIS_DOWN
@@ -57,7 +57,7 @@ class Worker:
         self.settings = settings
         self.name = settings.name
         self.model = settings.queue_model
-        self.keys = RedisKeys(settings.prefix)
+        self.keys = settings.redis_keys(settings.prefix)
         self.jobs_stream = self.keys.jobs_stream(self.model)
         self._engine_thread = EngineThread()
         self.engine = engine if engine is not None else self._engine_thread.build(settings)

@@ -39,6 +39,12 @@ _MAX_TRIES = 20  # Redis blips: arq retries a run, which picks up where the last
 _RESUME_CRON = "cron:resume_batches"  # arq's name of the cron job, in its log lines
 
 
+NO_BATCH_QUEUE = (
+    "redis_batch_queue_url: the Batch API on a Redis Cluster needs a plain Redis for the batch "
+    "controller's queue (arq's transactions span keys a cluster keeps apart)"
+)
+
+
 async def enqueue_advance(arq: ArqRedis, keys: RedisKeys, batch_id: str, tag: str) -> None:
     """Queue a run of the batch; `tag` makes the arq job id unique per reason."""
     await arq.enqueue_job(
@@ -47,7 +53,12 @@ async def enqueue_advance(arq: ArqRedis, keys: RedisKeys, batch_id: str, tag: st
 
 
 def arq_redis_settings(settings: RedisConnectionSettings) -> RedisSettings:
-    """arq's view of the same Redis: the URL's server, or the Sentinels' master."""
+    """arq's view of the same Redis: the URL's server, or the Sentinels' master; or the plain
+    Redis `redis_batch_queue_url` names (a cluster cannot hold arq's queue)."""
+    if settings.redis_batch_queue_url:
+        return RedisSettings.from_dsn(settings.redis_batch_queue_url)
+    if settings.redis_cluster:
+        raise ValueError(NO_BATCH_QUEUE)
     if not settings.uses_sentinel:
         return RedisSettings.from_dsn(settings.redis_url)
     login = settings.master_login()
@@ -134,8 +145,9 @@ def quiet_resume_cron_logs() -> None:
 async def startup(ctx: dict[str, Any]) -> None:
     quiet_resume_cron_logs()
     settings = BatchControllerSettings()
+    arq_redis_settings(settings)  # a cluster without a queue Redis: say so now, by name
     ctx["settings"] = settings
-    ctx["keys"] = RedisKeys(settings.prefix)
+    ctx["keys"] = settings.redis_keys(settings.prefix)
     ctx["tokenizers"] = TokenizerCache()  # loaded once per controller process
     ctx["inferq_redis"] = redis_client(settings)
     await resume_batches(ctx)
@@ -147,6 +159,15 @@ async def shutdown(ctx: dict[str, Any]) -> None:
 
 def _every(seconds: int) -> set[int]:
     return set(range(0, 60, seconds))
+
+
+def _controller_redis_settings(settings: RedisConnectionSettings) -> RedisSettings:
+    """Where the controller's arq worker connects (read at import, so it never raises: on a
+    cluster without a queue Redis, `startup` names the missing setting)."""
+    try:
+        return arq_redis_settings(settings)
+    except ValueError:
+        return RedisSettings.from_dsn(settings.redis_url)
 
 
 _SETTINGS = BatchControllerSettings()
@@ -166,7 +187,7 @@ class WorkerSettings:
     ]
     on_startup = startup
     on_shutdown = shutdown
-    redis_settings = arq_redis_settings(_SETTINGS)
+    redis_settings = _controller_redis_settings(_SETTINGS)
     queue_name = RedisKeys(_SETTINGS.prefix).arq_queue()
     max_tries = _MAX_TRIES
     # a run stops itself after batch_tick_s; the margin covers its last round and finalizing

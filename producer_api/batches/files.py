@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from producer_api.batches.lines import ParsedLine, parse_lines
+from redis_io.clients import pipeline
 from schemas import FileObject, RedisKeys
 from schemas.batches import is_valid_file_id, new_file_id
 
@@ -64,7 +65,7 @@ class FileStore:
         file_id = file_id or new_file_id()
         size = len(content.encode())
         key = self.keys.file(file_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with pipeline(self.redis, atomic=True) as pipe:
             pipe.hset(
                 key,
                 mapping={
@@ -130,7 +131,7 @@ class FileStore:
 
     async def delete(self, file_id: str, owner: str | None) -> bool:
         """Remove a file and its listing entry; False when there was none."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with pipeline(self.redis, atomic=True) as pipe:
             pipe.delete(self.keys.file(file_id))
             pipe.zrem(self.keys.files_of(owner), file_id)
             deleted, _ = await pipe.execute()

@@ -42,6 +42,7 @@ from producer_api.errors import ApiError
 from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
 from producer_api.prompt_tokens import TokenizerCache
 from producer_api.workers import WorkerDirectory
+from redis_io.clients import pipeline
 from redis_io.scripts import run_script
 from schemas import TERMINAL_STATUSES, BatchField, BatchStatus, ErrorCode, Job, JobField, RedisKeys
 from schemas.batches import BATCH_ID_PREFIX
@@ -194,7 +195,7 @@ class BatchRunner:
         if room <= 0:
             return
         model = self.valid[self.submitted].request.model  # type: ignore[union-attr]
-        backlog = await self.redis.xlen(self.keys.bulk_stream(model))
+        backlog = await queue.queue_length(self.redis, self.keys, model, bulk=True)
         room = min(room, self.settings.batch_max_backlog - backlog)
         if room <= 0:
             return
@@ -225,7 +226,7 @@ class BatchRunner:
                 raise result  # Redis trouble: arq retries the run; enqueued lines dedupe
             else:
                 enqueued[line.number] = result.id
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with pipeline(self.redis, atomic=True) as pipe:
             if enqueued:
                 pipe.hset(self.keys.batch_lines(self.batch_id), mapping=enqueued)
             if refused:
@@ -392,7 +393,7 @@ class BatchRunner:
     async def _retire(self) -> None:
         """A finished batch leaves the active set, its bookkeeping goes, its record expires.
         Runs after the final status is stored, so a crash before it only repeats it."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with pipeline(self.redis, atomic=True) as pipe:
             pipe.srem(self.keys.active_batches(), self.batch_id)
             pipe.expire(self.keys.batch(self.batch_id), self.settings.batch_retention_s)
             pipe.delete(

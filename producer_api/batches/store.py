@@ -7,6 +7,7 @@ import time
 
 from redis.asyncio import Redis
 
+from redis_io.clients import pipeline
 from redis_io.scripts import run_script
 from schemas import BatchField, BatchObject, BatchStatus, RedisKeys
 from schemas.batches import STATUS_TIME_FIELD, is_valid_batch_id, new_batch_id
@@ -52,7 +53,7 @@ class BatchStore:
         }
         if metadata:
             fields[BatchField.METADATA] = json.dumps(metadata)
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with pipeline(self.redis, atomic=True) as pipe:
             pipe.hset(self.keys.batch(batch_id), mapping={str(k): v for k, v in fields.items()})
             pipe.sadd(self.keys.active_batches(), batch_id)
             pipe.zadd(self.keys.batches_of(owner), {batch_id: created})

@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from producer_api import queue
 from producer_api.client.base import AsyncJobClient, as_request
 from producer_api.client.blocking import BlockingClient
-from redis_io.clients import redis_client
+from redis_io.clients import is_cluster, redis_client
 from schemas import DEFAULT_PREFIX, Job, JobRequest, RedisKeys, TokenChunk
 from schemas.redis_connection import RedisConnectionSettings, ReplicaWait
 
@@ -45,15 +45,19 @@ class AsyncRedisClient(AsyncJobClient):
         max_queue_len: int | None = None,
         poll_interval: float = queue.DEFAULT_POLL_INTERVAL_S,
     ) -> None:
-        self._owns_redis = not isinstance(redis, Redis)
+        self._owns_redis = isinstance(redis, str | RedisConnectionSettings)
         if isinstance(redis, str):
             redis = RedisConnectionSettings(redis_url=redis)
         self.replicas: ReplicaWait | None = None
         if isinstance(redis, RedisConnectionSettings):
             self.replicas = redis.replica_wait()
+            self.keys = redis.redis_keys(prefix)
             redis = redis_client(redis, decode_responses=False)
+        elif is_cluster(redis):  # a cluster client of the caller's: the cluster defaults
+            self.keys = RedisConnectionSettings(redis_cluster=True).redis_keys(prefix)
+        else:
+            self.keys = RedisKeys(prefix)
         self.redis: Redis = redis
-        self.keys = RedisKeys(prefix)
         self.owner = owner
         self.max_queue_len = max_queue_len
         self.poll_interval = poll_interval

@@ -79,18 +79,52 @@ def _inferq_commands(compose: dict[str, Any]) -> list[list[str]]:
 
 
 HA = ("redis-replica", "redis-sentinel-1", "redis-sentinel-2", "redis-sentinel-3")
+CLUSTER_NODES = tuple(f"redis-cluster-{n}" for n in range(1, 7))
+CLUSTER = (*CLUSTER_NODES, "redis-cluster-create")
 
 
 def test_services_and_profiles(compose):
     services = compose["services"]
     assert set(services) == {
-        "redis", "api", "grpc", "batch-controller", "worker-gpu", "worker-cpu", *HA
+        "redis", "api", "grpc", "batch-controller", "worker-gpu", "worker-cpu", *HA, *CLUSTER
     }  # fmt: skip
     assert services["worker-cpu"]["profiles"] == ["cpu"]
     assert all(services[s]["profiles"] == ["ha"] for s in HA)
+    assert all(services[s]["profiles"] == ["cluster"] for s in CLUSTER)
     always = ("redis", "api", "grpc", "batch-controller", "worker-gpu")
     assert all("profiles" not in services[s] for s in always)
-    assert set(compose["volumes"]) == {"redis-data", "redis-replica-data", "model-cache"}
+    assert set(compose["volumes"]) == {
+        "redis-data", "redis-replica-data", "model-cache", *(f"{n}-data" for n in CLUSTER_NODES)
+    }  # fmt: skip
+
+
+def test_the_cluster_profile_joins_three_primaries_with_a_replica_each(compose):
+    services = compose["services"]
+    hostnames = set()
+    for name in CLUSTER_NODES:
+        node = services[name]
+        command = " ".join(node["command"])
+        assert "--cluster-enabled yes" in command and "--appendonly yes" in command
+        assert "--maxmemory-policy noeviction" in command
+        assert '--requirepass "$REDIS_PASSWORD"' in command
+        assert f"{name}-data:/data" in node["volumes"]
+        hostnames.add(node["hostname"])
+    assert hostnames == set(CLUSTER_NODES)  # each announces its own name
+    create = " ".join(services["redis-cluster-create"]["command"])
+    assert "--cluster create" in create and "--cluster-replicas 1" in create
+    assert all(f"{name}:6379" in create for name in CLUSTER_NODES)
+    assert set(services["redis-cluster-create"]["depends_on"]) == set(CLUSTER_NODES)
+    # off by default; the documented variables point every process at the cluster
+    assert services["api"]["environment"]["INFERQ_REDIS_CLUSTER"] == "false"
+    env = {**ENV, "INFERQ_REDIS_HOST": "redis-cluster-1", "INFERQ_REDIS_CLUSTER": "true"}
+    for service in ("api", "grpc", "batch-controller", "worker-gpu"):
+        variables = interpolate(compose_raw(), env)["services"][service]["environment"]
+        settings = RedisConnectionSettings(
+            redis_url=variables["INFERQ_REDIS_URL"],
+            redis_cluster=variables["INFERQ_REDIS_CLUSTER"],
+        )
+        assert settings.redis_cluster and "@redis-cluster-1:6379" in settings.redis_url
+        assert settings.queue_partitions() > 1
 
 
 def test_the_ha_profile_replicates_redis_and_its_sentinels_name_the_settings_master(compose):

@@ -38,6 +38,7 @@ REDIS_WORDS = frozenset(
         "HINCRBY",
         "HSET",
         "MAXLEN",
+        "PERSIST",
         "PEXPIRE",
         "PUBLISH",
         "SET",

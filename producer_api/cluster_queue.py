@@ -1,0 +1,70 @@
+"""Enqueue on Redis Cluster, where a job's hash (its own slot, by its id's hash tag) and its
+model's partition stream (another slot) cannot be written by one script. The steps, each atomic
+on one slot, in the order that keeps every guarantee a worker relies on:
+
+1. idempotency key: SET NX (an existing key naming a stored job answers with that job);
+2. backlog: the model's partitions' XLEN summed, against the limit (a soft limit here: two
+   enqueues racing at the limit may both pass);
+3. the job hash, queued, with a provisional TTL (CLUSTER_JOB_CREATE_SCRIPT);
+4. XADD to the job's partition stream;
+5. the hash records the entry and loses the provisional TTL (CLUSTER_JOB_ENTRY_SCRIPT), and
+   the model's arrivals channel hears of the entry.
+
+A worker that reads the entry between 4 and 5 finds the hash (3 came first) and runs the job;
+an enqueue cut off between 3 and 4 was never answered, and its hash expires.
+"""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from redis_io.scripts import run_script
+from schemas import IDEMPOTENCY_TTL_S, Job, RedisKeys
+from schemas.jobs import as_text
+from schemas.keys import JOB_ENTRY_FIELD, RESULT_TTL_S
+from schemas.redis_scripts import (
+    CLUSTER_JOB_CREATE_SCRIPT,
+    CLUSTER_JOB_ENTRY_SCRIPT,
+    EnqueueOutcome,
+)
+
+
+async def cluster_enqueue(
+    redis: Redis,
+    keys: RedisKeys,
+    job: Job,
+    *,
+    idempotency_key: str | None,
+    owner: str | None,
+    max_queue_len: int | None,
+) -> tuple[EnqueueOutcome, str]:
+    """ENQUEUE_SCRIPT's outcome for `job` on a cluster: (created, entry id), (existing, job
+    id) or (full, backlog)."""
+    request = job.request
+    if idempotency_key is not None:
+        idem = keys.idempotency(idempotency_key, owner)
+        if not await redis.set(idem, job.id, nx=True, ex=IDEMPOTENCY_TTL_S):
+            existing = await redis.get(idem)
+            if existing is not None and await redis.exists(keys.job(as_text(existing))):
+                return EnqueueOutcome.EXISTING, as_text(existing)
+            await redis.set(idem, job.id, ex=IDEMPOTENCY_TTL_S)  # it named an expired job
+    stream = keys.queue_stream(request.model, request.priority, job.id)
+    if max_queue_len:
+        streams = (
+            keys.bulk_streams(request.model)
+            if stream in keys.bulk_streams(request.model)
+            else keys.jobs_streams(request.model)
+        )
+        async with redis.pipeline(transaction=False) as pipe:
+            for name in streams:
+                pipe.xlen(name)
+            backlog = sum(await pipe.execute())
+        if backlog >= max_queue_len:
+            return EnqueueOutcome.FULL, str(backlog)
+    fields = [item for pair in job.to_redis_hash().items() for item in pair]
+    job_key = keys.job(job.id)
+    await run_script(redis, CLUSTER_JOB_CREATE_SCRIPT, [job_key], [RESULT_TTL_S, *fields])
+    entry = as_text(await redis.xadd(stream, {JOB_ENTRY_FIELD: job.id}))
+    await run_script(redis, CLUSTER_JOB_ENTRY_SCRIPT, [job_key], [entry])
+    await redis.execute_command("PUBLISH", keys.arrivals_channel(request.model), entry)
+    return EnqueueOutcome.CREATED, entry
