@@ -55,40 +55,34 @@ DEEPSEEK_WEIGHTS = replace(
 )
 
 
+def refuse_fields(hf_config: PretrainedConfig, supported: dict[str, tuple[object, ...]]) -> None:
+    """Refuse a config whose field (where set) has a value outside the supported ones."""
+    family = type(hf_config).__name__
+    for field, values in supported.items():
+        found = getattr(hf_config, field, None)
+        if found is not None and found not in values:
+            raise UnsupportedConfigError(
+                f"{field}={found!r} is not supported for {family} models "
+                f"(supported: {', '.join(repr(v) for v in values)})"
+            )
+
+
 def check_config(hf_config: PretrainedConfig, tp: TensorParallel | None) -> None:
-    """Refuse, naming the field, what this family does not compute exactly."""
+    """Refuse, naming the field, what the DeepSeek families do not compute exactly (their
+    routers' own fields are checked by each family)."""
     if tp is not None:
-        raise NotImplementedError("DeepSeek-V3 (latent attention) is not tensor-parallel yet")
+        raise NotImplementedError("DeepSeek models (latent attention) are not tensor-parallel yet")
     refuse_unsupported(hf_config)
     quantization = getattr(hf_config, "quantization_config", None) or {}
     if not isinstance(quantization, dict):
         quantization = quantization.to_dict()
-    method = quantization.get("quant_method")
-    if method == "fp8":
+    if quantization.get("quant_method") == "fp8":
         raise UnsupportedConfigError(
             f"quantization_config.quant_method='fp8' (weight_block_size="
             f"{quantization.get('weight_block_size')}) is not supported: fp8 block-quantized "
             "DeepSeek checkpoints need dequantizing to bf16 first"
         )
-    neutral = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
-    for field, value in neutral.items():
-        found = getattr(hf_config, field, None)
-        if found is not None and found != value:
-            raise UnsupportedConfigError(
-                f"{field}={found!r} is not supported for DeepSeek-V3 models (supported: {value!r})"
-            )
-
-
-def router_spec(hf_config: PretrainedConfig) -> RouterSpec:
-    return RouterSpec(
-        hf_config.n_routed_experts,
-        hf_config.num_experts_per_tok,
-        Scoring.SIGMOID_GROUPED,
-        renormalize=bool(hf_config.norm_topk_prob),
-        num_groups=hf_config.n_group or 1,
-        topk_groups=hf_config.topk_group or 1,
-        routed_scaling=float(hf_config.routed_scaling_factor),
-    )
+    refuse_fields(hf_config, {"moe_layer_freq": (1,)})
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -124,7 +118,7 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, hf_config: PretrainedConfig, dims: ModelDims) -> None:
+    def __init__(self, hf_config: PretrainedConfig, dims: ModelDims, router: RouterSpec) -> None:
         super().__init__()
         hidden, eps = dims.hidden_size, float(hf_config.rms_norm_eps)
         shape = LatentShape.from_config(hf_config)
@@ -133,14 +127,14 @@ class DeepseekV3Model(nn.Module):
             shape.qk_rope_head_dim, dims.max_position_embeddings, theta, scaling
         )
         scale = softmax_scale(shape, scaling)
-        router = router_spec(hf_config)
         first_sparse = hf_config.first_k_dense_replace or 0
+        bias = bool(getattr(hf_config, "mlp_bias", False))  # V2's dense and shared MLPs
 
         def mlp(layer: int) -> nn.Module:
             if layer < first_sparse:
-                return LlamaMLP(hidden, hf_config.intermediate_size, False)
+                return LlamaMLP(hidden, hf_config.intermediate_size, bias)
             experts_size = hf_config.moe_intermediate_size
-            shared = LlamaMLP(hidden, experts_size * hf_config.n_shared_experts, False)
+            shared = LlamaMLP(hidden, experts_size * hf_config.n_shared_experts, bias)
             return SharedExpertsMoeBlock(hidden, experts_size, router, shared)
 
         self.embed_tokens = VocabEmbedding(dims.vocab_size, hidden)
@@ -182,6 +176,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     ) -> None:
         """backend: unused, latent attention layers attend through engine.attention.latent."""
         check_config(hf_config, tp)
+        router = self.router_spec(hf_config)
         dims = ModelDims(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -190,9 +185,23 @@ class DeepseekV3ForCausalLM(CausalLM):
             initializer_range=float(getattr(hf_config, "initializer_range", 0.02) or 0.02),
         )
         super().__init__(dims)
-        self.model = DeepseekV3Model(hf_config, dims)
+        self.model = DeepseekV3Model(hf_config, dims, router)
         self.lm_head = Linear(dims.hidden_size, dims.vocab_size, bias=False)
         self.tie_weights()
+
+    @classmethod
+    def router_spec(cls, hf_config: PretrainedConfig) -> RouterSpec:
+        """noaux_tc: grouped top-k of sigmoid scores with the correction bias."""
+        refuse_fields(hf_config, {"topk_method": ("noaux_tc",), "scoring_func": ("sigmoid",)})
+        return RouterSpec(
+            hf_config.n_routed_experts,
+            hf_config.num_experts_per_tok,
+            Scoring.SIGMOID_GROUPED,
+            renormalize=bool(hf_config.norm_topk_prob),
+            num_groups=hf_config.n_group or 1,
+            topk_groups=hf_config.topk_group or 1,
+            routed_scaling=float(hf_config.routed_scaling_factor),
+        )
 
     @property
     def decoder_layers(self) -> Sequence[nn.Module]:

@@ -71,21 +71,27 @@ DEEPSEEK = dict(
 )
 
 
-def _config(**overrides: object) -> object:
-    from transformers import DeepseekV3Config
+def _config(version: int = 3, **overrides: object) -> object:
+    import transformers as tf
 
-    return DeepseekV3Config(**{**DEEPSEEK, **overrides})
+    config_class = tf.DeepseekV3Config if version == 3 else tf.DeepseekV2Config
+    return config_class(**{**DEEPSEEK, **overrides})
 
 
-def _save(path: Path, bias_scale: float = 0.5, seed: int = 0, **overrides: object) -> Path:
-    from transformers import DeepseekV3ForCausalLM
+def _save(
+    path: Path, bias_scale: float = 0.5, seed: int = 0, version: int = 3, **overrides: object
+) -> Path:
+    import transformers as tf
 
+    model_class = tf.DeepseekV3ForCausalLM if version == 3 else tf.DeepseekV2ForCausalLM
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(_config(**overrides)).float().eval()
+    model = model_class(_config(version, **overrides)).float().eval()
     _randomize(model, seed)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for layer in model.model.layers[DEEPSEEK["first_k_dense_replace"] :]:
+        for layer in (
+            model.model.layers[DEEPSEEK["first_k_dense_replace"] :] if version == 3 else ()
+        ):
             bias = layer.mlp.gate.e_score_correction_bias  # a buffer: _randomize leaves it 0
             bias.copy_(bias_scale * torch.randn(bias.shape, generator=generator))
     model.save_pretrained(path)
@@ -124,6 +130,19 @@ def test_without_a_query_low_rank_and_rope_halves_on_plain_torch(tmp_path: Path)
         str(path), dtype="float32", enforce_eager=True, cpu_matmul="aten", max_num_batched_tokens=8
     )
     assert _generate(llm, prompts) == transformers_greedy(path, prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("topk_method", ["group_limited_greedy", "greedy"])
+def test_deepseek_v2_matches_transformers(tmp_path: Path, topk_method: str) -> None:
+    """V2's softmax router (over 2 of 4 expert groups, or all experts), without a query low
+    rank as V2-Lite; alone, batched and in chunks."""
+    path = _save(tmp_path / "v2", version=2, q_lora_rank=None, topk_method=topk_method)
+    prompts = _prompts()
+    expected = transformers_greedy(path, prompts, NEW_TOKENS)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=8)
+    assert type(llm.engine.runner.model).__name__ == "DeepseekV2ForCausalLM"
+    assert [_generate(llm, [prompt])[0] for prompt in prompts] == expected
+    assert _generate(llm, prompts) == expected
 
 
 def test_multi_token_prediction_layers_are_not_read(tmp_path: Path) -> None:
@@ -171,9 +190,7 @@ def test_grouped_routing_equals_transformers_router() -> None:
     weights, ids = grouped_topk(logits, router.e_score_correction_bias, spec)
     order, expected_order = ids.argsort(dim=-1), expected_ids.argsort(dim=-1)
     assert torch.equal(ids.gather(1, order), expected_ids.gather(1, expected_order))
-    torch.testing.assert_close(
-        weights.gather(1, order), expected_weights.gather(1, expected_order)
-    )
+    torch.testing.assert_close(weights.gather(1, order), expected_weights.gather(1, expected_order))
     groups = ids // 4  # each token's experts come from at most topk_group groups
     assert all(len(set(row.tolist())) <= 2 for row in groups)
 
@@ -191,6 +208,18 @@ def test_grouped_routing_equals_transformers_router() -> None:
 def test_what_changes_the_math_is_refused_by_name(overrides: dict, named: str) -> None:
     with pytest.raises(UnsupportedConfigError, match=named):
         meta_model(_config(**overrides), TorchAttentionBackend())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+        ({"norm_topk_prob": True}, "norm_topk_prob=True"),
+    ],
+)
+def test_what_v2_does_not_compute_is_refused_by_name(overrides: dict, named: str) -> None:
+    with pytest.raises(UnsupportedConfigError, match=named):
+        meta_model(_config(2, **overrides), TorchAttentionBackend())
 
 
 def test_tensor_parallelism_is_refused() -> None:

@@ -1,5 +1,6 @@
-"""DeepSeek-V3's mixture of experts: a router with grouped top-k over sigmoid scores and a
-correction bias (engine.layers.moe.routing.grouped_topk), the routed experts stacked as every
+"""DeepSeek's mixture of experts: a router with grouped top-k (V3: over sigmoid scores with a
+correction bias, engine.layers.moe.routing.grouped_topk; V2: group-limited greedy over softmax
+probabilities, engine.layers.moe.routing.route), the routed experts stacked as every
 MoE family keeps them (FusedExperts: the same grouped GEMMs on the CPU and fused-MoE kernel on
 CUDA), and shared experts every token goes through, added unscaled. Module names follow the
 checkpoints' (mlp.gate, mlp.gate.e_score_correction_bias, mlp.experts, mlp.shared_experts)."""
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.moe.layer import FusedExperts
-from engine.layers.moe.routing import RouterSpec, grouped_topk
+from engine.layers.moe.routing import RouterSpec, Scoring, grouped_topk, route
 
 
 class GroupedTopKRouter(nn.Module):
@@ -24,12 +25,17 @@ class GroupedTopKRouter(nn.Module):
         self.spec = spec
         experts = spec.num_experts
         self.weight = nn.Parameter(torch.empty(experts, hidden_size, dtype=torch.float32), False)
-        self.e_score_correction_bias = nn.Parameter(
-            torch.empty(experts, dtype=torch.float32), requires_grad=False
-        )
+        # The bias only V3's scoring has (it steers the choice, not the weights).
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if spec.scoring is Scoring.SIGMOID_GROUPED:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(experts, dtype=torch.float32), requires_grad=False
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
+        if self.e_score_correction_bias is None:
+            return route(logits, self.spec)
         return grouped_topk(logits, self.e_score_correction_bias, self.spec)
 
 

@@ -9,6 +9,10 @@
   group scored by the sum of its two best biased scores, only the topk_groups best groups are
   eligible, and the k best biased scores among them are chosen; their weights are the unbiased
   scores, divided by their sum where the family renormalizes, times routed_scaling.
+- SOFTMAX_GROUP_LIMITED (DeepSeek-V2's greedy and group_limited_greedy): softmax over all
+  experts in float32; each group scored by its best probability, the experts outside the
+  topk_groups best groups zeroed, the k largest kept, times routed_scaling (never
+  renormalized). One group of all experts is plain greedy top-k.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class Scoring(enum.Enum):
     SOFTMAX_TOPK = "softmax_topk"
     TOPK_SOFTMAX = "topk_softmax"
     SIGMOID_GROUPED = "sigmoid_grouped"
+    SOFTMAX_GROUP_LIMITED = "softmax_group_limited"
 
 
 @dataclass(frozen=True)
@@ -31,8 +36,8 @@ class RouterSpec:
     top_k: int
     scoring: Scoring
     renormalize: bool = False  # SOFTMAX_TOPK: the k weights are divided by their sum
-    # SIGMOID_GROUPED only: expert groups, how many of them a token may use, and the factor
-    # on the chosen weights.
+    # SIGMOID_GROUPED and SOFTMAX_GROUP_LIMITED: expert groups, how many of them a token may
+    # use, and the factor on the chosen weights.
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
@@ -51,6 +56,8 @@ def route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.T
     """Router logits [T, E] -> (weights float32 [T, k], expert ids int64 [T, k])."""
     if spec.scoring is Scoring.SIGMOID_GROUPED:
         raise ValueError("grouped sigmoid routing needs its correction bias: use grouped_topk")
+    if spec.scoring is Scoring.SOFTMAX_GROUP_LIMITED:
+        return _group_limited_greedy(logits, spec)
     if spec.scoring is Scoring.TOPK_SOFTMAX:
         top, ids = torch.topk(logits, spec.top_k, dim=-1)
         return torch.softmax(top.float(), dim=-1), ids
@@ -61,6 +68,28 @@ def route(logits: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.T
     return weights, ids
 
 
+def _eligible(group_scores: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """[T, groups] scores -> [T, E] bool: the experts of each token's topk_groups best groups."""
+    tokens, groups = group_scores.shape
+    best_groups = torch.topk(group_scores, spec.topk_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+    group_mask.scatter_(1, best_groups, True)
+    per_group = spec.num_experts // groups
+    return group_mask.unsqueeze(-1).expand(tokens, groups, per_group).reshape(tokens, -1)
+
+
+def _group_limited_greedy(
+    logits: torch.Tensor, spec: RouterSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(logits.float(), dim=-1)
+    if spec.topk_groups < spec.num_groups:
+        per_group = spec.num_experts // spec.num_groups
+        group_scores = probs.view(probs.shape[0], spec.num_groups, per_group).amax(dim=-1)
+        probs = probs.masked_fill(~_eligible(group_scores, spec), 0.0)
+    weights, ids = torch.topk(probs, spec.top_k, dim=-1, sorted=False)
+    return weights * spec.routed_scaling, ids
+
+
 def grouped_topk(
     logits: torch.Tensor, correction_bias: torch.Tensor, spec: RouterSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,14 +97,9 @@ def grouped_topk(
     correction bias [E] -> (weights float32 [T, k], expert ids int64 [T, k])."""
     scores = logits.float().sigmoid()
     choice = scores + correction_bias.float()
-    tokens, groups = scores.shape[0], spec.num_groups
-    per_group = spec.num_experts // groups
-    group_scores = choice.view(tokens, groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-    best_groups = torch.topk(group_scores, spec.topk_groups, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
-    group_mask.scatter_(1, best_groups, True)
-    eligible = group_mask.unsqueeze(-1).expand(tokens, groups, per_group).reshape(tokens, -1)
-    choice = choice.masked_fill(~eligible, float("-inf"))
+    per_group = spec.num_experts // spec.num_groups
+    group_scores = choice.view(-1, spec.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    choice = choice.masked_fill(~_eligible(group_scores, spec), float("-inf"))
     ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if spec.renormalize:
