@@ -225,3 +225,17 @@ def test_what_v2_does_not_compute_is_refused_by_name(overrides: dict, named: str
 def test_tensor_parallelism_is_refused() -> None:
     with pytest.raises(NotImplementedError, match="not tensor-parallel"):
         meta_model(_config(), TorchAttentionBackend(), TensorParallel(0, 2))
+
+
+def test_weight_only_int8_quantizes_the_latent_projections_and_the_experts(tmp_path: Path) -> None:
+    """Sizes that int8's groups of 32 divide; its greedy start follows full precision."""
+    path = _save(
+        tmp_path / "int8", kv_lora_rank=32, q_lora_rank=32, v_head_dim=16, qk_nope_head_dim=24
+    )
+    prompt = _prompts()[2]
+    full = _generate(LLM(str(path), dtype="float32"), [prompt])[0]
+    llm = LLM(str(path), dtype="float32", quantization="int8")
+    model = llm.engine.runner.model
+    assert model.model.layers[1].self_attn.kv_b_proj.is_quantized
+    assert model.model.layers[1].mlp.experts.quantized is not None
+    assert _generate(llm, [prompt])[0][:2] == full[:2]
