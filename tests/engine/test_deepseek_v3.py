@@ -239,3 +239,33 @@ def test_weight_only_int8_quantizes_the_latent_projections_and_the_experts(tmp_p
     assert model.model.layers[1].self_attn.kv_b_proj.is_quantized
     assert model.model.layers[1].mlp.experts.quantized is not None
     assert _generate(llm, [prompt])[0][:2] == full[:2]
+
+
+def test_the_released_config_builds_with_a_576_feature_cache_row() -> None:
+    """DeepSeek-V3's released sizes (transformers' defaults) and its config.json's rope and
+    router fields, on the meta device; its fp8 quantization_config is what gets refused."""
+    from transformers import DeepseekV3Config
+
+    released = dict(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        max_position_embeddings=163840,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        moe_layer_freq=1,
+    )
+    model = meta_model(DeepseekV3Config(**released), TorchAttentionBackend())
+    spec = KVCacheSpec.for_model(model, 16, torch.bfloat16)
+    assert (spec.planes, spec.num_kv_heads, spec.head_dim) == (1, 1, 512 + 64)
+    assert spec.bytes_per_block == 61 * 16 * 576 * 2
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(UnsupportedConfigError, match="quant_method='fp8'"):
+        meta_model(DeepseekV3Config(**released, quantization_config=fp8), TorchAttentionBackend())
