@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.latent import attend_latent, store_latent
+from engine.attention.latent import Absorbed, attend_latent, store_latent
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -126,6 +126,7 @@ class LatentAttention(nn.Module):
         self.o_proj = Linear(heads * shape.v_head_dim, hidden_size, bias=bias)
         self.rotary_emb = rotary_emb  # shared by all layers
         self.scale = scale
+        self._absorbed: Absorbed | None = None  # from the loaded kv_b_proj, on first use
         self.spec = AttentionSpec(
             num_heads=heads,
             num_kv_heads=heads,
@@ -142,6 +143,17 @@ class LatentAttention(nn.Module):
         key_nope, values = kv.split([shape.qk_nope_head_dim, shape.v_head_dim], dim=-1)
         rope_key = rope_key.unsqueeze(1).expand(-1, shape.num_heads, -1)
         return torch.cat((key_nope, rope_key), dim=-1), values
+
+    def absorbed(self, like: torch.Tensor) -> Absorbed:
+        """kv_b_proj's rows split per head, read through the layer itself (a quantized or
+        repacked weight included) by projecting the identity; computed once, after loading."""
+        if self._absorbed is None:
+            shape = self.shape
+            identity = torch.eye(shape.kv_lora_rank, dtype=like.dtype, device=like.device)
+            rows = self.kv_b_proj(identity).T.reshape(shape.num_heads, -1, shape.kv_lora_rank)
+            key_up, value_up = rows.split([shape.qk_nope_head_dim, shape.v_head_dim], dim=1)
+            self._absorbed = Absorbed(key_up.contiguous(), value_up.contiguous())
+        return self._absorbed
 
     def forward(
         self,
@@ -169,7 +181,8 @@ class LatentAttention(nn.Module):
         rows = torch.cat((self.kv_a_layernorm(compressed.contiguous()), k_rope.squeeze(1)), -1)
         store_latent(rows, kv_cache[0], meta.slot_mapping)
         query = torch.cat((q_nope, q_rope), dim=-1)
-        out = attend_latent(query, kv_cache[0], meta, self.expand, self.scale)
+        absorbed = self.absorbed(hidden)
+        out = attend_latent(query, kv_cache[0], meta, self.expand, absorbed, self.scale)
         out = out.reshape(tokens, shape.num_heads * shape.v_head_dim)
         if output_rows is not None:
             out = out.index_select(0, output_rows)
