@@ -269,3 +269,15 @@ def test_the_released_config_builds_with_a_576_feature_cache_row() -> None:
     fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     with pytest.raises(UnsupportedConfigError, match="quant_method='fp8'"):
         meta_model(DeepseekV3Config(**released, quantization_config=fp8), TorchAttentionBackend())
+
+
+def test_forked_samples_copy_the_latent_blocks_they_write(deepseek_dir: Path) -> None:
+    """n=2 of a prompt ending mid-block: both samples share its blocks and copy the partial one
+    on write (the one-plane latent layout); each equals transformers' greedy tokens."""
+    from engine import SamplingParams
+
+    prompt = _prompts()[3]  # 23 tokens: one full block and a partial one
+    expected = transformers_greedy(deepseek_dir, [prompt], NEW_TOKENS)[0]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+    out = LLM(str(deepseek_dir), dtype="float32").generate([prompt], params, use_tqdm=False)[0]
+    assert [list(sample.token_ids) for sample in out.outputs] == [expected, expected]
