@@ -3,6 +3,11 @@
 Layout [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], so each layer's
 k_cache / v_cache is a contiguous [num_blocks, block_size, num_kv_heads, head_dim] view. The
 cache is uniform: every layer of the model has the same KV shape.
+
+Multi-head latent attention layers (DeepSeek) cache one compressed row per token instead: the
+layout is then [num_layers, 1, num_blocks, block_size, 1, latent_size] and a layer's k_cache
+and v_cache are the same view (AttentionSpec.cache_row), so a block costs latent_size features
+per layer and token, not 2 * num_kv_heads * head_dim.
 """
 
 from __future__ import annotations
@@ -24,26 +29,26 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    planes: int = 2  # k and v; 1 for a latent cache whose k and v views are one tensor
 
     @classmethod
     def for_model(cls, model: CausalLM, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """The spec of a cache for every layer of model (its KV shapes as this rank holds them)."""
-        shapes = {(spec.num_kv_heads, spec.head_dim) for spec in model.attention_specs()}
+        shapes = {spec.cache_row for spec in model.attention_specs()}
         if len(shapes) != 1:
             raise NotImplementedError(
-                f"layers of different KV shapes (heads, head_dim): {sorted(shapes)}; the paged "
-                "KV cache holds one shape for all layers"
+                f"layers of different KV shapes (planes, heads, head_dim): {sorted(shapes)}; "
+                "the paged KV cache holds one shape for all layers"
             )
-        ((num_kv_heads, head_dim),) = shapes
-        return cls(len(model.decoder_layers), num_kv_heads, head_dim, block_size, dtype)
+        ((planes, num_kv_heads, head_dim),) = shapes
+        return cls(len(model.decoder_layers), num_kv_heads, head_dim, block_size, dtype, planes)
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers, keys and values."""
+        """Bytes one block takes across all layers, keys and values (or latent rows)."""
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return (
-            2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
-        )
+        features = self.planes * self.num_kv_heads * self.head_dim
+        return self.num_layers * self.block_size * features * element_size
 
 
 def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
@@ -57,12 +62,19 @@ class KVCache:
             raise ValueError(f"the KV cache needs at least one block (got {num_blocks})")
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (
+            spec.num_layers,
+            spec.planes,
+            num_blocks,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
         # Zeroed, not empty: attention reads padding slots under a mask, and 0 * NaN garbage
         # would still poison the output.
         self.tensor = _zeros(shape, spec.dtype, torch.device(device))
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.tensor[i, 0], self.tensor[i, 1]) for i in range(spec.num_layers)
+            (self.tensor[i, 0], self.tensor[i, spec.planes - 1]) for i in range(spec.num_layers)
         ]
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:

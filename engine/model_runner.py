@@ -160,6 +160,7 @@ class ModelRunner:
             and not self.config.enforce_eager
             and isinstance(self.attn_backend, TritonAttentionBackend)
             and self.tp is None  # a captured all-reduce would need every rank to replay alike
+            and self.model.cuda_graphs
         )
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:

@@ -45,6 +45,8 @@ _FAMILIES: dict[str, Registration] = {
         Registration("Qwen2MoeForCausalLM", "qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM"),
         Registration("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM"),
         Registration("GptOssForCausalLM", "gpt_oss", "gpt_oss:GptOssForCausalLM"),
+        Registration("DeepseekV2ForCausalLM", "deepseek_v2", "deepseek_v2:DeepseekV2ForCausalLM"),
+        Registration("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek_v3:DeepseekV3ForCausalLM"),
     )
 }
 

@@ -41,10 +41,21 @@ class AttentionSpec:
     head_dim: int
     kind: AttentionKind = AttentionKind.FULL
     window: int | None = None  # tokens, for SLIDING only
+    # Multi-head latent attention (DeepSeek): each token's cache entry is one row of this many
+    # features (the compressed latent and the shared rope key), not per-head K and V.
+    latent_size: int | None = None
 
     def __post_init__(self) -> None:
         if (self.kind is AttentionKind.SLIDING) != (self.window is not None):
             raise ValueError(f"a window goes with sliding attention only: {self}")
+
+    @property
+    def cache_row(self) -> tuple[int, int, int]:
+        """What one token takes in this layer's cache: (planes, heads, features per head);
+        planes 2 for separate K and V, 1 for a latent row."""
+        if self.latent_size is not None:
+            return 1, 1, self.latent_size
+        return 2, self.num_kv_heads, self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -142,6 +153,9 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
     """
 
     weight_mapping: ClassVar[WeightMapping] = WeightMapping()
+    # Whether CUDA decode steps may replay captured graphs: not where the forward plans its
+    # gathers on the host every step (multi-head latent attention's torch path).
+    cuda_graphs: ClassVar[bool] = True
     lm_head: Linear
 
     def __init__(self, dims: ModelDims) -> None:
@@ -190,6 +204,11 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 logits [S, vocab (padded under tensor parallelism)]."""
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        """Whether the loader passes over this checkpoint tensor on purpose (e.g. layers a
+        checkpoint holds for another use, such as DeepSeek's multi-token prediction)."""
+        return False
 
     def attention_specs(self) -> list[AttentionSpec]:
         return [self.attention_spec(i) for i in range(len(self.decoder_layers))]

@@ -118,7 +118,11 @@ def load_weights(
     filled: dict[str, set[int]] = {name: set() for name in params}
     with torch.no_grad():
         for name in checkpoint.names():
-            if mapping.ignores(name) or (tied and name == "lm_head.weight"):
+            if (
+                mapping.ignores(name)
+                or (tied and name == "lm_head.weight")
+                or model.skips_checkpoint_tensor(name)
+            ):
                 continue
             expert = mapping.expert_target(name)
             if expert is not None:
