@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from schemas.chunks import FinishReason
 from schemas.sampling import SamplingParams
 
@@ -23,6 +24,7 @@ class EngineRequest:
     priority: int = 0  # lower runs first
     arrival_time: float | None = None  # time.monotonic(); None: now
     prior_output_token_ids: list[list[int]] | None = None
+    lora_request: LoRARequest | None = None  # run with this LoRA adapter (engine.lora)
 
 
 @dataclass

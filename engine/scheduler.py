@@ -386,10 +386,15 @@ class Scheduler:
 
     def _admit(self, scheduled: dict[Sequence, ScheduledSeq], budget: int) -> None:
         bm = self.block_manager
+        # Every running sequence runs each step, so the adapters they use fit max_loras slots.
+        adapters = {s.lora_id for s in self._running if s.lora_id}
         while budget > 0 and self._waiting:
             seq = self._waiting.peek()
             assert seq is not None
             if len(self._running) + self._slots_needed(seq) > self.max_num_seqs:
+                break
+            new_adapter = seq.lora_id and seq.lora_id not in adapters
+            if new_adapter and len(adapters) >= self.config.max_loras:
                 break
             hits = bm.find_prefix_hits(seq)
             num_new = min(
@@ -399,6 +404,8 @@ class Scheduler:
                 break
             self._waiting.pop()
             self._untrack_waiting(seq)
+            if seq.lora_id:
+                adapters.add(seq.lora_id)
             bm.allocate_prompt(seq, hits)
             # Writes start after the hit blocks, so a fresh table never needs copies.
             bm.allocate_slots(seq, num_new)
