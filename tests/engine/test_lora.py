@@ -1,0 +1,284 @@
+"""LoRA adapters against PEFT: random adapters saved by PEFT's save_pretrained, run by the
+engine alone and mixed in one batch with other adapters and the base model; bad adapters fail
+only their own request."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, LoRARequest, SamplingParams
+from tests.engine.conftest import TINY_SIZES, _randomize, save_tiny_model
+
+peft = pytest.importorskip("peft")
+
+NEW_TOKENS = 8
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
+
+
+def _save_tiny(path: Path, kind: str, **overrides: object) -> Path:
+    if kind != "qwen3":
+        return save_tiny_model(path, kind, **overrides)
+    import transformers as tf
+
+    config = tf.Qwen3Config(**{**TINY_SIZES, **overrides})
+    torch.manual_seed(0)
+    model = tf.Qwen3ForCausalLM(config).float().eval()
+    _randomize(model, 0)
+    model.save_pretrained(path)
+    return path
+
+
+def _base(path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_adapter(
+    base_path: Path,
+    out: Path,
+    seed: int,
+    rank: int = 8,
+    targets: list[str] | None = None,
+    alpha: float = 16.0,
+    use_rslora: bool = False,
+) -> Path:
+    """A PEFT LoRA adapter of random A and nonzero random B, saved by save_pretrained."""
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=targets or ALL_TARGETS,
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+    )
+    model = peft.get_peft_model(_base(base_path), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                noise = torch.randn(param.shape, generator=generator)
+                param.copy_(noise * 0.5 / param.shape[-1] ** 0.5)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_greedy(
+    base_path: Path, adapter: Path | None, prompts: list[list[int]]
+) -> list[tuple[list[int], list[float]]]:
+    """PEFT's (or the base model's) greedy tokens and their logprobs, one prompt at a time."""
+    model = _base(base_path)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, str(adapter)).eval()
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids, logprobs = list(prompt), []
+            for _ in range(NEW_TOKENS):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                token = int(logits.argmax())
+                logprobs.append(float(logits.log_softmax(-1)[token]))
+                ids.append(token)
+            results.append((ids[len(prompt) :], logprobs))
+    return results
+
+
+def _tokens_and_logprobs(output) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
+    completion = output.outputs[0]
+    return completion.token_ids, [entry.logprob for entry in completion.logprobs]
+
+
+def _assert_close(got, expected) -> None:  # type: ignore[no-untyped-def]
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens
+        assert logprobs == pytest.approx(ref_logprobs, abs=2e-4)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 40, 9, 25, 33][:count]
+    return [torch.randint(1, 250, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture
+def build(tmp_path: Path) -> Callable[..., Path]:
+    counter = iter(range(1000))
+
+    def make(kind: str, **overrides: object) -> Path:
+        return _save_tiny(tmp_path / f"{kind}-{next(counter)}", kind, **overrides)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [("llama", {}), ("qwen2", {"tie_word_embeddings": True}), ("qwen3", {})],
+    ids=["llama", "qwen2", "qwen3"],
+)
+def test_adapters_match_peft_alone_and_mixed_with_the_base(
+    build: Callable[..., Path], tmp_path: Path, kind: str, overrides: dict[str, object]
+) -> None:
+    base = build(kind, **overrides)
+    full = make_adapter(base, tmp_path / "full", seed=1, rank=8)
+    attention = make_adapter(
+        base, tmp_path / "attn", seed=2, rank=4, targets=["q_proj", "v_proj", "o_proj"]
+    )
+    prompts = _prompts(3)
+    expected = {
+        None: peft_greedy(base, None, prompts),
+        1: peft_greedy(base, full, prompts),
+        2: peft_greedy(base, attention, prompts),
+    }
+    assert expected[1] != expected[None]  # the adapter changes what the model says
+    requests = {1: LoRARequest("full", 1, str(full)), 2: LoRARequest("attn", 2, str(attention))}
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    # Every prompt under every adapter and the base, all in one batch.
+    order = [None, 1, 2] * len(prompts)
+    batch = [prompts[i // 3] for i in range(len(order))]
+    loras = [None if key is None else requests[key] for key in order]
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
+    for index, output in enumerate(outputs):
+        assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
+        _assert_close([_tokens_and_logprobs(output)], [expected[order[index]][index // 3]])
+
+
+def test_rslora_scaling_matches_peft(build: Callable[..., Path], tmp_path: Path) -> None:
+    base = build("llama")
+    adapter = make_adapter(base, tmp_path / "rs", seed=3, rank=16, alpha=8.0, use_rslora=True)
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_rslora"]
+    prompts = _prompts(2)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=16)
+    outputs = llm.generate(
+        prompts, GREEDY, use_tqdm=False, lora_request=LoRARequest("rs", 7, str(adapter))
+    )
+    _assert_close([_tokens_and_logprobs(o) for o in outputs], peft_greedy(base, adapter, prompts))
+
+
+def test_a_mixed_batch_of_four_adapters_and_the_base_equals_each_run_alone(
+    build: Callable[..., Path], tmp_path: Path
+) -> None:
+    base = build("llama")
+    requests = [
+        LoRARequest(
+            f"a{i}", i, str(make_adapter(base, tmp_path / f"a{i}", seed=10 + i, rank=2 * i))
+        )
+        for i in range(1, 5)
+    ]
+    prompts = _prompts(5, seed=4)
+    loras: list[LoRARequest | None] = [*requests, None]
+    # Fewer slots and host-memory places than adapters: slots are reused (least recently used
+    # first) and evicted adapters reloaded from their folders.
+    mixed = LLM(
+        str(base), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=8
+    )
+    together = mixed.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    alone = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
+    for prompt, lora, output in zip(prompts, loras, together, strict=True):
+        single = alone.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]
+        _assert_close([_tokens_and_logprobs(output)], [_tokens_and_logprobs(single)])
+
+
+def test_two_adapters_never_share_prefix_cache_blocks(
+    build: Callable[..., Path], tmp_path: Path
+) -> None:
+    base = build("llama")
+    first = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", seed=1)))
+    second = LoRARequest("b", 2, str(make_adapter(base, tmp_path / "b", seed=2)))
+    prompt = _prompts(3)[2]  # 40 tokens: two full blocks of 16
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
+    llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=first)
+    hits = llm.engine.stats().prefix_cache_hits
+    other = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=second)[0]
+    assert llm.engine.stats().prefix_cache_hits == hits  # b reuses nothing a computed
+    base_out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert llm.engine.stats().prefix_cache_hits == hits  # nor does the base model
+    llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=first)
+    assert llm.engine.stats().prefix_cache_hits > hits  # a's own blocks are reused
+    expected = peft_greedy(base, Path(second.lora_path), [prompt])
+    _assert_close([_tokens_and_logprobs(other)], expected)
+    _assert_close([_tokens_and_logprobs(base_out)], peft_greedy(base, None, [prompt]))
+
+
+def _broken(good: Path, out: Path, change: Callable[[dict, dict], None]) -> Path:  # type: ignore[type-arg]
+    out.mkdir()
+    config = json.loads((good / "adapter_config.json").read_text())
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    change(config, tensors)
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def _poison(config: dict, tensors: dict) -> None:  # type: ignore[type-arg]
+    name = next(iter(tensors))
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+
+
+def _add_embedding(config: dict, tensors: dict) -> None:  # type: ignore[type-arg]
+    tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.zeros(8, 256)
+
+
+def test_a_bad_adapter_fails_only_its_own_request(
+    build: Callable[..., Path], tmp_path: Path
+) -> None:
+    base = build("llama")
+    good = make_adapter(base, tmp_path / "good", seed=1)
+    other_base = build("llama", hidden_size=32, head_dim=8)
+    cases = {
+        "no adapter folder": tmp_path / "missing",
+        "wrong base shape": make_adapter(other_base, tmp_path / "other", seed=2),
+        "exceeds max_lora_rank": make_adapter(base, tmp_path / "big", seed=3, rank=16),
+        "bad tensor": _broken(good, tmp_path / "nan", _poison),
+        "unsupported target": _broken(good, tmp_path / "embed", _add_embedding),
+    }
+    bad = [LoRARequest(f"bad{i}", 10 + i, str(path)) for i, path in enumerate(cases.values())]
+    prompts = _prompts(2)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    loras = [LoRARequest("good", 1, str(good)), None, *bad]
+    batch = [prompts[0], prompts[1], *[prompts[0]] * len(bad)]
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
+    _assert_close([_tokens_and_logprobs(outputs[0])], peft_greedy(base, good, prompts[:1]))
+    _assert_close([_tokens_and_logprobs(outputs[1])], peft_greedy(base, None, prompts[1:]))
+    for problem, output in zip(cases, outputs[2:], strict=True):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "error"
+        assert problem in str(completion.stop_reason)
+        assert completion.token_ids == []
+
+
+def test_steps_without_adapters_keep_the_cpu_decode_stack(
+    build: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.platforms.cpu import decode_stack
+
+    calls: list[int] = []
+    original = decode_stack.cpu_ops.decode_layers
+
+    def counted(hidden, *args):  # type: ignore[no-untyped-def]
+        calls.append(hidden.shape[0])
+        return original(hidden, *args)
+
+    monkeypatch.setattr(decode_stack.cpu_ops, "decode_layers", counted)
+    base = build("llama")
+    adapter = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", seed=1)))
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
+    llm.generate(_prompts(1), GREEDY, use_tqdm=False, lora_request=adapter)
+    assert not calls  # an adapter's steps take the Python forward
+    llm.generate(_prompts(1), GREEDY, use_tqdm=False)
+    assert calls  # the base model's keep the C++ stack
+
+
+def test_a_lora_request_needs_enable_lora(build: Callable[..., Path], tmp_path: Path) -> None:
+    from engine.errors import RequestRejectedError
+
+    base = build("llama")
+    adapter = make_adapter(base, tmp_path / "a", seed=1)
+    llm = LLM(str(base), dtype="float32")
+    with pytest.raises(RequestRejectedError, match="enable_lora"):
+        llm.generate(_prompts(1), GREEDY, lora_request=LoRARequest("a", 1, str(adapter)))
