@@ -282,3 +282,21 @@ def test_a_lora_request_needs_enable_lora(build: Callable[..., Path], tmp_path: 
     llm = LLM(str(base), dtype="float32")
     with pytest.raises(RequestRejectedError, match="enable_lora"):
         llm.generate(_prompts(1), GREEDY, lora_request=LoRARequest("a", 1, str(adapter)))
+
+
+@pytest.mark.slow
+def test_an_adapter_on_the_default_model_matches_peft(
+    default_model_path: Path, tmp_path: Path
+) -> None:
+    adapter = make_adapter(default_model_path, tmp_path / "smol", seed=5, rank=16)
+    prompts = _prompts(2)
+    expected = peft_greedy(default_model_path, adapter, prompts)
+    assert expected != peft_greedy(default_model_path, None, prompts)
+    llm = LLM(str(default_model_path), dtype="float32", enable_lora=True, max_lora_rank=16)
+    request = LoRARequest("smol", 1, str(adapter))
+    batch = [prompts[0], prompts[1], prompts[1]]
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[request, None, request])
+    base_second = peft_greedy(default_model_path, None, prompts[1:])[0]
+    _assert_close(
+        [_tokens_and_logprobs(o) for o in outputs], [expected[0], base_second, expected[1]]
+    )
