@@ -284,6 +284,59 @@ def test_a_lora_request_needs_enable_lora(build: Callable[..., Path], tmp_path: 
         llm.generate(_prompts(1), GREEDY, lora_request=LoRARequest("a", 1, str(adapter)))
 
 
+def _dequantized_copy(llm: LLM, base: Path, out: Path) -> Path:
+    """The base model with every projection's weight as the engine's quantized one computes."""
+    from engine.quantization.weight_linear import QuantizedWeightLinear
+    from engine.quantization.weights import dequantize
+
+    def weight(linear) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        assert isinstance(linear.method, QuantizedWeightLinear)
+        return dequantize(linear.method.weight)
+
+    model = llm.engine.runner.model
+    state = {"lm_head.weight": weight(model.lm_head)}
+    for index in range(len(model.decoder_layers)):
+        layout = model.projections(index)
+        prefix = f"model.layers.{index}."
+        q, k, v = weight(layout.qkv).split(layout.qkv.shard_sizes)
+        gate, up = weight(layout.gate_up).split(layout.gate_up.shard_sizes)
+        for name, tensor in {
+            "self_attn.q_proj": q,
+            "self_attn.k_proj": k,
+            "self_attn.v_proj": v,
+            "self_attn.o_proj": weight(layout.o),
+            "mlp.gate_proj": gate,
+            "mlp.up_proj": up,
+            "mlp.down_proj": weight(layout.down),
+        }.items():
+            state[f"{prefix}{name}.weight"] = tensor
+    hf = _base(base)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and all("norm" in n or "embed" in n for n in missing)
+    hf.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_adapters_on_quantized_base_weights_match_peft_on_the_same_weights(
+    build: Callable[..., Path], tmp_path: Path, quantization: str
+) -> None:
+    base = build("llama")
+    adapter = make_adapter(base, tmp_path / "a", seed=1)
+    llm = LLM(
+        str(base), dtype="float32", quantization=quantization, enable_lora=True, max_lora_rank=8
+    )
+    reference_base = _dequantized_copy(llm, base, tmp_path / "dequantized")
+    prompts = _prompts(2)
+    request = LoRARequest("a", 1, str(adapter))
+    outputs = llm.generate(
+        [*prompts, prompts[0]], GREEDY, use_tqdm=False, lora_request=[request, request, None]
+    )
+    expected = peft_greedy(reference_base, adapter, prompts)
+    expected.append(peft_greedy(reference_base, None, prompts[:1])[0])
+    _assert_close([_tokens_and_logprobs(o) for o in outputs], expected)
+
+
 @pytest.mark.slow
 def test_an_adapter_on_the_default_model_matches_peft(
     default_model_path: Path, tmp_path: Path
