@@ -284,6 +284,29 @@ def test_a_lora_request_needs_enable_lora(build: Callable[..., Path], tmp_path: 
         llm.generate(_prompts(1), GREEDY, lora_request=LoRARequest("a", 1, str(adapter)))
 
 
+@pytest.mark.anyio
+async def test_async_engine_streams_with_an_adapter_as_offline(
+    build: Callable[..., Path], tmp_path: Path
+) -> None:
+    from engine import AsyncEngineArgs, AsyncLLMEngine
+
+    base = build("llama")
+    adapter = make_adapter(base, tmp_path / "a", seed=1)
+    request = LoRARequest("a", 1, str(adapter))
+    args = AsyncEngineArgs(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
+    engine = AsyncLLMEngine.from_engine_args(args)
+    try:
+        prompt = {"prompt_token_ids": _prompts(1)[0]}
+        final = None
+        async for output in engine.generate(prompt, GREEDY, "r1", lora_request=request):
+            final = output
+    finally:
+        engine.shutdown()
+    assert final is not None and final.finished
+    expected = peft_greedy(base, adapter, _prompts(1))
+    _assert_close([_tokens_and_logprobs(final)], expected)
+
+
 def _dequantized_copy(llm: LLM, base: Path, out: Path) -> Path:
     """The base model with every projection's weight as the engine's quantized one computes."""
     from engine.quantization.weight_linear import QuantizedWeightLinear
