@@ -34,7 +34,7 @@ from engine.runner_io import ModelRunnerOutput, SamplingBatch, TokenPick
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import ScheduledSeq, Sequence
-from engine.step_inputs import StepInputs, prepare_inputs
+from engine.step_inputs import StepInputs, prepare_inputs, sample_rows_of
 from schemas.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -281,7 +281,7 @@ class ModelRunner:
         if not any(lora_ids):
             return contextlib.nullcontext()
         query_lens = [entry.num_new_tokens for entry in sched.scheduled]
-        return self.lora.step(lora_ids, query_lens, inputs.sample_rows)
+        return self.lora.step(lora_ids, query_lens, sample_rows_of(sched.scheduled))
 
     def follow_driver(self, receiver: StepReceiver) -> None:
         """An executor rank's life: run each step the driver sends until it says stop. The

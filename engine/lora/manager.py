@@ -138,10 +138,11 @@ class LoRAManager:
         self,
         lora_ids: Sequence[int],
         query_lens: Sequence[int],
-        sample_rows: torch.Tensor | None,
+        sample_rows: np.ndarray | None,
     ) -> Iterator[LoRAStep]:
         """The layers add each sequence's adapter (lora_ids: per sequence, 0 for none, each
-        with query_lens tokens) while this is open."""
+        with query_lens tokens; sample_rows: the rows the last layer keeps, None: all) while
+        this is open."""
         seq_slots = np.full(len(lora_ids), -1, dtype=np.int64)
         in_use: set[int] = set()
         for index, lora_id in enumerate(lora_ids):
@@ -149,9 +150,8 @@ class LoRAManager:
                 seq_slots[index] = slot = self._slot_for(lora_id, in_use)
                 in_use.add(slot)
         token_slots = np.repeat(seq_slots, np.asarray(query_lens, dtype=np.int64))
-        rows = None if sample_rows is None else sample_rows.cpu().numpy()
         device = next(iter(self._slots.values())).a.device
-        self.steps.current = LoRAStep.of(token_slots, rows, device)
+        self.steps.current = LoRAStep.of(token_slots, sample_rows, device)
         try:
             yield self.steps.current
         finally:
