@@ -307,6 +307,32 @@ async def test_async_engine_streams_with_an_adapter_as_offline(
     _assert_close([_tokens_and_logprobs(final)], expected)
 
 
+def test_speculative_decoding_with_adapters_gives_the_same_tokens(
+    build: Callable[..., Path], tmp_path: Path
+) -> None:
+    base = build("llama")
+    request = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", seed=1)))
+    # The base model drafts (without the adapter): verified several rows at a time, partly
+    # rejected where the adapter changes the tokens.
+    prompts = _prompts(3)
+    loras = [request, None, request]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = {
+        "method": "draft_model",
+        "model": str(base),
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": None,
+    }
+    plain = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
+    speculating = LLM(
+        str(base), dtype="float32", enable_lora=True, max_lora_rank=8, speculative_config=spec
+    )
+    expected = plain.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    got = speculating.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert speculating.engine.stats().spec_num_draft_tokens > 0
+
+
 def _dequantized_copy(llm: LLM, base: Path, out: Path) -> Path:
     """The base model with every projection's weight as the engine's quantized one computes."""
     from engine.quantization.weight_linear import QuantizedWeightLinear
