@@ -386,8 +386,10 @@ class Scheduler:
 
     def _admit(self, scheduled: dict[Sequence, ScheduledSeq], budget: int) -> None:
         bm = self.block_manager
-        # Every running sequence runs each step, so the adapters they use fit max_loras slots.
+        # Every running sequence runs each step, so the adapters they use fit max_loras slots;
+        # a sequence whose adapter finds no slot waits, and the ones behind it go ahead.
         adapters = {s.lora_id for s in self._running if s.lora_id}
+        no_slot: list[Sequence] = []
         while budget > 0 and self._waiting:
             seq = self._waiting.peek()
             assert seq is not None
@@ -395,7 +397,8 @@ class Scheduler:
                 break
             new_adapter = seq.lora_id and seq.lora_id not in adapters
             if new_adapter and len(adapters) >= self.config.max_loras:
-                break
+                no_slot.append(self._waiting.pop())
+                continue
             hits = bm.find_prefix_hits(seq)
             num_new = min(
                 seq.num_tokens - len(hits) * bm.block_size, budget, self.max_seq_step_tokens
@@ -413,6 +416,8 @@ class Scheduler:
             self._running.append(seq)
             scheduled[seq] = ScheduledSeq(seq, num_new)
             budget -= num_new
+        for seq in reversed(no_slot):  # back where they were, first in line
+            self._waiting.push_front(seq)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """Account the computed tokens of a finished step and offer new full blocks to the cache."""

@@ -333,6 +333,35 @@ def test_speculative_decoding_with_adapters_gives_the_same_tokens(
     assert speculating.engine.stats().spec_num_draft_tokens > 0
 
 
+def test_a_request_waiting_for_an_adapter_slot_lets_the_ones_behind_it_run(
+    build: Callable[..., Path], tmp_path: Path
+) -> None:
+    from engine.outputs import EngineRequest
+
+    base = build("llama")
+    first = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", seed=1)))
+    second = LoRARequest("b", 2, str(make_adapter(base, tmp_path / "b", seed=2)))
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    engine = llm.engine
+    prompt = _prompts(1)[0]
+    for request_id, lora in [("a", first), ("b", second), ("base", None), ("a2", first)]:
+        engine.add_request(EngineRequest(request_id, prompt, GREEDY, lora_request=lora))
+    engine.step()
+    # One slot: b waits for a's adapter to leave it; the base model and a's second run now.
+    assert {seq.request_id for seq in engine.scheduler.running} == {"a", "base", "a2"}
+    finished = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.output is not None:
+                finished[delta.request_id] = delta.output
+    expected = {
+        lora: peft_greedy(base, None if lora is None else Path(lora.lora_path), [prompt])[0]
+        for lora in (first, second, None)
+    }
+    for request_id, lora in [("a", first), ("b", second), ("base", None), ("a2", first)]:
+        _assert_close([_tokens_and_logprobs(finished[request_id])], [expected[lora]])
+
+
 def _dequantized_copy(llm: LLM, base: Path, out: Path) -> Path:
     """The base model with every projection's weight as the engine's quantized one computes."""
     from engine.quantization.weight_linear import QuantizedWeightLinear
