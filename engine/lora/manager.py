@@ -43,6 +43,7 @@ class LoRAManager:
         if config.tensor_parallel_size > 1:
             raise NotImplementedError("LoRA adapters are not tensor-parallel yet")
         self.model = model
+        self._device, self._dtype = device, dtype
         self.steps = StepSource()
         self._slots: dict[int, LoRASlots] = {}  # id(base layer) -> its slots
         for layer in adaptable_layers(model):
@@ -124,14 +125,13 @@ class LoRAManager:
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         for slots in self._slots.values():
             slots.clear(slot)
-        rank = self.max_rank
         for projection in adapter.projections:
             target = projection.target
-            slots = self._slots[id(target.layer)]
-            columns = slice(target.part * rank, target.part * rank + adapter.rank)
-            slots.a[slot, columns].copy_(projection.a)
-            slots.b[slot, target.start : target.stop, columns].copy_(projection.b)
-            slots.targeted[slot] = True
+            rows = slice(target.start, target.stop)
+            first_column = target.part * self.max_rank
+            self._slots[id(target.layer)].write(
+                slot, first_column, rows, projection.a, projection.b
+            )
 
     @contextlib.contextmanager
     def step(
@@ -150,8 +150,9 @@ class LoRAManager:
                 seq_slots[index] = slot = self._slot_for(lora_id, in_use)
                 in_use.add(slot)
         token_slots = np.repeat(seq_slots, np.asarray(query_lens, dtype=np.int64))
-        device = next(iter(self._slots.values())).a.device
-        self.steps.current = LoRAStep.of(token_slots, sample_rows, device)
+        self.steps.current = LoRAStep.of(
+            token_slots, sample_rows, self.max_loras, self._device, self._dtype
+        )
         try:
             yield self.steps.current
         finally:

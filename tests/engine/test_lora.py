@@ -106,6 +106,17 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 250, (n,), generator=generator).tolist() for n in lengths]
 
 
+@pytest.fixture(params=["masked", "per_slot"])
+def lora_term(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a layer computes the LoRA terms: every slot's at once, masked per row, or
+    each slot's rows apart (chosen by size; forced here)."""
+    from engine.lora import batched
+
+    limit = 1 << 62 if request.param == "masked" else 0
+    monkeypatch.setattr(batched, "_MASKED_MACS_PER_SLOT", limit)
+    return str(request.param)
+
+
 @pytest.fixture
 def build(tmp_path: Path) -> Callable[..., Path]:
     counter = iter(range(1000))
@@ -122,7 +133,11 @@ def build(tmp_path: Path) -> Callable[..., Path]:
     ids=["llama", "qwen2", "qwen3"],
 )
 def test_adapters_match_peft_alone_and_mixed_with_the_base(
-    build: Callable[..., Path], tmp_path: Path, kind: str, overrides: dict[str, object]
+    build: Callable[..., Path],
+    tmp_path: Path,
+    kind: str,
+    overrides: dict[str, object],
+    lora_term: str,
 ) -> None:
     base = build(kind, **overrides)
     full = make_adapter(base, tmp_path / "full", seed=1, rank=8)
@@ -161,7 +176,7 @@ def test_rslora_scaling_matches_peft(build: Callable[..., Path], tmp_path: Path)
 
 
 def test_a_mixed_batch_of_four_adapters_and_the_base_equals_each_run_alone(
-    build: Callable[..., Path], tmp_path: Path
+    build: Callable[..., Path], tmp_path: Path, lora_term: str
 ) -> None:
     base = build("llama")
     requests = [
@@ -308,7 +323,7 @@ async def test_async_engine_streams_with_an_adapter_as_offline(
 
 
 def test_speculative_decoding_with_adapters_gives_the_same_tokens(
-    build: Callable[..., Path], tmp_path: Path
+    build: Callable[..., Path], tmp_path: Path, lora_term: str
 ) -> None:
     base = build("llama")
     request = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", seed=1)))
