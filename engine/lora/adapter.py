@@ -69,7 +69,8 @@ def load_adapter(request: LoRARequest, model: CausalLM, max_rank: int) -> LoRAAd
         raise fail(f"rank r={rank} must be at least 1")
     if rank > max_rank:
         raise fail(f"rank {rank} exceeds max_lora_rank {max_rank}")
-    alpha = float(config.get("lora_alpha", 8))  # PEFT's default; save_pretrained writes it
+    # 8 is PEFT's default; save_pretrained writes the value anyway.
+    alpha = _number_field(config, "lora_alpha", 8.0, fail)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     for key, plain in _UNSUPPORTED_CONFIG.items():
         if config.get(key, plain) != plain:
@@ -139,6 +140,15 @@ def _int_field(config: dict[str, object], key: str, fail: type[LoRAAdapterError]
     if not isinstance(value, int) or isinstance(value, bool):
         raise fail(f"{CONFIG_FILE} needs an integer {key!r}, got {value!r}")
     return value
+
+
+def _number_field(
+    config: dict[str, object], key: str, default: float, fail: type[LoRAAdapterError]
+) -> float:
+    value = config.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise fail(f"{CONFIG_FILE} needs a number {key!r}, got {value!r}")
+    return float(value)
 
 
 def _read_tensors(path: Path, fail: type[LoRAAdapterError]) -> dict[str, torch.Tensor]:

@@ -79,7 +79,7 @@ def _mapping(
         groups.append(
             RowGroup(int(slot), torch.from_numpy(rows).to(device), len(rows) == len(slots))
         )
-    one_hot = np.zeros((len(slots), num_slots), dtype=np.float32)
+    one_hot: np.ndarray = np.zeros((len(slots), num_slots), dtype=np.float32)
     adapted = np.flatnonzero(slots >= 0)
     one_hot[adapted, slots[adapted]] = 1.0
     return RowMapping(groups, torch.from_numpy(one_hot).to(device=device, dtype=dtype))
@@ -116,7 +116,7 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes
+        return int(self.a.nbytes + self.b.nbytes)
 
     @property
     def step_active(self) -> bool:

@@ -143,13 +143,13 @@ class LoRAManager:
         """The layers add each sequence's adapter (lora_ids: per sequence, 0 for none, each
         with query_lens tokens; sample_rows: the rows the last layer keeps, None: all) while
         this is open."""
-        seq_slots = np.full(len(lora_ids), -1, dtype=np.int64)
+        seq_slots: np.ndarray = np.full(len(lora_ids), -1, dtype=np.int64)
         in_use: set[int] = set()
         for index, lora_id in enumerate(lora_ids):
             if lora_id:
                 seq_slots[index] = slot = self._slot_for(lora_id, in_use)
                 in_use.add(slot)
-        token_slots = np.repeat(seq_slots, np.asarray(query_lens, dtype=np.int64))
+        token_slots: np.ndarray = np.repeat(seq_slots, np.asarray(query_lens, dtype=np.int64))
         self.steps.current = LoRAStep.of(
             token_slots, sample_rows, self.max_loras, self._device, self._dtype
         )

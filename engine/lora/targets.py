@@ -40,7 +40,7 @@ class Target:
 
     @property
     def in_features(self) -> int:
-        return self.layer.in_features
+        return int(self.layer.in_features)
 
     @property
     def out_features(self) -> int:
