@@ -13,118 +13,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, LoRARequest, SamplingParams
-from tests.engine.conftest import TINY_SIZES, _randomize, save_tiny_model
+from tests.engine.lora_reference import (
+    GREEDY,
+    assert_close,
+    build,
+    load_base,
+    lora_term,
+    make_adapter,
+    peft_greedy,
+    prompts_of,
+    tokens_and_logprobs,
+)
 
-peft = pytest.importorskip("peft")
-
-NEW_TOKENS = 8
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
-
-
-def _save_tiny(path: Path, kind: str, **overrides: object) -> Path:
-    if kind != "qwen3":
-        return save_tiny_model(path, kind, **overrides)
-    import transformers as tf
-
-    config = tf.Qwen3Config(**{**TINY_SIZES, **overrides})
-    torch.manual_seed(0)
-    model = tf.Qwen3ForCausalLM(config).float().eval()
-    _randomize(model, 0)
-    model.save_pretrained(path)
-    return path
-
-
-def _base(path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def make_adapter(
-    base_path: Path,
-    out: Path,
-    seed: int,
-    rank: int = 8,
-    targets: list[str] | None = None,
-    alpha: float = 16.0,
-    use_rslora: bool = False,
-) -> Path:
-    """A PEFT LoRA adapter of random A and nonzero random B, saved by save_pretrained."""
-    config = peft.LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        target_modules=targets or ALL_TARGETS,
-        use_rslora=use_rslora,
-        lora_dropout=0.0,
-    )
-    model = peft.get_peft_model(_base(base_path), config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                noise = torch.randn(param.shape, generator=generator)
-                param.copy_(noise * 0.5 / param.shape[-1] ** 0.5)
-    model.save_pretrained(out)
-    return out
-
-
-def peft_greedy(
-    base_path: Path, adapter: Path | None, prompts: list[list[int]]
-) -> list[tuple[list[int], list[float]]]:
-    """PEFT's (or the base model's) greedy tokens and their logprobs, one prompt at a time."""
-    model = _base(base_path)
-    if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, str(adapter)).eval()
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids, logprobs = list(prompt), []
-            for _ in range(NEW_TOKENS):
-                logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-                token = int(logits.argmax())
-                logprobs.append(float(logits.log_softmax(-1)[token]))
-                ids.append(token)
-            results.append((ids[len(prompt) :], logprobs))
-    return results
-
-
-def _tokens_and_logprobs(output) -> tuple[list[int], list[float]]:  # type: ignore[no-untyped-def]
-    completion = output.outputs[0]
-    return completion.token_ids, [entry.logprob for entry in completion.logprobs]
-
-
-def _assert_close(got, expected) -> None:  # type: ignore[no-untyped-def]
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
-        assert tokens == ref_tokens
-        assert logprobs == pytest.approx(ref_logprobs, abs=2e-4)
-
-
-def _prompts(count: int, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = [3, 17, 40, 9, 25, 33][:count]
-    return [torch.randint(1, 250, (n,), generator=generator).tolist() for n in lengths]
-
-
-@pytest.fixture(params=["masked", "per_slot"])
-def lora_term(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways a layer computes the LoRA terms: every slot's at once, masked per row, or
-    each slot's rows apart (chosen by size; forced here)."""
-    from engine.lora import batched
-
-    limit = 1 << 62 if request.param == "masked" else 0
-    monkeypatch.setattr(batched, "_MASKED_MACS_PER_SLOT", limit)
-    return str(request.param)
-
-
-@pytest.fixture
-def build(tmp_path: Path) -> Callable[..., Path]:
-    counter = iter(range(1000))
-
-    def make(kind: str, **overrides: object) -> Path:
-        return _save_tiny(tmp_path / f"{kind}-{next(counter)}", kind, **overrides)
-
-    return make
+__all__ = ["build", "lora_term"]  # fixtures
 
 
 @pytest.mark.parametrize(
@@ -144,7 +45,7 @@ def test_adapters_match_peft_alone_and_mixed_with_the_base(
     attention = make_adapter(
         base, tmp_path / "attn", seed=2, rank=4, targets=["q_proj", "v_proj", "o_proj"]
     )
-    prompts = _prompts(3)
+    prompts = prompts_of(3)
     expected = {
         None: peft_greedy(base, None, prompts),
         1: peft_greedy(base, full, prompts),
@@ -160,19 +61,19 @@ def test_adapters_match_peft_alone_and_mixed_with_the_base(
     outputs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
     for index, output in enumerate(outputs):
         assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
-        _assert_close([_tokens_and_logprobs(output)], [expected[order[index]][index // 3]])
+        assert_close([tokens_and_logprobs(output)], [expected[order[index]][index // 3]])
 
 
 def test_rslora_scaling_matches_peft(build: Callable[..., Path], tmp_path: Path) -> None:
     base = build("llama")
     adapter = make_adapter(base, tmp_path / "rs", seed=3, rank=16, alpha=8.0, use_rslora=True)
     assert json.loads((adapter / "adapter_config.json").read_text())["use_rslora"]
-    prompts = _prompts(2)
+    prompts = prompts_of(2)
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=16)
     outputs = llm.generate(
         prompts, GREEDY, use_tqdm=False, lora_request=LoRARequest("rs", 7, str(adapter))
     )
-    _assert_close([_tokens_and_logprobs(o) for o in outputs], peft_greedy(base, adapter, prompts))
+    assert_close([tokens_and_logprobs(o) for o in outputs], peft_greedy(base, adapter, prompts))
 
 
 def test_a_mixed_batch_of_four_adapters_and_the_base_equals_each_run_alone(
@@ -185,7 +86,7 @@ def test_a_mixed_batch_of_four_adapters_and_the_base_equals_each_run_alone(
         )
         for i in range(1, 5)
     ]
-    prompts = _prompts(5, seed=4)
+    prompts = prompts_of(5, seed=4)
     loras: list[LoRARequest | None] = [*requests, None]
     # Fewer slots and host-memory places than adapters: slots are reused (least recently used
     # first) and evicted adapters reloaded from their folders.
@@ -196,7 +97,7 @@ def test_a_mixed_batch_of_four_adapters_and_the_base_equals_each_run_alone(
     alone = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
     for prompt, lora, output in zip(prompts, loras, together, strict=True):
         single = alone.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]
-        _assert_close([_tokens_and_logprobs(output)], [_tokens_and_logprobs(single)])
+        assert_close([tokens_and_logprobs(output)], [tokens_and_logprobs(single)])
 
 
 def test_two_adapters_never_share_prefix_cache_blocks(
@@ -205,7 +106,7 @@ def test_two_adapters_never_share_prefix_cache_blocks(
     base = build("llama")
     first = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", seed=1)))
     second = LoRARequest("b", 2, str(make_adapter(base, tmp_path / "b", seed=2)))
-    prompt = _prompts(3)[2]  # 40 tokens: two full blocks of 16
+    prompt = prompts_of(3)[2]  # 40 tokens: two full blocks of 16
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
     llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=first)
     hits = llm.engine.stats().prefix_cache_hits
@@ -216,8 +117,8 @@ def test_two_adapters_never_share_prefix_cache_blocks(
     llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=first)
     assert llm.engine.stats().prefix_cache_hits > hits  # a's own blocks are reused
     expected = peft_greedy(base, Path(second.lora_path), [prompt])
-    _assert_close([_tokens_and_logprobs(other)], expected)
-    _assert_close([_tokens_and_logprobs(base_out)], peft_greedy(base, None, [prompt]))
+    assert_close([tokens_and_logprobs(other)], expected)
+    assert_close([tokens_and_logprobs(base_out)], peft_greedy(base, None, [prompt]))
 
 
 def _broken(good: Path, out: Path, change: Callable[[dict, dict], None]) -> Path:  # type: ignore[type-arg]
@@ -253,13 +154,13 @@ def test_a_bad_adapter_fails_only_its_own_request(
         "unsupported target": _broken(good, tmp_path / "embed", _add_embedding),
     }
     bad = [LoRARequest(f"bad{i}", 10 + i, str(path)) for i, path in enumerate(cases.values())]
-    prompts = _prompts(2)
+    prompts = prompts_of(2)
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
     loras = [LoRARequest("good", 1, str(good)), None, *bad]
     batch = [prompts[0], prompts[1], *[prompts[0]] * len(bad)]
     outputs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=loras)
-    _assert_close([_tokens_and_logprobs(outputs[0])], peft_greedy(base, good, prompts[:1]))
-    _assert_close([_tokens_and_logprobs(outputs[1])], peft_greedy(base, None, prompts[1:]))
+    assert_close([tokens_and_logprobs(outputs[0])], peft_greedy(base, good, prompts[:1]))
+    assert_close([tokens_and_logprobs(outputs[1])], peft_greedy(base, None, prompts[1:]))
     for problem, output in zip(cases, outputs[2:], strict=True):
         completion = output.outputs[0]
         assert completion.finish_reason == "error"
@@ -283,9 +184,9 @@ def test_steps_without_adapters_keep_the_cpu_decode_stack(
     base = build("llama")
     adapter = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", seed=1)))
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
-    llm.generate(_prompts(1), GREEDY, use_tqdm=False, lora_request=adapter)
+    llm.generate(prompts_of(1), GREEDY, use_tqdm=False, lora_request=adapter)
     assert not calls  # an adapter's steps take the Python forward
-    llm.generate(_prompts(1), GREEDY, use_tqdm=False)
+    llm.generate(prompts_of(1), GREEDY, use_tqdm=False)
     assert calls  # the base model's keep the C++ stack
 
 
@@ -296,7 +197,7 @@ def test_a_lora_request_needs_enable_lora(build: Callable[..., Path], tmp_path: 
     adapter = make_adapter(base, tmp_path / "a", seed=1)
     llm = LLM(str(base), dtype="float32")
     with pytest.raises(RequestRejectedError, match="enable_lora"):
-        llm.generate(_prompts(1), GREEDY, lora_request=LoRARequest("a", 1, str(adapter)))
+        llm.generate(prompts_of(1), GREEDY, lora_request=LoRARequest("a", 1, str(adapter)))
 
 
 @pytest.mark.anyio
@@ -311,15 +212,15 @@ async def test_async_engine_streams_with_an_adapter_as_offline(
     args = AsyncEngineArgs(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
     engine = AsyncLLMEngine.from_engine_args(args)
     try:
-        prompt = {"prompt_token_ids": _prompts(1)[0]}
+        prompt = {"prompt_token_ids": prompts_of(1)[0]}
         final = None
         async for output in engine.generate(prompt, GREEDY, "r1", lora_request=request):
             final = output
     finally:
         engine.shutdown()
     assert final is not None and final.finished
-    expected = peft_greedy(base, adapter, _prompts(1))
-    _assert_close([_tokens_and_logprobs(final)], expected)
+    expected = peft_greedy(base, adapter, prompts_of(1))
+    assert_close([tokens_and_logprobs(final)], expected)
 
 
 def test_speculative_decoding_with_adapters_gives_the_same_tokens(
@@ -329,7 +230,7 @@ def test_speculative_decoding_with_adapters_gives_the_same_tokens(
     request = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", seed=1)))
     # The base model drafts (without the adapter): verified several rows at a time, partly
     # rejected where the adapter changes the tokens.
-    prompts = _prompts(3)
+    prompts = prompts_of(3)
     loras = [request, None, request]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     spec = {
@@ -358,7 +259,7 @@ def test_a_request_waiting_for_an_adapter_slot_lets_the_ones_behind_it_run(
     second = LoRARequest("b", 2, str(make_adapter(base, tmp_path / "b", seed=2)))
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
     engine = llm.engine
-    prompt = _prompts(1)[0]
+    prompt = prompts_of(1)[0]
     for request_id, lora in [("a", first), ("b", second), ("base", None), ("a2", first)]:
         engine.add_request(EngineRequest(request_id, prompt, GREEDY, lora_request=lora))
     engine.step()
@@ -374,7 +275,7 @@ def test_a_request_waiting_for_an_adapter_slot_lets_the_ones_behind_it_run(
         for lora in (first, second, None)
     }
     for request_id, lora in [("a", first), ("b", second), ("base", None), ("a2", first)]:
-        _assert_close([_tokens_and_logprobs(finished[request_id])], [expected[lora]])
+        assert_close([tokens_and_logprobs(finished[request_id])], [expected[lora]])
 
 
 def _dequantized_copy(llm: LLM, base: Path, out: Path) -> Path:
@@ -403,7 +304,7 @@ def _dequantized_copy(llm: LLM, base: Path, out: Path) -> Path:
             "mlp.down_proj": weight(layout.down),
         }.items():
             state[f"{prefix}{name}.weight"] = tensor
-    hf = _base(base)
+    hf = load_base(base)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all("norm" in n or "embed" in n for n in missing)
     hf.save_pretrained(out)
@@ -420,14 +321,14 @@ def test_adapters_on_quantized_base_weights_match_peft_on_the_same_weights(
         str(base), dtype="float32", quantization=quantization, enable_lora=True, max_lora_rank=8
     )
     reference_base = _dequantized_copy(llm, base, tmp_path / "dequantized")
-    prompts = _prompts(2)
+    prompts = prompts_of(2)
     request = LoRARequest("a", 1, str(adapter))
     outputs = llm.generate(
         [*prompts, prompts[0]], GREEDY, use_tqdm=False, lora_request=[request, request, None]
     )
     expected = peft_greedy(reference_base, adapter, prompts)
     expected.append(peft_greedy(reference_base, None, prompts[:1])[0])
-    _assert_close([_tokens_and_logprobs(o) for o in outputs], expected)
+    assert_close([tokens_and_logprobs(o) for o in outputs], expected)
 
 
 @pytest.mark.slow
@@ -435,7 +336,7 @@ def test_an_adapter_on_the_default_model_matches_peft(
     default_model_path: Path, tmp_path: Path
 ) -> None:
     adapter = make_adapter(default_model_path, tmp_path / "smol", seed=5, rank=16)
-    prompts = _prompts(2)
+    prompts = prompts_of(2)
     expected = peft_greedy(default_model_path, adapter, prompts)
     assert expected != peft_greedy(default_model_path, None, prompts)
     llm = LLM(str(default_model_path), dtype="float32", enable_lora=True, max_lora_rank=16)
@@ -443,6 +344,4 @@ def test_an_adapter_on_the_default_model_matches_peft(
     batch = [prompts[0], prompts[1], prompts[1]]
     outputs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[request, None, request])
     base_second = peft_greedy(default_model_path, None, prompts[1:])[0]
-    _assert_close(
-        [_tokens_and_logprobs(o) for o in outputs], [expected[0], base_second, expected[1]]
-    )
+    assert_close([tokens_and_logprobs(o) for o in outputs], [expected[0], base_second, expected[1]])
