@@ -36,7 +36,8 @@ def sample_rows_of(batch: list[ScheduledSeq]) -> np.ndarray | None:
         return None
     ends = np.cumsum(query_lens)
     rows = [row for end, s in zip(ends.tolist(), batch, strict=True) for row in _logit_rows(end, s)]
-    return np.asarray(rows, dtype=np.int64)
+    picked: np.ndarray = np.asarray(rows, dtype=np.int64)
+    return picked
 
 
 def prepare_inputs(batch: list[ScheduledSeq], block_size: int, to_device: ToDevice) -> StepInputs:
