@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from engine.engine import Engine
     from engine.engine_args import AsyncEngineArgs, EngineArgs
     from engine.llm import LLM
+    from engine.lora.request import LoRARequest
     from engine.outputs import CompletionOutput, RequestOutput
 
 # name -> the module that defines it, imported on first use
@@ -34,6 +35,7 @@ _LAZY = {
     "EngineArgs": "engine.engine_args",
     "AsyncEngineArgs": "engine.engine_args",
     "CompletionOutput": "engine.outputs",
+    "LoRARequest": "engine.lora.request",
     "RequestOutput": "engine.outputs",
 }
 
@@ -49,6 +51,7 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "EngineConfig",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",

@@ -23,6 +23,7 @@ from engine.engine import Engine
 from engine.engine_args import EngineArgs
 from engine.errors import DuplicateRequestError, RequestRejectedError
 from engine.llm import start_engine
+from engine.lora.request import LoRARequest
 from engine.outputs import EngineRequest, RequestDelta, RequestMetrics, RequestOutput
 from engine.prompts import PromptType, parse_prompt
 from engine.request_stream import RequestStream
@@ -98,9 +99,10 @@ class AsyncLLM:
         sampling_params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as it runs (see RequestOutputKind); the last is `finished`.
-        Leaving the loop early aborts the request."""
+        Leaving the loop early aborts the request. lora_request: run with this adapter."""
         self._check_alive()
         if request_id in self._streams:
             raise DuplicateRequestError(
@@ -112,7 +114,8 @@ class AsyncLLM:
         text = engine_prompt if isinstance(engine_prompt, str) else None
         stream = RequestStream(request_id, text, output_kind_of(params), RequestMetrics(0.0))
         self._streams[request_id] = stream
-        self._submit(_Add(EngineRequest(request_id, engine_prompt, params, priority), stream))
+        new = EngineRequest(request_id, engine_prompt, params, priority, lora_request=lora_request)
+        self._submit(_Add(new, stream))
         try:
             while True:
                 output = await stream.next_output()

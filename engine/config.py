@@ -130,6 +130,28 @@ class EngineConfig:
             "the CPU each rank uses num_threads threads (default 1)",
         ),
     ] = 1
+    # LoRA adapters
+    enable_lora: Annotated[
+        bool,
+        Field(
+            description="serve LoRA adapters (PEFT format) over the base model: a request names "
+            "one (offline: LLM.generate(..., lora_request=LoRARequest(name, id, path)))"
+        ),
+    ] = False
+    max_loras: Annotated[
+        int, Field(ge=1, description="most distinct LoRA adapters in one step (resident slots)")
+    ] = 1
+    max_lora_rank: Annotated[
+        int, Field(ge=1, description="largest LoRA rank accepted; sizes the resident slots")
+    ] = 16
+    max_cpu_loras: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="LoRA adapters kept loaded in host memory (least recently used evicted, "
+            "reloaded from their folder when needed again); default: max_loras",
+        ),
+    ] = None
     # Speculative decoding
     speculative_config: Annotated[
         SpeculativeConfig | None,

@@ -16,6 +16,7 @@ from engine.errors import (
     InvalidTokenIdError,
     RequestRejectedError,
 )
+from engine.lora.request import LoRAAdapterError, LoRARequest
 from engine.model_files import resolve_model_path
 from engine.model_runner import ModelRunner, load_hf_config
 from engine.models import served_architecture
@@ -150,12 +151,25 @@ class Engine:
             priors = None
         metrics = RequestMetrics(arrival_time=new.arrival_time or time.monotonic())
         request = RequestState(
-            new.request_id, prompt_text, prompt_ids, params, metrics, priority=new.priority
+            new.request_id,
+            prompt_text,
+            prompt_ids,
+            params,
+            metrics,
+            priority=new.priority,
+            lora=new.lora_request,
         )
         if best_of is not None:
             request.returned = new.params
         if priors and len(priors) != params.n:
             raise RequestRejectedError("prior_output_token_ids needs one list per choice")
+        adapter_failure = self._add_adapter(new.lora_request)
+        if adapter_failure is not None:  # fails this request only, as a finished output
+            logger.error("request %s: %s", new.request_id, adapter_failure)
+            requests[new.request_id] = request
+            request.fail(adapter_failure, self.tokenizer)
+            self.outputs.finished_on_arrival.append(request)
+            return
         self.structured.add(new.request_id, params)
         request.forked = params.n == 1 or priors is not None
         requests[new.request_id] = request
@@ -190,6 +204,20 @@ class Engine:
             raise RequestRejectedError(
                 "prompt_logprobs are not available with tensor_parallel_size > 1"
             )
+
+    def _add_adapter(self, lora: LoRARequest | None) -> str | None:
+        """Load and check a request's LoRA adapter; what is wrong with it, or None."""
+        if lora is None:
+            return None
+        if self.runner.lora is None:
+            raise RequestRejectedError(
+                "this engine serves no LoRA adapters: start it with enable_lora"
+            )
+        try:
+            self.runner.lora.add(lora)
+        except LoRAAdapterError as exc:
+            return str(exc)
+        return None
 
     def _validate(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -14,6 +14,7 @@ from engine.distributed.executor import run_executor
 from engine.distributed.group import is_torchrun_executor
 from engine.engine import Engine
 from engine.engine_args import ENGINE_ARG_NAMES, EngineArgs
+from engine.lora.request import LoRARequest
 from engine.outputs import EngineRequest, RequestOutput
 from engine.pooling.engine import PoolingEngine
 from engine.pooling_llm import PoolingMethods, pooling_config
@@ -76,16 +77,24 @@ class LLM(PoolingMethods):
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: SequenceABC[int] | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or vLLM's TextPrompt / TokensPrompt
-        dicts, mixed as they come); outputs come back in prompt order."""
+        dicts, mixed as they come); outputs come back in prompt order. lora_request: one
+        adapter for every prompt, or one (or None) per prompt."""
         prompt_list = parse_prompts(prompts)
-        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list))
-        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        count = len(prompt_list)
+        params_list = _broadcast(sampling_params or SamplingParams(), count)
+        priorities = list(priority) if priority is not None else [0] * count
+        loras = _broadcast_lora(lora_request, count)
         request_ids = []
-        for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
+        for prompt, params, prio, lora in zip(
+            prompt_list, params_list, priorities, loras, strict=True
+        ):
             request_id = f"offline-{next(self._ids)}"
-            self.engine.add_request(EngineRequest(request_id, prompt, params, priority=prio))
+            self.engine.add_request(
+                EngineRequest(request_id, prompt, params, priority=prio, lora_request=lora)
+            )
             request_ids.append(request_id)
         return self._run(request_ids, use_tqdm)
 
@@ -148,3 +157,14 @@ def _broadcast(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return params
+
+
+def _broadcast_lora(
+    lora: LoRARequest | SequenceABC[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    loras = list(lora)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+    return loras

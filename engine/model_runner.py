@@ -8,6 +8,7 @@ runs the model, and returns logits only for the sequences that are caught up and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.distributed import tensor_parallel
 from engine.distributed.step_channel import StepReceiver, StepSender
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from engine.lora.manager import LoRAManager
 from engine.models.loader import build_model
 from engine.picking import pick_tokens
 from engine.platforms.cpu.greedy_screen import ScreenedLMHead
@@ -33,7 +35,7 @@ from engine.runner_io import ModelRunnerOutput, SamplingBatch, TokenPick
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import ScheduledSeq, Sequence
-from engine.step_inputs import StepInputs, prepare_inputs
+from engine.step_inputs import StepInputs, prepare_inputs, sample_rows_of
 from schemas.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,11 @@ class ModelRunner:
         self.weight_bytes = weight_bytes(self.model)
         self.platform.prepare(self.model, self.dtype)
         self.weight_bytes += self.platform.extra_weight_bytes  # e.g. the greedy screen's copy
+        self.lora = (
+            LoRAManager(self.model, config, self.device, self.dtype) if config.enable_lora else None
+        )
+        if self.lora is not None:
+            self.weight_bytes += self.lora.slot_bytes
         self.greedy_screen: ScreenedLMHead | None = self.platform.greedy_screen
         self.kv_spec = KVCacheSpec.for_model(self.model, self.block_size, self.dtype)
         # Sizing the KV cache on CUDA runs a profiling step, on every rank at once: the driver
@@ -256,16 +263,30 @@ class ModelRunner:
         tokens, for less than the LM head's full cost."""
         inputs = self.prepare_inputs(sched.scheduled) if sched.scheduled else None
         if self.step_sender is None:
-            spans = prompt_spans(sched.scheduled) if inputs is not None else []
-            if inputs is not None and spans:
-                return self._execute_scoring_prompts(inputs, sched, batch, spans)
-            return self._outputs(self._run_forward(inputs, sched.block_copies), batch)
+            with self._adapters(sched, inputs):
+                spans = prompt_spans(sched.scheduled) if inputs is not None else []
+                if inputs is not None and spans:
+                    return self._execute_scoring_prompts(inputs, sched, batch, spans)
+                return self._outputs(self._run_forward(inputs, sched.block_copies), batch)
         # Under tensor parallelism the greedy screen is off: every rank takes part in the logits.
         with tensor_parallel.fatal_step_errors(self.tp_ranks):
             self.step_sender.send(tensor_parallel.message_of(inputs, sched.block_copies))
             hidden = self._run_forward(inputs, sched.block_copies)
             logits = None if hidden is None else self.model.compute_logits(hidden)
         return ModelRunnerOutput() if logits is None else pick_tokens(logits, batch, self.sampler)
+
+    def _adapters(
+        self, sched: SchedulerOutput, inputs: StepInputs | None
+    ) -> contextlib.AbstractContextManager[object]:
+        """The step's LoRA adapters, applied by the layers while this is open; a step without
+        any runs exactly as without LoRA (the C++ decode stack, CUDA graphs)."""
+        if self.lora is None or inputs is None:
+            return contextlib.nullcontext()
+        lora_ids = [entry.seq.lora_id for entry in sched.scheduled]
+        if not any(lora_ids):
+            return contextlib.nullcontext()
+        query_lens = [entry.num_new_tokens for entry in sched.scheduled]
+        return self.lora.step(lora_ids, query_lens, sample_rows_of(sched.scheduled))
 
     def follow_driver(self, receiver: StepReceiver) -> None:
         """An executor rank's life: run each step the driver sends until it says stop. The
@@ -344,7 +365,8 @@ class ModelRunner:
             self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta)
             return None
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(inputs.input_ids, inputs.attn_meta):
+        adapted = self.lora is not None and self.lora.steps.current.active  # not in the graphs
+        if graphs is not None and not adapted and graphs.fits(inputs.input_ids, inputs.attn_meta):
             hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
             if inputs.sample_rows is not None:
                 hidden = hidden.index_select(0, inputs.sample_rows)

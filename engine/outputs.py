@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from schemas.chunks import FinishReason
 from schemas.pooling import PoolingParams
 from schemas.sampling import SamplingParams
@@ -26,6 +27,7 @@ class EngineRequest:
     prior_output_token_ids: list[list[int]] | None = None
     pooling: PoolingParams | None = None  # an embedding request (a pooling engine's only kind)
     token_type_ids: list[int] | None = None  # a cross-encoder's text pair: the second is 1
+    lora_request: LoRARequest | None = None  # run with this LoRA adapter (engine.lora)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.beam_search import BeamSearch
 from engine.detokenizer import IncrementalDetokenizer
+from engine.lora.request import LoRARequest
 from engine.outputs import (
     CompletionOutput,
     RequestDelta,
@@ -78,6 +79,7 @@ class RequestState:
     choices: list[ChoiceState] = field(default_factory=list)
     forked: bool = False  # n > 1: children are forked from choice 0 once its prompt is computed
     beam: BeamSearch | None = None  # a beam search request: its beams replace the choices
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
     # best_of > n: the params as asked (params runs best_of choices); the n best are returned.
     returned: SamplingParams | None = None
     # With prompt_logprobs: each prompt token's, filled in as the prompt is computed.
@@ -99,6 +101,7 @@ class RequestState:
             priority=self.priority,
             choice_index=choice_index,
             arrival_time=self.metrics.arrival_time,
+            lora=self.lora,
         )
 
     def fail(self, reason: str, tokenizer: Any | None) -> None:

@@ -386,11 +386,19 @@ class Scheduler:
 
     def _admit(self, scheduled: dict[Sequence, ScheduledSeq], budget: int) -> None:
         bm = self.block_manager
+        # Every running sequence runs each step, so the adapters they use fit max_loras slots;
+        # a sequence whose adapter finds no slot waits, and the ones behind it go ahead.
+        adapters = {s.lora_id for s in self._running if s.lora_id}
+        no_slot: list[Sequence] = []
         while budget > 0 and self._waiting:
             seq = self._waiting.peek()
             assert seq is not None
             if len(self._running) + self._slots_needed(seq) > self.max_num_seqs:
                 break
+            new_adapter = seq.lora_id and seq.lora_id not in adapters
+            if new_adapter and len(adapters) >= self.config.max_loras:
+                no_slot.append(self._waiting.pop())
+                continue
             hits = bm.find_prefix_hits(seq)
             num_new = min(
                 seq.num_tokens - len(hits) * bm.block_size, budget, self.max_seq_step_tokens
@@ -399,6 +407,8 @@ class Scheduler:
                 break
             self._waiting.pop()
             self._untrack_waiting(seq)
+            if seq.lora_id:
+                adapters.add(seq.lora_id)
             bm.allocate_prompt(seq, hits)
             # Writes start after the hit blocks, so a fresh table never needs copies.
             bm.allocate_slots(seq, num_new)
@@ -406,6 +416,8 @@ class Scheduler:
             self._running.append(seq)
             scheduled[seq] = ScheduledSeq(seq, num_new)
             budget -= num_new
+        for seq in reversed(no_slot):  # back where they were, first in line
+            self._waiting.push_front(seq)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """Account the computed tokens of a finished step and offer new full blocks to the cache."""

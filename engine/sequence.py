@@ -14,6 +14,8 @@ from schemas.sampling import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from engine.lora.request import LoRARequest
+
 _seq_ids = itertools.count()
 
 
@@ -65,6 +67,7 @@ class Sequence:
     # survive preemption; registered blocks are the leading table entries already offered to
     # the cache (reset when the table is freed).
     cache_salt: str | None = None  # keeps caches of different tenants/adapters apart
+    lora_id: int = 0  # the LoRA adapter it runs with (engine.lora); 0: the base model
     block_hashes: list[int] = field(default_factory=list)  # chained hash per full block
     num_registered_blocks: int = 0
     sampler_state: SamplerState = field(default_factory=SamplerState)
@@ -80,6 +83,7 @@ class Sequence:
         priority: int = 0,
         choice_index: int = 0,
         arrival_time: float | None = None,
+        lora: LoRARequest | None = None,
     ) -> Sequence:
         """A new sequence that has computed nothing yet: one choice of a request."""
         return cls(
@@ -90,6 +94,8 @@ class Sequence:
             priority=priority,
             choice_index=choice_index,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            cache_salt=None if lora is None else lora.cache_salt,
+            lora_id=0 if lora is None else lora.lora_int_id,
         )
 
     def new_choice(self, choice_index: int, *, with_output: bool) -> Sequence:
@@ -98,6 +104,7 @@ class Sequence:
         child = self.shadow(with_output)
         child.priority, child.choice_index = self.priority, choice_index
         child.arrival_time, child.cache_salt = self.arrival_time, self.cache_salt
+        child.lora_id = self.lora_id
         return child
 
     def shadow(self, with_output: bool = True) -> Sequence:

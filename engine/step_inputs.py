@@ -28,6 +28,18 @@ def _logit_rows(end: int, entry: ScheduledSeq) -> range:
     return range(end - entry.num_logits, end)
 
 
+def sample_rows_of(batch: list[ScheduledSeq]) -> np.ndarray | None:
+    """The flat rows whose hidden states become logits: the last row of each sampling entry,
+    the last 1 + k rows of a speculating one; None where every entry is one sampling row."""
+    query_lens = [s.num_new_tokens for s in batch]
+    if all(s.samples for s in batch) and sum(query_lens) == len(batch):
+        return None
+    ends = np.cumsum(query_lens)
+    rows = [row for end, s in zip(ends.tolist(), batch, strict=True) for row in _logit_rows(end, s)]
+    picked: np.ndarray = np.asarray(rows, dtype=np.int64)
+    return picked
+
+
 def prepare_inputs(batch: list[ScheduledSeq], block_size: int, to_device: ToDevice) -> StepInputs:
     """Flatten a step's sequences into model inputs and attention metadata (no mutation)."""
     query_lens = [s.num_new_tokens for s in batch]
@@ -62,12 +74,8 @@ def prepare_inputs(batch: list[ScheduledSeq], block_size: int, to_device: ToDevi
         + positions % block_size
     )
 
-    samples = [s.samples for s in batch]
-    sample_rows = None
-    if not all(samples) or len(token_ids) != num_seqs:
-        # The last row of each sampling entry; the last 1 + k rows of a speculating one.
-        rows = [row for i, s in enumerate(batch) for row in _logit_rows(cu_query[i + 1], s)]
-        sample_rows = to_device(np.asarray(rows, dtype=np.int64))
+    rows = sample_rows_of(batch)
+    sample_rows = None if rows is None else to_device(rows)
 
     meta = AttentionMetadata(
         slot_mapping=to_device(slots),

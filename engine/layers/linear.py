@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.activation import silu_and_mul
+from engine.lora.batched import LoRASlots
 from engine.platforms.cpu.matmul import (
     ATEN,
     MatmulPlan,
@@ -50,10 +51,12 @@ class Linear(nn.Linear):
     plan: MatmulPlan = ATEN
     packed: PackedWeights | None = None
     method: LinearMethod = FULL_PRECISION
+    lora: LoRASlots | None = None  # resident LoRA adapters (engine.lora), added to the output
     _gated = False  # a [gate; up] projection whose weight may be packed for one gated kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        out = self.method.apply(self, x)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     @property
     def is_quantized(self) -> bool:
@@ -122,7 +125,8 @@ class MergedLinear(Linear):
         kernel where the plan packed the weight for it, else projected and then activated."""
         if not self._gated:
             raise TypeError("activated() needs a gated [gate; up] projection")
-        if self.packed is not None and not self.is_quantized and x.numel():
+        adapted = self.lora is not None and self.lora.active()
+        if self.packed is not None and not self.is_quantized and x.numel() and not adapted:
             rows = x.numel() // x.shape[-1]
             fused = run_gated(self.plan.backend_for(rows), x, self.weight, self.packed)
             if fused is not None:

@@ -84,6 +84,12 @@ class CpuDecodeStack(nn.Module):
         # on the first step after `prepare`.
         self._args: dict[bool, _LayerArgs | None] = {}
 
+    def _adapted_step(self) -> bool:
+        """Whether LoRA adapters run in this step: the C++ stack has no LoRA term, so such a
+        step takes the Python forward (every layer's slots read the same step)."""
+        slots = self._layers[0].projections.qkv.lora if self._layers else None
+        return slots is not None and slots.step_active
+
     def prepare(self) -> None:
         """Read the layers' weights again on the next step: they have changed how they are
         stored (quantized, packed for a matmul plan) since any step read them."""
@@ -102,6 +108,7 @@ class CpuDecodeStack(nn.Module):
             hidden.device.type != "cpu"
             or cpu_glue.current() is not cpu_glue.NATIVE
             or not kv_caches
+            or self._adapted_step()
         ):
             return None
         plan = self._shared.backend.fused_decode_plan(meta, kv_caches[0][0], hidden)

@@ -1,0 +1,178 @@
+"""The LoRA term of a step's rows, batched by adapter slot.
+
+Each adapted base layer holds stacked slot weights: a [slots, parts * max_rank, in] and
+b [slots, out, parts * max_rank] (`parts`: one block of rank columns per shard of a fused
+layer; b is block-diagonal over them, so [q; k; v] or [gate; up] take their terms in one
+matmul). A step groups its rows by slot once (`LoRAStep`); each layer then does two matmuls
+per adapter present in the step, over that adapter's rows only, whatever the number of
+requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    slot: int
+    rows: torch.Tensor  # int64 row indices of the layer's input
+    whole: bool  # every row: no gather or scatter needed
+
+
+@dataclass(frozen=True)
+class RowMapping:
+    """The rows of one input size: grouped by slot, and as a one-hot [rows, slots] matrix."""
+
+    groups: list[RowGroup]
+    one_hot: torch.Tensor
+
+
+@dataclass
+class LoRAStep:
+    """The rows of each slot in the current step, for inputs of every row count the forward
+    uses: all tokens, and the sampled rows the last layer's o_proj and MLP keep."""
+
+    mappings: dict[int, RowMapping] = field(default_factory=dict)
+    slots: frozenset[int] = frozenset()  # the slots some row uses
+
+    @property
+    def active(self) -> bool:
+        return bool(self.slots)
+
+    @classmethod
+    def of(
+        cls,
+        token_slots: np.ndarray,
+        sample_rows: np.ndarray | None,
+        num_slots: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> LoRAStep:
+        """token_slots: [T] the slot of each token's adapter, -1 for the base model."""
+        used = frozenset(np.unique(token_slots[token_slots >= 0]).tolist())
+        if not used:
+            return cls()
+        step = cls(slots=used)
+        step.mappings[len(token_slots)] = _mapping(token_slots, num_slots, device, dtype)
+        if sample_rows is not None:
+            picked = token_slots[sample_rows]
+            step.mappings[len(sample_rows)] = _mapping(picked, num_slots, device, dtype)
+        return step
+
+    def for_rows(self, num_rows: int) -> RowMapping:
+        mapping = self.mappings.get(num_rows)
+        if mapping is None:
+            raise RuntimeError(f"no LoRA row mapping for an input of {num_rows} rows this step")
+        return mapping
+
+
+def _mapping(
+    slots: np.ndarray, num_slots: int, device: torch.device, dtype: torch.dtype
+) -> RowMapping:
+    groups = []
+    for slot in np.unique(slots[slots >= 0]).tolist():
+        rows = np.flatnonzero(slots == slot)
+        groups.append(
+            RowGroup(int(slot), torch.from_numpy(rows).to(device), len(rows) == len(slots))
+        )
+    one_hot: np.ndarray = np.zeros((len(slots), num_slots), dtype=np.float32)
+    adapted = np.flatnonzero(slots >= 0)
+    one_hot[adapted, slots[adapted]] = 1.0
+    return RowMapping(groups, torch.from_numpy(one_hot).to(device=device, dtype=dtype))
+
+
+# A layer computes every slot's term for every row and masks (two matmuls in all) while that
+# costs fewer multiply-adds than this per slot present, else each slot's rows apart (two
+# matmuls, a gather and a scatter per slot): per-op overhead against wasted arithmetic.
+_MASKED_MACS_PER_SLOT = 3_000_000
+
+
+class LoRASlots:
+    """One base layer's resident adapter weights and the step they are applied in.
+
+    Slot s holds rows [s * columns, (s + 1) * columns) of a [slots * columns, in] and the same
+    columns of b [out, slots * columns], so all slots at once are one matmul each."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        in_features: int,
+        out_features: int,
+        columns: int,
+        step_of: StepSource,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.columns = columns
+        self.num_slots = num_slots
+        self.a = torch.zeros(num_slots * columns, in_features, device=device, dtype=dtype)
+        self.b = torch.zeros(out_features, num_slots * columns, device=device, dtype=dtype)
+        self.targeted = [False] * num_slots  # whether the slot's adapter adapts this layer
+        self._step_of = step_of
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.a.nbytes + self.b.nbytes)
+
+    @property
+    def step_active(self) -> bool:
+        """Whether any adapter runs in the current step."""
+        return self._step_of.current.active
+
+    def _columns(self, slot: int) -> slice:
+        return slice(slot * self.columns, (slot + 1) * self.columns)
+
+    def clear(self, slot: int) -> None:
+        self.a[self._columns(slot)].zero_()
+        self.b[:, self._columns(slot)].zero_()
+        self.targeted[slot] = False
+
+    def write(
+        self, slot: int, first_column: int, rows: slice, a: torch.Tensor, b: torch.Tensor
+    ) -> None:
+        """a [rank, in] and b [rows, rank] into slot's columns from first_column on."""
+        columns = slice(
+            slot * self.columns + first_column, slot * self.columns + first_column + a.shape[0]
+        )
+        self.a[columns].copy_(a)
+        self.b[rows, columns].copy_(b)
+        self.targeted[slot] = True
+
+    def active(self) -> bool:
+        """Whether any adapter in this step adapts this layer (else it computes as the base)."""
+        return any(self.targeted[slot] for slot in self._step_of.current.slots)
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (the base layer's x @ W.T) plus each adapted row's LoRA term."""
+        step = self._step_of.current
+        present = [slot for slot in step.slots if self.targeted[slot]]
+        if not present:
+            return out
+        mapping = step.for_rows(x.shape[0])
+        macs = x.shape[0] * self.a.shape[0] * (self.a.shape[1] + self.b.shape[0])
+        if macs <= _MASKED_MACS_PER_SLOT * len(present):
+            hidden = (x @ self.a.T).view(x.shape[0], self.num_slots, self.columns)
+            hidden = hidden * mapping.one_hot[:, :, None]
+            return out + hidden.view(x.shape[0], -1) @ self.b.T
+        for group in mapping.groups:
+            if not self.targeted[group.slot]:
+                continue
+            columns = self._columns(group.slot)
+            a, b = self.a[columns], self.b[:, columns]
+            if group.whole:
+                out = out + (x @ a.T) @ b.T
+                continue
+            rows = x.index_select(0, group.rows)
+            out = out.index_add(0, group.rows, (rows @ a.T) @ b.T)
+        return out
+
+
+class StepSource:
+    """The step every layer's slots read: set by the runner around each forward."""
+
+    def __init__(self) -> None:
+        self.current = LoRAStep()
