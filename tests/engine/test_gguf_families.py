@@ -147,6 +147,18 @@ CASES: dict[str, tuple[Callable[[Path], Path], str, dict[str, Any]]] = {
         "qwen3moe",
         {},
     ),
+    "qwen2_moe": (
+        lambda p: save_tiny_model(
+            p,
+            "qwen2_moe",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=96,  # no dense layers: llama.cpp's qwen2moe has none
+        ),
+        "qwen2moe",
+        {},
+    ),
     # seed 1: seed 0's Q8_0-rounded weights leave a near tie in one greedy step, which the
     # engine flips against transformers from the safetensors too
     "mixtral": (
