@@ -102,6 +102,15 @@ TINY_MODELS: dict[str, tuple[str, dict[str, object]]] = {
             mlp_only_layers=[0],  # a dense layer beside the sparse ones
         ),
     ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,  # a row-parallel shared expert beside them
+        ),
+    ),
 }
 
 
