@@ -17,13 +17,13 @@ llama.cpp's converter permutes the rows of Q and K of llama models (its rotary p
 elements, HF's pairs the two halves of a head); the rows are put back here as transformers'
 GGUF loader does. Whole rows move, so blocks stay intact.
 
-Names are the HF names the loader expects (`model.layers.3.self_attn.q_proj.weight`).
+Names are the HF names the loader expects (`model.layers.3.self_attn.q_proj.weight`), from each
+architecture's table in gguf_names (which also says what else its converter changed).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import gguf
@@ -33,6 +33,7 @@ import torch
 from engine.quantization.base import WeightSource
 from engine.quantization.errors import QuantizationError, QuantizationFormatError
 from engine.quantization.gguf_layout import GGUFTensorInfo, read_gguf_layout
+from engine.quantization.gguf_names import architecture_names, hf_name
 from engine.quantization.weight_linear import QuantizedWeightLinear
 from engine.quantization.weights import QuantizedWeight
 
@@ -47,31 +48,6 @@ _BLOCK = 32
 # a quantized form; any other type means a model running at full precision unexpectedly.
 _EXPECTED_DEQUANTIZED = {*_BLOCK_HEADERS, _Q.BF16}
 
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Tensors llama.cpp writes that have no HF counterpart (recomputed from the config).
-_SKIPPED = {"rope_freqs.weight"}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)$")
-# Architectures whose converter permuted Q/K rows (transformers undoes it for these only).
-_PERMUTED_QK_ARCHITECTURES = {"llama"}
-
 
 def find_gguf_file(model_folder: Path) -> Path | None:
     """The one .gguf file a prepared model folder carries, or None when it has none."""
@@ -82,20 +58,6 @@ def find_gguf_file(model_folder: Path) -> Path | None:
     return found[0] if found else None
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF tensor name of a GGUF tensor name, None for tensors HF models do not have."""
-    if gguf_name in _SKIPPED:
-        return None
-    layer = _LAYER_TENSOR.match(gguf_name)
-    if layer and layer.group(2) in _LAYER_NAMES:
-        index, part, kind = layer.groups()
-        return f"model.layers.{index}.{_LAYER_NAMES[part]}.{kind}"
-    top = _GLOBAL_TENSOR.match(gguf_name)
-    if top and top.group(1) in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[top.group(1)]}.{top.group(2)}"
-    raise QuantizationFormatError(f"GGUF tensor {gguf_name!r} has no known HF name")
-
-
 class GGUFCheckpoint:
     """The tensors of one .gguf file under their HF names, read on demand from a memory map."""
 
@@ -103,12 +65,20 @@ class GGUFCheckpoint:
         self.path = path
         layout = read_gguf_layout(path)
         self.metadata = layout.metadata
-        self.architecture = str(self.metadata["general.architecture"])
+        self.architecture = str(self.metadata.get("general.architecture", "unnamed"))
+        self.naming = architecture_names(self.architecture)
         self.tensors: dict[str, GGUFTensorInfo] = {}
+        self._experts: set[str] = set()  # per-expert slices of a stacked tensor
         for tensor in layout.tensors:
-            name = hf_name(tensor.name)
-            if name is not None:
-                self.tensors[name] = tensor
+            name = hf_name(self.naming, tensor.name)
+            if name is None:
+                continue
+            if not name.stacked_experts:
+                self.tensors[name.name] = tensor
+                continue
+            for expert, piece in enumerate(_expert_slices(tensor)):
+                self.tensors[name.name.format(expert)] = piece
+                self._experts.add(name.name.format(expert))
         self._bytes = np.memmap(path, dtype=np.uint8, mode="r")
         self._head_counts = self._qk_head_counts()
         self._logged_types: set[str] = set()
@@ -121,7 +91,9 @@ class GGUFCheckpoint:
         return {
             name
             for name, tensor in self.tensors.items()
-            if tensor.kind in _BLOCK_HEADERS and len(tensor.ggml_shape) == 2
+            if tensor.kind in _BLOCK_HEADERS
+            and len(tensor.ggml_shape) == 2
+            and name not in self._experts  # the experts' stacked weights are full precision
         }
 
     def quant_type(self, name: str) -> str:
@@ -191,6 +163,8 @@ class GGUFCheckpoint:
             byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, kind)
             values = gguf.quants.dequantize(raw.reshape(byte_shape), kind)
         full = torch.from_numpy(np.array(values, copy=True)).reshape(shape)
+        if self.naming.norms_plus_one and name.endswith("norm.weight"):
+            full -= 1
         rows = self._row_order(name, full.shape[0])
         destination.copy_(full if rows is None else full[rows])
 
@@ -200,7 +174,7 @@ class GGUFCheckpoint:
         return self._bytes[tensor.start : tensor.start + tensor.nbytes]
 
     def _qk_head_counts(self) -> dict[str, int]:
-        if self.architecture not in _PERMUTED_QK_ARCHITECTURES:
+        if not self.naming.permuted_qk:
             return {}
         heads = int(self.metadata[f"{self.architecture}.attention.head_count"])
         kv_heads = int(self.metadata.get(f"{self.architecture}.attention.head_count_kv", heads))
@@ -217,6 +191,21 @@ class GGUFCheckpoint:
                 half = rows // heads // 2
                 return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
         return None
+
+
+def _expert_slices(tensor: GGUFTensorInfo) -> list[GGUFTensorInfo]:
+    """Each expert's 2-D slice of a stacked [experts, rows, columns] tensor (GGML lists the
+    experts' dimension last; each expert's bytes are contiguous)."""
+    if len(tensor.ggml_shape) != 3:
+        raise QuantizationFormatError(
+            f"GGUF tensor {tensor.name} holds experts but has shape {tensor.ggml_shape}"
+        )
+    *matrix, experts = tensor.ggml_shape
+    each = tensor.nbytes // experts
+    return [
+        GGUFTensorInfo(tensor.name, tuple(matrix), tensor.kind, tensor.start + e * each, each)
+        for e in range(experts)
+    ]
 
 
 def _fp16_field(blocks: np.ndarray, offset: int) -> torch.Tensor:

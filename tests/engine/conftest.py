@@ -48,13 +48,14 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Save a random tiny HF model folder; kind is "llama", "qwen2", "mistral", "gemma2",
+    """Save a random tiny HF model folder; kind is "llama", "qwen2", "qwen3", "mistral", "gemma2",
     "gemma3", or a mixture-of-experts family: "mixtral", "qwen2_moe", "qwen3_moe"."""
     import transformers as tf
 
     classes = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),

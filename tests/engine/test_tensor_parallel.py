@@ -70,21 +70,66 @@ def _three_steps(runner: ModelRunner) -> list[torch.Tensor]:
     return logits
 
 
+# kind -> (transformers family, config overrides); built only when a test asks for the kind
+TINY_MODELS: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": ("llama", {}),  # 8 heads, 2 KV heads: one per rank
+    "qwen2-one-kv-head": ("qwen2", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    # fewer KV heads than ranks: replicated; q/k/v biases; tied lm_head
+    "gemma2": ("gemma2", dict(sliding_window=8)),
+    # Gemma's blocks: soft-capped scores and logits, (1 + weight) and sandwich norms,
+    # scaled embeddings, a window shorter than the sequences
+    "gemma3": (
+        "gemma3",
+        dict(
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
+    ),  # per-head QK-norm, local layers with their own rope base beside a global one
+    "qwen3": ("qwen3", {}),  # per-head QK-norm weights, whole on every rank
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    # each rank holds its slice of every expert's intermediate dim
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=30,  # not a multiple of 4: the ranks' slices are uneven
+            norm_topk_prob=True,
+            mlp_only_layers=[0],  # a dense layer beside the sparse ones
+        ),
+    ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,  # a row-parallel shared expert beside them
+        ),
+    ),
+}
+
+
+class _TinyModels:
+    def __init__(self, factory: Callable[..., Path]) -> None:
+        self.factory = factory
+
+    def __getitem__(self, kind: str) -> Path:
+        family, overrides = TINY_MODELS[kind]
+        return self.factory(family, **overrides)
+
+
 @pytest.fixture
-def tiny_models(tiny_model_factory: Callable[..., Path]) -> dict[str, Path]:
-    return {
-        "llama": tiny_model_factory("llama"),  # 8 heads, 2 KV heads: one per rank
-        "qwen2-one-kv-head": tiny_model_factory(
-            "qwen2", tie_word_embeddings=True, num_key_value_heads=1
-        ),  # fewer KV heads than ranks: replicated; q/k/v biases; tied lm_head
-        "gemma2": tiny_model_factory("gemma2", sliding_window=8),
-        # Gemma's blocks: soft-capped scores and logits, (1 + weight) and sandwich norms,
-        # scaled embeddings, a window shorter than the sequences
-    }
+def tiny_models(tiny_model_factory: Callable[..., Path]) -> _TinyModels:
+    return _TinyModels(tiny_model_factory)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2-one-kv-head", "gemma2"])
-def test_sharded_logits_match_single_device(tiny_models: dict[str, Path], kind: str) -> None:
+@pytest.mark.parametrize("kind", sorted(TINY_MODELS))
+def test_sharded_logits_match_single_device(tiny_models: _TinyModels, kind: str) -> None:
     path = tiny_models[kind]
     single = _runner(path, 1)
     expected = _three_steps(single)
@@ -99,7 +144,7 @@ def test_sharded_logits_match_single_device(tiny_models: dict[str, Path], kind: 
         assert torch.allclose(have, want, atol=1e-4, rtol=0), (step, (have - want).abs().max())
 
 
-def test_each_rank_holds_its_shard(tiny_models: dict[str, Path]) -> None:
+def test_each_rank_holds_its_shard(tiny_models: _TinyModels) -> None:
     """Each rank's weights are 1/N of the model's plus the replicated norms and rotary table,
     and the ranks' shards put together are the model's weights."""
     path = tiny_models["llama"]
@@ -158,7 +203,7 @@ def test_heads_split_by_kv_group() -> None:
     ],
 )
 def test_what_cannot_be_sharded_is_refused_before_ranks_start(
-    tiny_models: dict[str, Path], size: int, quantization: str | None, message: str
+    tiny_models: _TinyModels, size: int, quantization: str | None, message: str
 ) -> None:
     config = EngineConfig(
         model="x", tensor_parallel_size=size, device="cpu", quantization=quantization
@@ -168,7 +213,7 @@ def test_what_cannot_be_sharded_is_refused_before_ranks_start(
 
 
 def test_speculative_decoding_with_ranks_is_refused_before_ranks_start(
-    tiny_models: dict[str, Path],
+    tiny_models: _TinyModels,
 ) -> None:
     config = EngineConfig(
         model="x",
@@ -229,3 +274,32 @@ def test_default_model_greedy_equal_alone_and_batched(greedy_pair: tuple[object,
         alone = sharded.generate([prompt], params, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == want.outputs[0].token_ids
     assert sharded.engine.block_manager.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_each_rank_holds_its_slice_of_every_expert(tiny_models: _TinyModels, kind: str) -> None:
+    """Experts shard like a gated MLP: each rank holds a slice of every expert's intermediate
+    dim (gate and up rows, down columns), and the slices put together are the experts."""
+    path = tiny_models[kind]
+    hf_config = AutoConfig.from_pretrained(str(path))
+
+    def load(tp: TensorParallel | None) -> dict[str, torch.Tensor]:
+        model = build_model(
+            hf_config,
+            TorchAttentionBackend(),
+            torch.device("cpu"),
+            torch.float32,
+            model_path=path,
+            tp=tp,
+        )
+        return dict(model.named_parameters())
+
+    whole = load(None)
+    parts = [load(TensorParallel(rank, RANKS)) for rank in range(RANKS)]
+    w13, w2 = "model.layers.1.mlp.experts.w13", "model.layers.1.mlp.experts.w2"
+    half = whole[w13].shape[1] // 2
+    gates = [p[w13][:, : p[w13].shape[1] // 2] for p in parts]
+    ups = [p[w13][:, p[w13].shape[1] // 2 :] for p in parts]
+    assert torch.equal(torch.cat(gates, dim=1), whole[w13][:, :half])
+    assert torch.equal(torch.cat(ups, dim=1), whole[w13][:, half:])
+    assert torch.equal(torch.cat([p[w2] for p in parts], dim=2), whole[w2])
