@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from engine.async_step import AsyncScheduling
 from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -96,6 +97,13 @@ class Engine:
             self.vocab_size,
         )
         self._awaiting_grammar: list[Sequence] = []  # held out of the scheduler until compiled
+        # Steps one ahead of the host; speculation proposes from the tokens themselves and
+        # tensor-parallel ranks follow the driver step by step, so both keep synchronous steps.
+        self.async_steps = (
+            AsyncScheduling(self.scheduler, self.runner, self.outputs, self.stop_rules)
+            if config.async_scheduling and self.speculator is None and self.runner.tp is None
+            else None
+        )
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
             config.model,
@@ -257,7 +265,10 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.outputs.requests)
+        """Requests still running, or a launched step whose outputs are still to be taken."""
+        return bool(self.outputs.requests) or (
+            self.async_steps is not None and self.async_steps.busy
+        )
 
     # ------------------------------------------------------------------ the step
 
@@ -265,6 +276,8 @@ class Engine:
         """Run one scheduled model step; return what each touched choice produced."""
         self._admit_compiled(may_wait=True)
         deltas = self.outputs.take_finished_on_arrival()
+        if self.async_steps is not None:
+            return deltas + self.async_steps.step()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
