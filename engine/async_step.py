@@ -79,6 +79,10 @@ class AsyncScheduling:
         # The last finished step's first picked token per pick row: read and written only on
         # the device thread (or the host while nothing runs there).
         self._last_sampled: torch.Tensor | None = None
+        # Over the engine's life: steps left running while the host went on, and steps the
+        # host waited for (their rows needed it).
+        self.num_overlapped_steps = 0
+        self.num_synchronous_steps = 0
 
     @property
     def busy(self) -> bool:
@@ -112,9 +116,11 @@ class AsyncScheduling:
             deltas += self._resolve(previous)
         self.scheduler.update_after_step(sched)
         if late:
+            self.num_overlapped_steps += 1
             self._hold_places(current)
             self._in_flight = current
         else:
+            self.num_synchronous_steps += 1
             deltas += self._resolve(current)
         return deltas
 

@@ -97,13 +97,8 @@ class Engine:
             self.vocab_size,
         )
         self._awaiting_grammar: list[Sequence] = []  # held out of the scheduler until compiled
-        # Steps one ahead of the host; speculation proposes from the tokens themselves and
-        # tensor-parallel ranks follow the driver step by step, so both keep synchronous steps.
-        self.async_steps = (
-            AsyncScheduling(self.scheduler, self.runner, self.outputs, self.stop_rules)
-            if config.async_scheduling and self.speculator is None and self.runner.tp is None
-            else None
-        )
+        self.async_steps: AsyncScheduling | None = None
+        self.set_async_scheduling(config.async_scheduling)
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
             config.model,
@@ -263,6 +258,21 @@ class Engine:
         self.structured.release(request_id)
         self.scheduler.abort(request_id)
         return True
+
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Run steps one ahead of the host, or not, from the next step on (a benchmark compares
+        both on one loaded model). Speculation proposes from the tokens themselves and
+        tensor-parallel ranks follow the driver step by step: both keep synchronous steps."""
+        if self.has_unfinished():
+            raise RuntimeError("switch asynchronous scheduling on an idle engine")
+        wanted = enabled and self.speculator is None and self.runner.tp is None
+        if not wanted and self.async_steps is not None:
+            self.async_steps.close()
+            self.async_steps = None
+        elif wanted and self.async_steps is None:
+            self.async_steps = AsyncScheduling(
+                self.scheduler, self.runner, self.outputs, self.stop_rules
+            )
 
     def has_unfinished(self) -> bool:
         """Requests still running, or a launched step whose outputs are still to be taken."""

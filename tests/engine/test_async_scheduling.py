@@ -36,17 +36,23 @@ def _choices(outputs: list[RequestOutput]) -> list[list[tuple[list[int], str, st
     return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outputs]
 
 
-def _same(engines: tuple[LLM, LLM], params: SamplingParams | list[SamplingParams]) -> None:
+def _same(engines: tuple[LLM, LLM], params: SamplingParams | list[SamplingParams]) -> int:
+    """Assert both engines give the same choices; returns how many of the asynchronous
+    engine's steps ran overlapped."""
     sync, asynchronous = engines
+    steps = asynchronous.engine.async_steps
+    assert steps is not None
+    overlapped_before = steps.num_overlapped_steps
     expected = _choices(sync.generate(PROMPTS, params, use_tqdm=False))
     assert _choices(asynchronous.generate(PROMPTS, params, use_tqdm=False)) == expected
     assert not asynchronous.engine.has_unfinished()
     manager = asynchronous.engine.block_manager
     assert manager.num_free_blocks == manager.num_total_blocks  # nothing leaked
+    return steps.num_overlapped_steps - overlapped_before
 
 
 def test_greedy_matches_the_synchronous_engine(engines) -> None:
-    _same(engines, SamplingParams(temperature=0.0, max_tokens=12))
+    assert _same(engines, SamplingParams(temperature=0.0, max_tokens=12)) > 5
 
 
 def test_stop_strings_eos_and_mixed_lengths_match(engines) -> None:
@@ -58,18 +64,23 @@ def test_stop_strings_eos_and_mixed_lengths_match(engines) -> None:
 
 
 def test_seeded_sampling_and_n_choices_match(engines) -> None:
-    _same(engines, SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10))
-    _same(engines, SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=8, logprobs=2))
+    assert _same(engines, SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10)) > 5
+    n_choices = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=8, logprobs=True)
+    assert _same(engines, n_choices) > 3  # the first step (forking) is synchronous
 
 
 def test_steps_that_need_the_host_fall_back_and_match(engines) -> None:
     """Beams, penalties, logit bias and grammars make their steps synchronous."""
-    _same(engines, SamplingParams(use_beam_search=True, n=2, temperature=0.0, max_tokens=6))
-    _same(engines, SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3))
-    _same(engines, SamplingParams(temperature=0.0, max_tokens=8, logit_bias={13: 5.0}))
     choice = StructuredOutput(choice=["red", "green", "blue"])
-    _same(engines, SamplingParams(temperature=1.0, seed=1, max_tokens=8, structured_output=choice))
-    _same(engines, SamplingParams(temperature=1.0, seed=5, n=3, best_of=4, max_tokens=6))
+    for params in (
+        SamplingParams(use_beam_search=True, n=2, temperature=0.0, max_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=8, logit_bias={13: 5.0}),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=8, structured_output=choice),
+    ):
+        assert _same(engines, params) == 0
+    # best_of: every candidate runs with logprobs, which need nothing of the host.
+    _same(engines, SamplingParams(temperature=1.0, seed=5, n=2, best_of=4, max_tokens=6))
 
 
 def test_prompt_logprobs_match(engines) -> None:
