@@ -83,19 +83,36 @@ def test_steps_that_need_the_host_fall_back_and_match(engines) -> None:
     _same(engines, SamplingParams(temperature=1.0, seed=5, n=2, best_of=4, max_tokens=6))
 
 
+def test_a_batch_mixing_kinds_switches_between_modes_and_matches(engines) -> None:
+    """Plain rows overlap while no beam or grammar shares their steps, then resume
+    overlapping once those finish."""
+    choice = StructuredOutput(choice=["yes", "no"])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(use_beam_search=True, n=2, temperature=0.0, max_tokens=3),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=6, structured_output=choice),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=20, ignore_eos=True),
+    ]
+    assert _same(engines, params) > 5
+
+
 def test_prompt_logprobs_match(engines) -> None:
     _same(engines, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1))
 
 
 def test_preemption_matches(default_model_path: Path) -> None:
     args = dict(dtype="float32", enforce_eager=True, num_kv_blocks=12, block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = [p * 3 for p in PROMPTS]
     sync = LLM(str(default_model_path), **args)
-    expected = _choices(sync.generate(prompts, params, use_tqdm=False))
     asynchronous = LLM(str(default_model_path), async_scheduling=True, **args)
-    assert _choices(asynchronous.generate(prompts, params, use_tqdm=False)) == expected
-    assert asynchronous.engine.stats().num_preemptions > 0
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=4, max_tokens=40, ignore_eos=True),
+    ):
+        preempted_before = asynchronous.engine.stats().num_preemptions
+        expected = _choices(sync.generate(prompts, params, use_tqdm=False))
+        assert _choices(asynchronous.generate(prompts, params, use_tqdm=False)) == expected
+        assert asynchronous.engine.stats().num_preemptions > preempted_before
 
 
 def test_speculation_keeps_synchronous_steps(default_model_path: Path) -> None:
