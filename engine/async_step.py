@@ -17,7 +17,10 @@ never scheduled past its end.
 
 The device thread works on copies of the scheduled sequences, taken at launch, so the host may
 change the originals while the step runs; the copies share each sequence's sampler state (its
-seeded generator), which only the device thread touches while steps run.
+seeded generator), which only the device thread touches while steps run. The runner's own
+`.tolist()` of the picked tokens happens there too: the host thread only waits for a step's
+tokens after it launched the next one. On CUDA every step goes through one stream, so the
+next step's input fill, block copies and forward run after the previous step's.
 """
 
 from __future__ import annotations

@@ -283,7 +283,8 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduled model step; return what each touched choice produced."""
+        """Run one scheduled model step; return what each touched choice produced (under
+        asynchronous scheduling: launch the next step, return what the previous one made)."""
         self._admit_compiled(may_wait=True)
         deltas = self.outputs.take_finished_on_arrival()
         if self.async_steps is not None:
