@@ -103,6 +103,15 @@ class EngineConfig:
         bool,
         Field(description="no CUDA graphs and no compiled CPU forward (debugging, quick starts)"),
     ] = False
+    async_scheduling: Annotated[
+        bool,
+        Field(
+            description="run each model step on a device thread while the host schedules the "
+            "next step and processes the previous one's outputs (stop checks, detokenizing); "
+            "steps with beams, grammars, logits processors, penalties, prompt logprobs or "
+            "speculation run synchronously. Off by default: the CPU has no separate device"
+        ),
+    ] = False
     num_threads: Annotated[int | None, Field(ge=1, description="torch threads on the CPU")] = None
     cpu_matmul: Annotated[
         Literal["auto", "aten", "onednn", "onednn_packed", "mkl_packed", "panels"],

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from engine.async_step import AsyncScheduling
 from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -97,6 +98,8 @@ class Engine:
             self.vocab_size,
         )
         self._awaiting_grammar: list[Sequence] = []  # held out of the scheduler until compiled
+        self.async_steps: AsyncScheduling | None = None
+        self.set_async_scheduling(config.async_scheduling)
         logger.info(
             "engine ready: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
             config.model,
@@ -284,15 +287,36 @@ class Engine:
         self.scheduler.abort(request_id)
         return True
 
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Run steps one ahead of the host, or not, from the next step on (a benchmark compares
+        both on one loaded model). Speculation proposes from the tokens themselves and
+        tensor-parallel ranks follow the driver step by step: both keep synchronous steps."""
+        if self.has_unfinished():
+            raise RuntimeError("switch asynchronous scheduling on an idle engine")
+        wanted = enabled and self.speculator is None and self.runner.tp is None
+        if not wanted and self.async_steps is not None:
+            self.async_steps.close()
+            self.async_steps = None
+        elif wanted and self.async_steps is None:
+            self.async_steps = AsyncScheduling(
+                self.scheduler, self.runner, self.outputs, self.stop_rules
+            )
+
     def has_unfinished(self) -> bool:
-        return bool(self.outputs.requests)
+        """Requests still running, or a launched step whose outputs are still to be taken."""
+        return bool(self.outputs.requests) or (
+            self.async_steps is not None and self.async_steps.busy
+        )
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduled model step; return what each touched choice produced."""
+        """Run one scheduled model step; return what each touched choice produced (under
+        asynchronous scheduling: launch the next step, return what the previous one made)."""
         self._admit_compiled(may_wait=True)
         deltas = self.outputs.take_finished_on_arrival()
+        if self.async_steps is not None:
+            return deltas + self.async_steps.step()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()

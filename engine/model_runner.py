@@ -256,12 +256,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ steps
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, batch: SamplingBatch) -> ModelRunnerOutput:
+    def execute(
+        self, sched: SchedulerOutput, batch: SamplingBatch, inputs: StepInputs | None = None
+    ) -> ModelRunnerOutput:
         """Run one scheduled step (its copy-on-write block copies first, on every layer) and
         give each sampling row of `batch` what it asks for. Greedy rows of a step that asks
         nothing else go through the greedy screen where the platform has one: the same
-        tokens, for less than the LM head's full cost."""
-        inputs = self.prepare_inputs(sched.scheduled) if sched.scheduled else None
+        tokens, for less than the LM head's full cost. `inputs`: the step's model inputs when
+        the caller prepared them already (asynchronous scheduling)."""
+        if inputs is None and sched.scheduled:
+            inputs = self.prepare_inputs(sched.scheduled)
         if self.step_sender is None:
             with self._adapters(sched, inputs):
                 spans = prompt_spans(sched.scheduled) if inputs is not None else []

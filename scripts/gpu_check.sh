@@ -2,6 +2,8 @@
 # The CUDA checks and benchmark, for a machine with an NVIDIA GPU (torch + triton installed).
 #   bash scripts/gpu_check.sh tests            # kernel tests and the CUDA engine tests
 #   bash scripts/gpu_check.sh bench [FLAGS]    # bench/suites/gpu.py FLAGS, results appended to $OUT/gpu.md
+#   bash scripts/gpu_check.sh all [FLAGS]      # both in one go: the tests' summary and the bench
+#                                              # (sync and async scheduling) in $OUT/gpu.md
 # Wheels in .whl/ (packages the machine lacks, e.g. pydantic) are installed to /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,18 +17,31 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 stage=${1:-tests}
 shift || true
+run_tests() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" \
+    tests/kernels tests/engine/test_cuda_path.py tests/engine/test_sampler.py \
+    tests/engine/test_async_scheduling.py "$@" 2>&1 |
+    tee "$OUT/pytest.log"
+}
+run_bench() {
+  python3 bench/suites/gpu.py --out "$OUT/gpu.md" "$@" 2>&1 | tee "$OUT/bench.log"
+}
 case "$stage" in
   tests)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" \
-      tests/kernels tests/engine/test_cuda_path.py tests/engine/test_sampler.py "$@" 2>&1 |
-      tee "$OUT/pytest.log"
+    run_tests "$@"
     ;;
   bench)
-    python3 bench/suites/gpu.py --out "$OUT/gpu.md" "$@" 2>&1 | tee "$OUT/bench.log"
+    run_bench "$@"
+    ;;
+  all)
+    run_tests
+    { echo "## CUDA tests $(date -u '+%Y-%m-%d %H:%M')"; echo; echo '```'
+      tail -n 15 "$OUT/pytest.log"; echo '```'; echo; } >>"$OUT/gpu.md"
+    run_bench "$@"
     ;;
   *)
-    echo "usage: $0 tests|bench [args]" >&2
+    echo "usage: $0 tests|bench|all [args]" >&2
     exit 2
     ;;
 esac

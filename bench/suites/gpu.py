@@ -82,8 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--step-batches", default="1,64,256", help="(d) sequences per decode-heavy run"
     )
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--modes",
+        default="sync,async",
+        help="(b)/(c)/(d) scheduling modes to run, each on the same loaded model: sync, async",
+    )
     args = parser.parse_args(argv)
     args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in ("sync", "async") for m in args.modes):
+        parser.error(f"--modes takes sync and/or async, not {args.modes}")
     unknown = [p for p in args.parts if p not in PARTS]
     if unknown:
         parser.error(f"unknown parts {unknown}; choose from {', '.join(PARTS)}")
@@ -158,17 +166,18 @@ def _run_engine(args: argparse.Namespace, parts: list[str]) -> list[tuple[str, s
         logger.info("building the engine (dummy Llama-3-8B weights)")
         llm = gpu_engine.make_llm(cfg)
         blocks = []
-        if "b" in parts:
-            blocks.append(
-                ("(b) batch-1 decode vs bandwidth floor", gpu_engine.bench_decode(cfg, llm))
-            )
-        if "c" in parts:
-            blocks.append(
-                ("(c) offline throughput", gpu_engine.bench_throughput(cfg, llm, hf_rates))
-            )
-        if "d" in parts:
-            overhead = gpu_engine.bench_step_overhead(cfg, llm, args.step_batches)
-            blocks.append(("(d) time outside the GPU per step", overhead))
+        for mode in args.modes:  # asynchronous scheduling against synchronous steps
+            llm.engine.set_async_scheduling(mode == "async")
+            label = f", {mode} scheduling"
+            if "b" in parts:
+                decode = gpu_engine.bench_decode(cfg, llm)
+                blocks.append((f"(b) batch-1 decode vs bandwidth floor{label}", decode))
+            if "c" in parts:
+                throughput = gpu_engine.bench_throughput(cfg, llm, hf_rates)
+                blocks.append((f"(c) offline throughput{label}", throughput))
+            if "d" in parts:
+                overhead = gpu_engine.bench_step_overhead(cfg, llm, args.step_batches)
+                blocks.append((f"(d) time outside the GPU per step{label}", overhead))
         return blocks
 
 
