@@ -80,7 +80,10 @@ class SideTasks:
         while not closing.is_set():
             self._lora_changed.clear()
             try:
+                before = self.batch.lora.names()
                 await self.batch.lora.refresh(self.redis, self.keys, self.model)
+                if self.batch.lora.names() != before:
+                    await self._beat()  # the API waits for the heartbeat to show the change
             except REDIS_DOWN:
                 pass  # the main loop reports and backs off; try again next time
             except Exception:
