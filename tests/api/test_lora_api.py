@@ -117,3 +117,22 @@ async def _queued(stack: Stack) -> int:
         return await queue_length(redis, KEYS, MODEL)
     finally:
         await redis.aclose()
+
+
+def test_grpc_completions_on_an_adapter_run_on_its_base_model(stack: Stack):
+    import grpc
+
+    from producer_api.grpc.stubs import inference_pb2 as pb
+    from tests.api.grpc_stack import grpc_server, metadata
+
+    stack.api()
+    worker = stack.worker(lora_adapters=ADAPTERS)
+    with grpc_server(stack) as client:
+        request = pb.CompletionsRequest(model_id="chat-lora", prompt="a b c", num_tokens=3)
+        reply = client.stub.CreateCompletion(request, metadata=metadata(), timeout=30)
+        assert reply.choices[0].text
+        with pytest.raises(grpc.RpcError) as error:
+            unknown = pb.CompletionsRequest(model_id="no-lora", prompt="a b c", num_tokens=3)
+            client.stub.CreateCompletion(unknown, metadata=metadata(), timeout=30)
+    assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT  # model_not_found's status
+    assert worker.loras == ["chat-lora"]
