@@ -105,8 +105,9 @@ _MASKED_MACS_PER_SLOT = 1_500_000  # measured on Zen 4 (2 threads), SmolLM2-135M
 class LoRASlots:
     """One base layer's resident adapter weights and the step they are applied in.
 
-    Slot s holds rows [s * columns, (s + 1) * columns) of a [slots * columns, in] and the same
-    columns of b [out, slots * columns], so all slots at once are one matmul each."""
+    Slot s holds rows [s * columns, (s + 1) * columns) of a [slots * columns, in] and of
+    b_t [slots * columns, out] (b transposed, so one slot's part is contiguous too), so all
+    slots at once are one matmul each, and one slot's are two matmuls on contiguous views."""
 
     def __init__(
         self,
@@ -121,13 +122,13 @@ class LoRASlots:
         self.columns = columns
         self.num_slots = num_slots
         self.a = torch.zeros(num_slots * columns, in_features, device=device, dtype=dtype)
-        self.b = torch.zeros(out_features, num_slots * columns, device=device, dtype=dtype)
+        self.b_t = torch.zeros(num_slots * columns, out_features, device=device, dtype=dtype)
         self.targeted = [False] * num_slots  # whether the slot's adapter adapts this layer
         self._step_of = step_of
 
     @property
     def nbytes(self) -> int:
-        return int(self.a.nbytes + self.b.nbytes)
+        return int(self.a.nbytes + self.b_t.nbytes)
 
     @property
     def step_active(self) -> bool:
@@ -139,7 +140,7 @@ class LoRASlots:
 
     def clear(self, slot: int) -> None:
         self.a[self._columns(slot)].zero_()
-        self.b[:, self._columns(slot)].zero_()
+        self.b_t[self._columns(slot)].zero_()
         self.targeted[slot] = False
 
     def write(
@@ -150,7 +151,7 @@ class LoRASlots:
             slot * self.columns + first_column, slot * self.columns + first_column + a.shape[0]
         )
         self.a[columns].copy_(a)
-        self.b[rows, columns].copy_(b)
+        self.b_t[columns, rows].copy_(b.T)
         self.targeted[slot] = True
 
     def active(self) -> bool:
@@ -164,20 +165,19 @@ class LoRASlots:
         if not present:
             return out
         mapping = step.for_rows(x.shape[0])
-        macs = x.shape[0] * self.a.shape[0] * (self.a.shape[1] + self.b.shape[0])
+        macs = x.shape[0] * self.a.shape[0] * (self.a.shape[1] + self.b_t.shape[1])
         if macs <= _MASKED_MACS_PER_SLOT * len(present):
             hidden = (x @ self.a.T).view(x.shape[0], self.num_slots, self.columns)
             hidden = hidden * mapping.one_hot[:, :, None]
-            return out + hidden.view(x.shape[0], -1) @ self.b.T
+            return out + hidden.view(x.shape[0], -1) @ self.b_t
         rows = x if mapping.every_row_in_order else x.index_select(0, mapping.order)
         terms = out.new_zeros(rows.shape[0], out.shape[1])
         for segment in mapping.segments:
             if not self.targeted[segment.slot]:
                 continue
             columns = self._columns(segment.slot)
-            a, b = self.a[columns], self.b[:, columns]
             span = slice(segment.start, segment.end)
-            torch.matmul(rows[span] @ a.T, b.T, out=terms[span])
+            torch.matmul(rows[span] @ self.a[columns].T, self.b_t[columns], out=terms[span])
         if mapping.every_row_in_order:
             return out + terms
         return out.index_add(0, mapping.order, terms)
