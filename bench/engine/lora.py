@@ -2,7 +2,8 @@
 16 on every attention and MLP projection, random PEFT adapters made here) against the same
 workload on the base model alone (the issue's goal: >= 0.8x), and against serving each adapter
 merged into the weights, one after the other (load time reported apart); memory per extra
-adapter (its slot stacks, and its host copy).
+adapter (its slot stacks, and its host copy). Base and mixed runs alternate for --rounds
+(medians; the per-round ratios too), so a shared machine's load hits both alike.
 
     python bench/engine/lora.py --adapters 8 --num-prompts 64 --json lora.json
 """
@@ -13,6 +14,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +42,7 @@ def main() -> None:
     parser.add_argument("--output-range", type=int, nargs=2, default=(16, 96))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3, help="base and mixed alternate")
     parser.add_argument("--skip-merged", action="store_true", help="no merged-weights run")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
@@ -88,6 +91,7 @@ def measure(args: argparse.Namespace, base: Path, adapters: list[Path], scratch:
 
     common = {"dtype": args.dtype, "num_threads": args.threads, "seed": args.seed}
     plain = LLM(str(base), **common)
+    warm_up(plain, args.seed)
     requests = ranged_workload(
         args.num_prompts,
         tuple(args.input_range),
@@ -100,10 +104,6 @@ def measure(args: argparse.Namespace, base: Path, adapters: list[Path], scratch:
     )
     loras = loras[: len(requests)]
     prompt_tokens, output_tokens = token_counts(requests)
-    warm_up(plain, args.seed)
-    base_run = rates(timed(plain, requests, None), prompt_tokens, output_tokens)
-    del plain
-
     served = LLM(
         str(base),
         enable_lora=True,
@@ -113,14 +113,20 @@ def measure(args: argparse.Namespace, base: Path, adapters: list[Path], scratch:
     )
     warm_up(served, args.seed)
     timed(served, requests[: len(adapters)], loras[: len(adapters)])  # loads every adapter
-    mixed_run = rates(timed(served, requests, loras), prompt_tokens, output_tokens)
+    base_s, mixed_s = [], []
+    for _ in range(args.rounds):  # alternating, so both see the same machine
+        base_s.append(timed(plain, requests, None))
+        mixed_s.append(timed(served, requests, loras))
+    base_run = rates(statistics.median(base_s), prompt_tokens, output_tokens)
+    mixed_run = rates(statistics.median(mixed_s), prompt_tokens, output_tokens)
+    ratios = sorted(b / m for b, m in zip(base_s, mixed_s, strict=True))
     manager = served.engine.runner.lora
     assert manager is not None
     memory = {
         "slot_mib_per_adapter": manager.slot_bytes / manager.max_loras / 2**20,
         "host_mib_per_adapter": adapter_bytes(adapters[0]) / 2**20,
     }
-    del served
+    del served, plain
 
     figures = {
         "workload": (
@@ -130,6 +136,7 @@ def measure(args: argparse.Namespace, base: Path, adapters: list[Path], scratch:
         "base": base_run,
         "mixed_lora": mixed_run,
         "mixed_vs_base": mixed_run["output_tok_s"] / base_run["output_tok_s"],
+        "mixed_vs_base_per_round": ratios,
         "memory": memory,
     }
     if not args.skip_merged:
