@@ -17,6 +17,7 @@ from producer_api import queue
 from producer_api.auth import Principal
 from producer_api.deps import ApiState
 from producer_api.errors import ApiError
+from producer_api.lora import on_base_model
 from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
 from producer_api.queue import enqueue
 from producer_api.workers import ServedModel
@@ -58,7 +59,9 @@ async def limits_of(
 
 
 async def submit(state: ApiState, request: JobRequest, principal: Principal) -> Job:
-    """Enqueue for the caller under the model's queue limit (QueueFullError -> 429)."""
+    """Enqueue for the caller under the model's queue limit (QueueFullError -> 429); a request
+    for a LoRA adapter goes to its base model's queue (producer_api.lora)."""
+    request = on_base_model(request, await state.workers.models())
     return await enqueue(
         state.redis,
         state.keys,

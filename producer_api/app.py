@@ -22,6 +22,7 @@ from producer_api.routes import (
     embeddings,
     generate,
     jobs,
+    lora,
     openai,
     ops,
     scores,
@@ -64,6 +65,7 @@ def create_app(settings: ApiSettings | None = None) -> FastAPI:
 
     app.include_router(jobs.router)
     app.include_router(openai.router)
+    app.include_router(lora.router)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.include_router(embeddings.router)  # OpenAI's /v1/embeddings (embedding jobs)
     app.include_router(scores.router)  # /v1/score, /v1/rerank: cosine of embedding jobs
     app.include_router(generate.router)  # vLLM's simple /generate

@@ -86,6 +86,7 @@ _STATUS_DOCS: dict[int, dict[str, Any]] = {
         "token id outside the vocabulary (`invalid_token_id`): `param` names the field"
     },
     401: {"description": "Missing or unknown API key"},
+    403: {"description": "Not allowed by this API's settings"},
     404: {"description": "No such job, file, batch or model (or not the caller's)"},
     408: {"description": "The job's deadline passed before it finished"},
     409: {"description": "Conflicts with the current state (e.g. cancelled meanwhile)"},

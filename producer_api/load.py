@@ -40,6 +40,7 @@ class WorkerView:
     quantization: str | None  # the weight quantization it runs; None: full precision
     weight_bytes: int | None  # None: a worker too old to say
     architecture: str | None  # what its engine serves the model as; None: a worker too old to say
+    lora_adapters: list[str]  # the LoRA adapters it serves on its model, by name
 
     @classmethod
     def of(cls, info: WorkerInfo, now: float) -> WorkerView:

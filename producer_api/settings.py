@@ -43,6 +43,16 @@ class ApiSettings(RedisConnectionSettings, BaseSettings):
     # models: a model is served when a live worker advertises it; `models` are accepted on
     # the jobs API even while no worker runs (the jobs wait in the queue)
     models: list[str] = Field(default_factory=list)
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): any key holder may then change the adapters served",
+    )
+    lora_update_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="how long a LoRA load/unload waits for the base model's workers to say so",
+    )
     model_context: dict[str, int] = Field(
         default_factory=dict,
         description="context length per model when workers don't advertise max_model_len",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -38,6 +38,9 @@ class ServedModel:
     architectures: tuple[str, ...] = ()
     tasks: frozenset[JobKind] = frozenset()  # the kinds of job its workers take
     embedding_size: int | None = None  # the smallest vector size among its embedding workers
+    # a LoRA adapter's entry: the base model its jobs run on (its bounds are the base's, its
+    # `workers` those advertising the adapter); None for a model
+    parent: str | None = None
 
     @property
     def quantization(self) -> str | None:
@@ -122,9 +125,22 @@ class WorkerDirectory:
         return workers
 
     async def models(self) -> dict[str, ServedModel]:
+        """Every served model by name, and every LoRA adapter a live worker advertises (as an
+        entry with its base model as `parent`; a model's own name wins over an adapter's)."""
+        workers = await self.live()
         served: dict[str, ServedModel] = {}
-        for worker in await self.live():
+        for worker in workers:
             name = worker.model
             known = served.get(name) or ServedModel(name, 0, None, float("inf"))
             served[name] = known.joined_by(worker)
-        return served
+        adapters: dict[str, ServedModel] = {}
+        for worker in sorted(workers, key=lambda w: w.model):
+            for adapter in worker.lora_adapters:
+                if adapter in served:
+                    continue
+                entry = adapters.get(adapter) or replace(
+                    served[worker.model], name=adapter, workers=0, parent=worker.model
+                )
+                if entry.parent == worker.model:
+                    adapters[adapter] = replace(entry, workers=entry.workers + 1)
+        return {**served, **adapters}

@@ -23,6 +23,9 @@ class ErrorCode(StrEnum):
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     RATE_LIMITED = "rate_limited"
+    # a LoRA adapter that cannot serve: missing, for another base model, of too high a rank,
+    # with bad tensors (a job fails with it; the worker and the other jobs go on)
+    INVALID_LORA_ADAPTER = "invalid_lora_adapter"
     # a job that ended without a result (stored in the job hash's `error` field)
     CANCELLED = "cancelled"
     EXPIRED = "expired"  # the deadline passed before a worker started the job
@@ -50,6 +53,7 @@ _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.INVALID_LORA_ADAPTER: 422,
     ErrorCode.CANCELLED: 409,
     ErrorCode.EXPIRED: 408,
     ErrorCode.DEADLINE_EXCEEDED: 408,

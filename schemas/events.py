@@ -14,6 +14,8 @@ Control channel `{p}:control` carries `ControlMessage` JSON, e.g.
 `{"op":"cancel","job_id":"job_x"}`: every worker listens and aborts the job if it holds it (the
 hash already says cancelled, so a worker that misses the message still finds out when it next
 checks the hash; workers re-check the status of the jobs they run at least every few seconds).
+`{"op":"lora","model":"m"}` says `m`'s run-time LoRA registry (`{p}:lora:{model}`) changed: its
+workers re-read it at once (and at every heartbeat, in case they missed the message).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.chunks import TokenChunk
 from schemas.jobs import JobStatus
@@ -42,8 +44,17 @@ class StatusEvent(BaseModel):
 class ControlMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    op: Literal["cancel"]
-    job_id: str = Field(min_length=1)
+    op: Literal["cancel", "lora"]
+    job_id: str | None = Field(None, min_length=1, description="the job a cancel is for")
+    model: str | None = Field(None, min_length=1, description="the model whose LoRA changed")
+
+    @model_validator(mode="after")
+    def _target(self) -> ControlMessage:
+        if self.op == "cancel" and self.job_id is None:
+            raise ValueError("a cancel names its job_id")
+        if self.op == "lora" and self.model is None:
+            raise ValueError("a lora message names its model")
+        return self
 
     def to_json(self) -> str:
         return self.model_dump_json()

@@ -152,6 +152,14 @@ class JobRequest(BaseModel):
         max_length=MAX_PROMPT_CHARS,
         description="a score job: the second text a cross-encoder scores with `prompt`",
     )
+    lora: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_MODEL_NAME_CHARS,
+        pattern=_NAME_RE,
+        description="the LoRA adapter `model`'s workers run it with (the API sets it when the "
+        "request's model names an adapter: `model` is then the adapter's base model)",
+    )
     stream: StrictBool = False
     priority: int = Field(PRIORITY_INTERACTIVE, ge=0, le=MAX_PRIORITY, strict=True)
     deadline: AwareDatetime | None = None
@@ -184,6 +192,8 @@ class JobRequest(BaseModel):
             )
         if self.pooling is not None and self.messages is not None:
             raise field_error("messages", "an embedding job takes prompt or prompt_token_ids")
+        if self.lora is not None and self.pooling is not None:
+            raise field_error("lora", "an embedding job runs without a LoRA adapter")
         if self.prompt_pair is not None and (self.pooling is None or self.prompt is None):
             raise field_error("prompt_pair", "a text pair needs pooling and a prompt")
         if self.timeout_s is not None:

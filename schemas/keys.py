@@ -22,7 +22,9 @@ With `partitions` > 1 on a single node, partition k >= 1 is `{p}:jobs:{model}:<k
     {p}:worker:{name}                 hash, TTL         that worker         API (health)
     {p}:first-step:{name}             set, TTL          that worker         workers taking over
                                                                             its jobs
-    {p}:control                       pub/sub channel   cancel              workers
+    {p}:control                       pub/sub channel   cancel, LoRA        workers
+                                                        load/unload
+    {p}:lora:{model}                  hash              LoRA load/unload    workers
     {p}:arrivals:{model}              pub/sub channel   enqueue, hand-back  workers
     {p}:idem:{owner}:{key}            string, TTL       enqueue             enqueue
     {p}:ttft:{model}                  sorted set, TTL   workers (heartbeat) status, dashboard
@@ -129,6 +131,7 @@ WORKER_GROUP = "workers"
 OUT_STREAM_MAXLEN = 100_000  # chunks kept per job for replay (approximate trim)
 OUT_STREAM_TTL_S = 24 * 3600
 RESULT_TTL_S = 24 * 3600  # job hash lifetime after it reached a terminal status
+LORA_UNLOADED = ""  # a run-time LoRA registry value: the adapter was unloaded
 IDEMPOTENCY_TTL_S = 24 * 3600
 DEAD_LETTER_MAXLEN = 100_000
 HEARTBEAT_INTERVAL_S = 2.0
@@ -287,6 +290,12 @@ class RedisKeys:
 
     def control_channel(self) -> str:
         return f"{self.prefix}:control"
+
+    def lora_registry(self, model: str) -> str:
+        """Hash adapter name -> folder of the LoRA adapters loaded at run time on `model`
+        (an unloaded one keeps its name with the LORA_UNLOADED value, so it also leaves the
+        workers that were started with it in `lora_modules`)."""
+        return f"{self.prefix}:lora:{encode_segment(model)}"
 
     def arrivals_channel(self, model: str) -> str:
         return f"{self.prefix}:arrivals:{encode_segment(model)}"

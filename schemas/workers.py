@@ -12,6 +12,7 @@ worker in its heartbeat pipeline, and expire when no worker writes them any more
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -69,6 +70,11 @@ class WorkerInfo(BaseModel):
     embedding_size: int | None = Field(
         None, ge=1, description="an embedding worker's vector size: `dimensions` may not exceed it"
     )
+    lora_adapters: list[str] = Field(
+        default_factory=list,
+        description="the LoRA adapters it serves on its model, by name (a request whose model "
+        "names one runs on this worker's model with it); a JSON list in the hash",
+    )
     prompt_tokens: int = Field(0, ge=0, description="prompt tokens computed since it started")
     generated_tokens: int = Field(0, ge=0, description="tokens generated since it started")
     started_at: AwareDatetime
@@ -78,6 +84,11 @@ class WorkerInfo(BaseModel):
     @classmethod
     def _in_utc(cls, value: datetime) -> datetime:
         return as_utc(value)
+
+    @field_validator("lora_adapters", mode="before")
+    @classmethod
+    def _json_list(cls, value: object) -> object:
+        return json.loads(value) if isinstance(value, str) else value
 
     @property
     def kv_usage(self) -> float:
@@ -89,7 +100,10 @@ class WorkerInfo(BaseModel):
     def to_redis_hash(self) -> dict[str, str]:
         out = {}
         for name, value in self.model_dump(exclude_none=True).items():
-            out[name] = format_time(value) if isinstance(value, datetime) else str(value)
+            if isinstance(value, list):
+                out[name] = json.dumps(value)
+            else:
+                out[name] = format_time(value) if isinstance(value, datetime) else str(value)
         return out
 
     @classmethod

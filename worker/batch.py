@@ -14,6 +14,7 @@ from datetime import datetime
 from enum import Enum
 
 from engine.errors import RequestRejectedError
+from engine.lora.request import LORA_FAILURE_PREFIX
 from engine.outputs import EngineRequest, RequestDelta, RequestOutput
 from schemas import (
     ErrorBody,
@@ -34,6 +35,7 @@ from worker.heartbeat import TtftBuffer
 from worker.held import HeldJob
 from worker.intake import Reject
 from worker.logs import log_event
+from worker.lora import AdapterRegistry
 from worker.metrics import WorkerMetrics
 from worker.publisher import Outbox
 from worker.results import job_result
@@ -67,8 +69,10 @@ class Batch:
         metrics: WorkerMetrics,
         tracer: ChunkTracer,
         prompt_estimate: int,
+        lora: AdapterRegistry | None = None,
     ) -> None:
         self.engine = engine
+        self.lora = lora or AdapterRegistry({})  # the LoRA adapters it serves, by name
         self.outbox = outbox
         self.worker_name = worker_name
         self.policy = policy
@@ -197,6 +201,13 @@ class Batch:
         self.ready = [h for h in self.ready if id(h) not in joining]
         for held in ready:
             request = held.job.request
+            lora_request = None
+            if request.lora is not None:
+                lora_request = self.lora.request_for(request.lora)
+                if lora_request is None:
+                    message = f"model: this worker serves no LoRA adapter {request.lora!r}"
+                    self._refuse(held, ErrorBody.of(ErrorCode.INVALID_LORA_ADAPTER, message))
+                    continue
             try:
                 prompt_ids, token_types = self._prompt_ids(request)
                 self.engine.add_request(
@@ -208,6 +219,7 @@ class Batch:
                         prior_output_token_ids=held.prior_output_token_ids,
                         pooling=request.pooling,
                         token_type_ids=token_types,
+                        lora_request=lora_request,
                     )
                 )
             except RequestRejectedError as exc:
@@ -423,6 +435,12 @@ class Batch:
     def _complete(self, held: HeldJob, output: RequestOutput, wall: datetime) -> None:
         del self.held[held.job_id]
         self._buffered.discard(held.job_id)
+        adapter_failure = _adapter_failure(held, output)
+        if adapter_failure is not None:  # its adapter could not load: this job alone fails
+            error = ErrorBody.of(ErrorCode.INVALID_LORA_ADAPTER, adapter_failure)
+            _log_error(logging.INFO, "job_refused", held.job_id, error)
+            self._finish_with_error(held, error)
+            return
         try:
             timings = Timings.from_times(
                 queued_at=held.job.created_at,
@@ -595,6 +613,21 @@ class Batch:
         self._buffered.clear()
         self._bisect = None
         return jobs
+
+
+def _adapter_failure(held: HeldJob, output: RequestOutput) -> str | None:
+    """Why the job's LoRA adapter could not load, when that is how the engine finished it:
+    every choice ended with "error" before any token, the reason naming the adapter."""
+    if held.job.request.lora is None or not output.outputs:
+        return None
+    reasons = {c.stop_reason for c in output.outputs if c.finish_reason == "error"}
+    if len(reasons) != 1 or any(c.token_ids for c in output.outputs):
+        return None
+    reason = reasons.pop()
+    every_choice = len(output.outputs) == sum(c.finish_reason == "error" for c in output.outputs)
+    if every_choice and isinstance(reason, str) and reason.startswith(LORA_FAILURE_PREFIX):
+        return reason
+    return None
 
 
 def _log_error(

@@ -42,11 +42,12 @@ async def listen(
     model: str,
     on_cancel: Callable[[str], None],
     on_arrival: Callable[[], None],
+    on_lora_change: Callable[[], None],
     backoff: Backoff,
     closing: asyncio.Event,
 ) -> None:
-    """Call `on_cancel(job_id)` for every cancel broadcast and `on_arrival()` for every new
-    entry of `model`'s streams until `closing` is set; re-subscribes after Redis comes back
+    """Call `on_cancel(job_id)` for every cancel broadcast, `on_lora_change()` when `model`'s
+    LoRA registry changed, and `on_arrival()` for every new entry of `model`'s streams until `closing` is set; re-subscribes after Redis comes back
     (broadcasts sent meanwhile are caught by `ended_jobs`; for arrivals, `on_arrival()` is called
     on every subscribe). Ends on the event rather than relying on task cancellation, which a
     timeout firing at the same moment can swallow."""
@@ -71,8 +72,10 @@ async def listen(
                 except ValidationError:
                     log_event(logger, logging.WARNING, "bad_control_message", data=message["data"])
                     continue
-                if control.op == "cancel":
+                if control.op == "cancel" and control.job_id is not None:
                     on_cancel(control.job_id)
+                elif control.op == "lora" and control.model == model:
+                    on_lora_change()
         except REDIS_DOWN as exc:
             wait = backoff.failed()
             log_event(

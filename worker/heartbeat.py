@@ -71,6 +71,7 @@ async def beat(
     architecture: str | None = None,
     task: JobKind = JobKind.GENERATION,
     embedding_size: int | None = None,
+    lora_adapters: list[str] | None = None,
     ttfts: Iterable[TtftSample] = (),
 ) -> WorkerInfo:
     """Write one heartbeat from an EngineStats snapshot, with the model's live-stats samples, in
@@ -78,7 +79,8 @@ async def beat(
     and `tokenizer_file` let the API refuse over-long prompts and unknown token ids at the door;
     `quantization` (None: full precision), `weight_bytes` and `architecture` (e.g.
     "Qwen3ForCausalLM") tell operators what the worker runs; `task` and `embedding_size` which
-    kind of job it takes (and how many dimensions)."""
+    kind of job it takes (and how many dimensions); `lora_adapters` the LoRA adapters it
+    serves (by name, on its model)."""
     info = WorkerInfo(
         name=name,
         model=model,
@@ -95,6 +97,7 @@ async def beat(
         architecture=architecture,
         task=task,
         embedding_size=embedding_size,
+        lora_adapters=lora_adapters or [],
         prompt_tokens=max(0, stats.num_prompt_tokens_computed),
         generated_tokens=max(0, stats.num_generation_tokens),
         started_at=started_at,

@@ -25,6 +25,7 @@ from schemas.keys import (
 )
 from schemas.redis_connection import RedisConnectionSettings
 from worker.engine_settings import EngineSettings, engine_config_of, engine_setting
+from worker.lora import parse_lora_modules
 
 
 def default_worker_name() -> str:
@@ -42,6 +43,12 @@ class WorkerSettings(RedisConnectionSettings, EngineSettings):
     )
     prefix: str = Field(DEFAULT_PREFIX, description=PREFIX_HELP)
     name: str = Field(default_factory=default_worker_name, min_length=1)
+    lora_modules: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapters served from the start, as vLLM's --lora-modules: a JSON list "
+        "of 'name=path' (PEFT folders); a request whose model is a name runs on this model with "
+        "that adapter (needs enable_lora)",
+    )
 
     # how the engine is made (its arguments: the engine settings, inherited)
     engine_factory: str | None = Field(
@@ -122,7 +129,15 @@ class WorkerSettings(RedisConnectionSettings, EngineSettings):
     def _check(self) -> WorkerSettings:
         if self.reconnect_max_s < self.reconnect_min_s:
             raise ValueError("reconnect_max_s must be at least reconnect_min_s")
+        parse_lora_modules(self.lora_modules)  # a bad entry fails at start-up, named
+        if self.lora_modules and not self.lora_enabled:
+            raise ValueError("lora_modules needs enable_lora")
         return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether its engine serves LoRA adapters (the engine setting enable_lora)."""
+        return bool(self.model_dump(include={"enable_lora"}).get("enable_lora"))
 
     def engine_config(self) -> EngineConfig:
         """The engine this worker runs: its model, with the engine settings given."""

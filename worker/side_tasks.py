@@ -50,6 +50,7 @@ class SideTasks:
         self.on_arrival = on_arrival
         self.started_at = started_at
         self._control = Backoff(settings.reconnect_min_s, settings.reconnect_max_s)
+        self._lora_changed = asyncio.Event()
 
     def all(self, closing: asyncio.Event) -> list[Coroutine[None, None, None]]:
         """The side tasks to run until `closing`."""
@@ -62,12 +63,35 @@ class SideTasks:
                 self.model,
                 self._on_cancel,
                 self.on_arrival,
+                self._lora_changed.set,
                 self._control,
                 closing,
             ),
+            self._follow_lora_registry(closing),
             every(settings.lease_interval_s, self._renew_leases, closing),
             every(settings.status_check_interval_s, self._check_statuses, closing),
         ]
+
+    async def _follow_lora_registry(self, closing: asyncio.Event) -> None:
+        """Re-read the model's run-time LoRA registry when told it changed, and every heartbeat
+        interval in case a broadcast was missed (or this worker started after it)."""
+        if not self.settings.lora_enabled:
+            return
+        while not closing.is_set():
+            self._lora_changed.clear()
+            try:
+                before = self.batch.lora.names()
+                await self.batch.lora.refresh(self.redis, self.keys, self.model)
+                if self.batch.lora.names() != before:
+                    await self._beat()  # the API waits for the heartbeat to show the change
+            except REDIS_DOWN:
+                pass  # the main loop reports and backs off; try again next time
+            except Exception:
+                logger.exception("reading the LoRA registry failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._lora_changed.wait(), self.settings.heartbeat_interval_s
+                )
 
     def _on_cancel(self, job_id: str) -> None:
         self.batch.request_abort(job_id, AbortReason.ENDED)
@@ -91,6 +115,7 @@ class SideTasks:
                 architecture=self.engine.architecture,
                 task=self.engine.task,
                 embedding_size=self.engine.embedding_size,
+                lora_adapters=self.batch.lora.names(),
                 ttfts=ttfts,
             )
         except BaseException:

@@ -36,6 +36,7 @@ from worker.engine_api import EngineLike
 from worker.engine_thread import EngineThread
 from worker.handback import hand_back
 from worker.logs import log_event
+from worker.lora import AdapterRegistry, parse_lora_modules
 from worker.metrics import WorkerMetrics
 from worker.priority import PriorityReader, ReadPacing
 from worker.publisher import Outbox
@@ -83,6 +84,7 @@ class Worker:
             metrics=self.metrics,
             tracer=self.tracer,
             prompt_estimate=settings.admission_prompt_tokens,
+            lora=AdapterRegistry(parse_lora_modules(settings.lora_modules)),
         )
         self.puller = EntryPuller(
             settings, self.reader, self.batch, self.outbox, stopping=lambda: self._stop_requested

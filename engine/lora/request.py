@@ -28,9 +28,18 @@ class LoRARequest:
         return f"lora:{self.lora_int_id}"
 
 
+# Every LoRAAdapterError message starts with it: the engine finishes the request with the
+# message as its stop_reason, and a worker tells an adapter failure from other errors by it.
+LORA_FAILURE_PREFIX = "LoRA "
+
+
 class LoRAAdapterError(RequestRejectedError):
     """An adapter that cannot serve: missing, for another base model, of too high a rank, with
     bad tensors or targets this engine does not adapt. It fails only its request."""
 
-    # A code of its own (e.g. "invalid_lora_adapter") needs a schemas.errors.ErrorCode first.
-    code = "invalid_request"
+    def __init__(self, message: str) -> None:
+        if not message.startswith(LORA_FAILURE_PREFIX):
+            message = LORA_FAILURE_PREFIX + "adapter: " + message
+        super().__init__(message)
+
+    code = "invalid_lora_adapter"  # schemas.errors.ErrorCode.INVALID_LORA_ADAPTER

@@ -39,12 +39,22 @@ from producer_api.batches.lines import (
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.batches.store import BatchStore, now_s
 from producer_api.errors import ApiError
+from producer_api.lora import on_base_model
 from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
 from producer_api.prompt_tokens import TokenizerCache
 from producer_api.workers import WorkerDirectory
 from redis_io.clients import pipeline
 from redis_io.scripts import run_script
-from schemas import TERMINAL_STATUSES, BatchField, BatchStatus, ErrorCode, Job, JobField, RedisKeys
+from schemas import (
+    TERMINAL_STATUSES,
+    BatchField,
+    BatchStatus,
+    ErrorCode,
+    Job,
+    JobField,
+    JobRequest,
+    RedisKeys,
+)
 from schemas.batches import BATCH_ID_PREFIX
 from schemas.redis_scripts import LEASE_RELEASE_SCRIPT, LEASE_RENEW_SCRIPT
 
@@ -202,6 +212,8 @@ class BatchRunner:
         chunk = self.valid[self.submitted : self.submitted + room]
         refused = await self._refusals(chunk)
         runnable = [line for line in chunk if line.number not in refused]
+        on_base = await self._on_base_models(runnable, refused)
+        runnable = [line for line in runnable if line.number in on_base]
         deadline = datetime.fromtimestamp(self.expires_at, UTC)
         results = await asyncio.gather(
             *(
@@ -209,8 +221,8 @@ class BatchRunner:
                     self.redis,
                     self.keys,
                     batch_job_request(
-                        line.request, batch_id=self.batch_id, line=line, deadline=deadline
-                    ),  # type: ignore[arg-type]
+                        on_base[line.number], batch_id=self.batch_id, line=line, deadline=deadline
+                    ),
                     owner=self.owner,
                     replicas=self.settings.replica_wait(),
                 )
@@ -238,6 +250,21 @@ class BatchRunner:
         self.submitted += len(chunk)
         self.outstanding.update(enqueued)
         self.line_of.update({job: n for n, job in enqueued.items()})
+
+    async def _on_base_models(
+        self, lines: list[ParsedLine], refused: dict[int, str]
+    ) -> dict[int, JobRequest]:
+        """Each line's job request as queued: a LoRA adapter's runs on its base model
+        (producer_api.lora); a line naming an adapter no live worker serves joins `refused`."""
+        served = await self.workers.models()
+        out: dict[int, JobRequest] = {}
+        for line in lines:
+            assert line.request is not None
+            try:
+                out[line.number] = on_base_model(line.request, served, "body.model")
+            except ApiError as exc:
+                refused[line.number] = line_not_run(line, exc.error.code.value, exc.error.message)
+        return out
 
     async def _refusals(self, lines: list[ParsedLine]) -> dict[int, str]:
         """Error lines of the lines whose prompt the model's workers would refuse (a token id

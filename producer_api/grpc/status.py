@@ -29,6 +29,7 @@ _STATUS: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorCode.INVALID_TOKEN_ID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.INVALID_LORA_ADAPTER: grpc.StatusCode.INVALID_ARGUMENT,
     # the request names a model nobody serves: a bad argument (NOT_FOUND is for jobs)
     ErrorCode.MODEL_NOT_FOUND: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorCode.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -82,6 +82,8 @@ def _model_card(served: ServedModel) -> dict[str, Any]:
         "quantization": served.quantization,
         "quantizations": list(served.quantizations),
         "architectures": list(served.architectures),
+        "parent": served.parent,  # a LoRA adapter's base model, as vLLM lists adapters
+        "root": served.parent or served.name,
     }
 
 

@@ -106,6 +106,7 @@ class Stack:
         tokenizer_file: Path | None = None,
         quantization: str | None = None,
         architecture: str | None = None,
+        lora_adapters: list[str] | None = None,
     ) -> EchoWorker:
         async def make() -> tuple[EchoWorker, Redis]:
             redis = Redis.from_url(self.redis_url, decode_responses=True)
@@ -119,6 +120,7 @@ class Stack:
                 tokenizer_file=tokenizer_file,
                 quantization=quantization,
                 architecture=architecture,
+                lora_adapters=lora_adapters,
             )
             await worker.create_group()
             await worker.beat()

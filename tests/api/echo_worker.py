@@ -130,8 +130,11 @@ class EchoWorker(FakeWorker):
         tokenizer_file: Path | None = None,
         quantization: str | None = None,
         architecture: str | None = None,
+        lora_adapters: list[str] | None = None,
     ) -> None:
         super().__init__(redis, keys, model, name)
+        self.lora_adapters = lora_adapters or []
+        self.loras: list[str | None] = []  # each served job's adapter
         self.quantization = quantization
         self.architecture = architecture
         self.max_model_len = max_model_len
@@ -150,6 +153,7 @@ class EchoWorker(FakeWorker):
             tokenizer_file=str(self.tokenizer_file) if self.tokenizer_file else None,
             quantization=self.quantization,
             architecture=self.architecture,
+            lora_adapters=self.lora_adapters,
             started_at=now,
             updated_at=now,
         ).to_redis_hash()
@@ -188,6 +192,7 @@ class EchoWorker(FakeWorker):
     async def serve(self, claimed: Claimed) -> None:
         job = claimed.job
         self.served.append(job.id)
+        self.loras.append(job.request.lora)
         request = job.request
         ids = request.prompt_token_ids or []
         if any(not 0 <= t < ECHO_VOCAB for t in ids):

@@ -22,6 +22,8 @@ STATUSES = {
     ("get", "/v1/jobs/{job_id}/stream"): {200, 401, 404, 422, 503},
     ("get", "/v1/models"): {200, 401, 503},
     ("get", "/v1/models/{model}"): {200, 401, 404, 503},
+    ("post", "/v1/load_lora_adapter"): {200, 401, 403, 404, 422, 503},
+    ("post", "/v1/unload_lora_adapter"): {200, 401, 403, 404, 422, 503},
     ("post", "/v1/completions"): GENERATION,
     ("post", "/v1/chat/completions"): GENERATION,
     ("post", "/v1/embeddings"): GENERATION,

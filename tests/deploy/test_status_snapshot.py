@@ -155,6 +155,26 @@ def test_inferq_status_shows_a_full_precision_worker_beside_a_quantized_one(redi
     assert " int8 " in quantized and " 128.0 MiB " in quantized
 
 
+def test_inferq_status_shows_the_lora_adapters_of_each_worker(redis_url, capsys):
+    async def two_workers() -> None:
+        redis = Redis.from_url(redis_url, decode_responses=True)
+        for name, adapters in (("lora-w", ["sql", "chat"]), ("plain-w", [])):
+            await beat(
+                redis, KEYS, name=name, model=MODEL, stats=stats(90, 100, 0, 0, 0, 0),
+                started_at=datetime.now(UTC), ttl_s=30, lora_adapters=adapters,
+            )  # fmt: skip
+        await redis.aclose()
+
+    asyncio.run(two_workers())
+    assert inferq(["status", "--redis-url", redis_url]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
+    assert " sql,chat " in rows["lora-w"] and " - " in rows["plain-w"]
+    assert inferq(["status", "--redis-url", redis_url, "--json"]) == 0
+    workers = {w["name"]: w for w in json.loads(capsys.readouterr().out)["workers"]}
+    assert workers["lora-w"]["lora_adapters"] == ["sql", "chat"]
+    assert workers["plain-w"]["lora_adapters"] == []
+
+
 def test_check_worker_exit_codes(redis_url, populated, capsys, monkeypatch):
     assert inferq(["status", "--redis-url", redis_url, "--check-worker", "gpu-0"]) == 0
     assert inferq(["status", "--redis-url", redis_url, "--check-worker", "gpu-9"]) == 1
