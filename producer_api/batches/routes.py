@@ -85,7 +85,7 @@ async def upload_file(
     settings = state.settings
     raw = await file.read(settings.max_file_bytes + 1)
     try:
-        text, lines = validate_upload(
+        summary = validate_upload(
             raw,
             max_bytes=settings.max_file_bytes,
             max_lines=settings.max_batch_lines,
@@ -97,18 +97,17 @@ async def upload_file(
         owner=caller.owner,
         filename=file.filename or "batch.jsonl",
         purpose=purpose,
-        content=text,
+        content=raw,  # UTF-8, checked by validate_upload
         created_at=now_s(),
         ttl_s=settings.file_retention_s,
     )
-    bad = [line for line in lines if not line.ok]
     body = stored.model_dump()
-    if bad:
-        first = bad[0]
+    first = summary.first_invalid
+    if first is not None:
         reason = first.error.message if first.error else "invalid"
         body["status_details"] = (
-            f"{len(bad)} of {len(lines)} lines are invalid and will go to the batch's error "
-            f"file (first: line {first.number}: {reason})"
+            f"{summary.invalid} of {summary.lines} lines are invalid and will go to the batch's "
+            f"error file (first: line {first.number}: {reason})"
         )
     return body
 

@@ -11,16 +11,25 @@ finalize. Every step is idempotent, so a run killed at any point is simply run a
 - output files get ids derived from the batch id: finalizing twice overwrites the same file.
 
 Only one run advances a batch at a time (`Lease`); a run that dies leaves the lease to expire,
-and the controller's resumer starts a new run."""
+and the controller's resumer starts a new run.
+
+Memory stays bounded by the lines in flight, not the file: a run holds the input's text (its
+lines) and the numbers of its valid lines; a line is parsed when it fans out and kept only
+until its job is collected. Validation parses each line once and stores the invalid lines'
+numbers (`invalid_lines`), so later runs find the valid ones without parsing the file again."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
+from array import array
+from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -30,10 +39,11 @@ from producer_api.batches.lease_holder import holder_token
 from producer_api.batches.lines import (
     ParsedLine,
     batch_job_request,
+    iter_lines,
     line_not_run,
     line_of_error,
     line_of_result,
-    parse_lines,
+    parse_line,
     prompt_param,
 )
 from producer_api.batches.settings import BatchControllerSettings
@@ -54,6 +64,8 @@ CANCELLED_CODE = "batch_cancelled"
 EXPIRED_CODE = "batch_expired"
 NOT_RUN_CODES = (CANCELLED_CODE, EXPIRED_CODE)
 _COLLECT_CHUNK = 500
+_ERROR_WRITE_CHUNK = 1000  # error lines written per round trip while validating or stopping
+_FAILURE_DETAILS = 10  # invalid lines named in a failed batch's errors
 
 
 class Lease:
@@ -104,9 +116,11 @@ class BatchRunner:
         self.outstanding: dict[int, str] = {}  # line number -> job id, not yet collected
         self.line_of: dict[str, int] = {}  # job id -> line number, of the outstanding jobs
         self._next_sweep = 0.0  # monotonic time every outstanding job's status is read next
-        self.lines: dict[int, ParsedLine] = {}
-        self.valid: list[ParsedLine] = []
-        self.submitted = 0
+        self.raw_lines: list[str] = []  # the input file's lines
+        self.endpoint = ""
+        self.valid = array("q")  # numbers of the valid input lines, in order
+        self.parsed: dict[int, ParsedLine] = {}  # the lines in flight, by number
+        self.submitted = 0  # valid lines fanned out (an index into `valid`)
 
     async def advance(self, until: float, lease: Lease) -> bool:
         """Work on the batch until it is over (True) or the monotonic time `until` (False)."""
@@ -119,12 +133,23 @@ class BatchRunner:
         text = await self.files.content(data[BatchField.INPUT_FILE_ID])
         if text is None:
             return await self._fail("input_file_missing", "the input file no longer exists")
-        parsed = parse_lines(text, data[BatchField.ENDPOINT], self.settings.default_max_tokens)
-        self.lines = {line.number: line for line in parsed}
-        self.valid = [line for line in parsed if line.ok]
-        validating = data[BatchField.STATUS] == BatchStatus.VALIDATING
-        if validating and not await self._validate(parsed):
-            return True
+        self.raw_lines = text.splitlines()
+        del text
+        self.endpoint = data[BatchField.ENDPOINT]
+        invalid = data.get(BatchField.INVALID_LINES)
+        if data[BatchField.STATUS] == BatchStatus.VALIDATING or invalid is None:
+            if not await self._validate(data[BatchField.STATUS] == BatchStatus.VALIDATING):
+                return True
+        else:
+            skip = set(json.loads(invalid))
+            self.valid = array(
+                "q",
+                (
+                    number
+                    for number, raw in enumerate(self.raw_lines, start=1)
+                    if raw.strip() and number not in skip
+                ),
+            )
         await self._load_progress()
         while True:
             status = await self.redis.hget(self.keys.batch(self.batch_id), BatchField.STATUS)
@@ -150,27 +175,61 @@ class BatchRunner:
 
     # ------------------------------------------------------------------ phases
 
-    async def _validate(self, parsed: list[ParsedLine]) -> bool:
-        """Bad lines go to the error file now; False when nothing can run (batch failed)."""
-        errors = {line.number: line_of_error(line) for line in parsed if not line.ok}
+    async def _validate(self, validating: bool) -> bool:
+        """Parse every line once, keeping only the valid lines' numbers. While validating, bad
+        lines go to the error file now and their numbers to the batch; False when nothing can
+        run (the batch failed)."""
+        errors: dict[int, str] = {}
+        invalid: list[int] = []
+        details: list[dict[str, Any]] = []
+        total = 0
+        for line in iter_lines(self.raw_lines, self.endpoint, self.settings.default_max_tokens):
+            total += 1
+            if line.ok:
+                self.valid.append(line.number)
+                continue
+            invalid.append(line.number)
+            assert line.error is not None
+            if len(details) < _FAILURE_DETAILS and not self.valid:
+                details.append(
+                    {"code": line.error.code.value, "message": line.error.message,
+                     "line": line.number}
+                )  # fmt: skip
+            if validating:
+                errors[line.number] = line_of_error(line)
+                if len(errors) >= _ERROR_WRITE_CHUNK:
+                    await self.redis.hset(self.keys.batch_errors(self.batch_id), mapping=errors)
+                    errors.clear()
+        if not validating:  # a batch validated before invalid_lines was stored
+            return True
         async with self.redis.pipeline(transaction=False) as pipe:
             if errors:
                 pipe.hset(self.keys.batch_errors(self.batch_id), mapping=errors)
-            pipe.hset(self.keys.batch(self.batch_id), BatchField.TOTAL, len(parsed))
+            pipe.hset(
+                self.keys.batch(self.batch_id),
+                mapping={BatchField.TOTAL: total, BatchField.INVALID_LINES: json.dumps(invalid)},
+            )
             await pipe.execute()
         if not self.valid:
-            details = [
-                {"code": line.error.code.value, "message": line.error.message, "line": line.number}
-                for line in parsed[:10]
-                if line.error is not None
-            ]
             await self._fail("invalid_input", "no line of the input file is valid", details)
             return False
         await self.store.set_status(
             self.batch_id, BatchStatus.IN_PROGRESS, (BatchStatus.VALIDATING,)
         )
-        log.info("batch %s: %d lines, %d invalid", self.batch_id, len(parsed), len(errors))
+        log.info("batch %s: %d lines, %d invalid", self.batch_id, total, len(invalid))
         return True
+
+    def _line(self, number: int) -> ParsedLine:
+        """An input line that was valid at validation, parsed (again, unless in flight)."""
+        line = self.parsed.get(number)
+        if line is None:
+            raw = self.raw_lines[number - 1]
+            line = parse_line(number, raw, self.endpoint, self.settings.default_max_tokens)
+        return line
+
+    def _unsubmitted(self) -> Iterator[ParsedLine]:
+        for number in self.valid[self.submitted :]:
+            yield self._line(number)
 
     async def _load_progress(self) -> None:
         """Where an earlier run stopped: lines enqueued, and which of them are collected."""
@@ -194,12 +253,12 @@ class BatchRunner:
         )
         if room <= 0:
             return
-        model = self.valid[self.submitted].request.model  # type: ignore[union-attr]
+        model = self._line(self.valid[self.submitted]).request.model  # type: ignore[union-attr]
         backlog = await queue.queue_length(self.redis, self.keys, model, bulk=True)
         room = min(room, self.settings.batch_max_backlog - backlog)
         if room <= 0:
             return
-        chunk = self.valid[self.submitted : self.submitted + room]
+        chunk = [self._line(n) for n in self.valid[self.submitted : self.submitted + room]]
         refused = await self._refusals(chunk)
         runnable = [line for line in chunk if line.number not in refused]
         deadline = datetime.fromtimestamp(self.expires_at, UTC)
@@ -236,6 +295,7 @@ class BatchRunner:
             )
             await pipe.execute()
         self.submitted += len(chunk)
+        self.parsed.update((line.number, line) for line in runnable if line.number in enqueued)
         self.outstanding.update(enqueued)
         self.line_of.update({job: n for n, job in enqueued.items()})
 
@@ -301,7 +361,7 @@ class BatchRunner:
         out: dict[int, str] = {}
         err: dict[int, str] = {}
         for (number, job_id), data in zip(ended, stored, strict=True):
-            line = self.lines[number]
+            line = self._line(number)
             if not data:
                 err[number] = line_not_run(
                     line, ErrorCode.INTERNAL_ERROR.value, f"the record of job {job_id} is gone"
@@ -318,6 +378,7 @@ class BatchRunner:
         for number, job_id in ended:
             self.outstanding.pop(number, None)
             self.line_of.pop(job_id, None)
+            self.parsed.pop(number, None)
 
     async def _publish_counts(self) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -336,14 +397,13 @@ class BatchRunner:
             with contextlib.suppress(queue.JobNotFoundError):
                 await queue.cancel_job(self.redis, self.keys, job_id, reason=message)
         await self._sweep()
-        never_run = {
-            line.number: line_not_run(line, code, message) for line in self.valid[self.submitted :]
-        }
-        never_run.update({n: line_not_run(self.lines[n], code, message) for n in self.outstanding})
-        if never_run:
+        left = itertools.chain(self._unsubmitted(), map(self._line, list(self.outstanding)))
+        while part := list(itertools.islice(left, _ERROR_WRITE_CHUNK)):
+            never_run = {line.number: line_not_run(line, code, message) for line in part}
             await self.redis.hset(self.keys.batch_errors(self.batch_id), mapping=never_run)
         self.outstanding.clear()
         self.line_of.clear()
+        self.parsed.clear()
 
     async def _fail(self, code: str, message: str, details: list | None = None) -> bool:
         errors = {"object": "list", "data": details or [{"code": code, "message": message}]}
