@@ -55,16 +55,19 @@ class FileStore:
         owner: str | None,
         filename: str,
         purpose: str,
-        content: str | bytes,
+        content: str | bytes | memoryview,
         created_at: int,
         ttl_s: int,
         file_id: str | None = None,
     ) -> FileObject:
         """Store a file (overwriting `file_id` when given: writing the same output twice is
         harmless) and list it under its owner. `content` as bytes (UTF-8) is stored as it is,
-        without another copy of a large upload."""
+        without another copy of a large file."""
         file_id = file_id or new_file_id()
-        size = len(content) if isinstance(content, bytes) else len(content.encode())
+        if isinstance(content, memoryview):
+            size = content.nbytes
+        else:
+            size = len(content) if isinstance(content, bytes) else len(content.encode())
         key = self.keys.file(file_id)
         async with pipeline(self.redis, atomic=True) as pipe:
             pipe.hset(

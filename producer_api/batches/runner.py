@@ -27,7 +27,8 @@ import json
 import logging
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -419,22 +420,18 @@ class BatchRunner:
             )
             if not applied and current is BatchStatus.CANCELLING:
                 return await self._finalize(BatchStatus.CANCELLED)  # every line is in already
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self.keys.batch_outputs(self.batch_id))
-            pipe.hgetall(self.keys.batch_errors(self.batch_id))
-            out, err = await pipe.execute()
         out_id, err_id = output_file_ids(self.batch_id)
+        out = await self._file_bytes(self.keys.batch_outputs(self.batch_id))
+        err = await self._file_bytes(self.keys.batch_errors(self.batch_id), _count_failed)
         extra: dict[str, str | int] = {
-            BatchField.COMPLETED: len(out),
-            BatchField.FAILED: sum(
-                1 for text in err.values() if _error_code(text) not in NOT_RUN_CODES
-            ),
+            BatchField.COMPLETED: out.lines,
+            BatchField.FAILED: err.counted,
         }
-        if out:
-            await self._save(out_id, "output", out)
+        if out.lines:
+            await self._save(out_id, "output", out.content)
             extra[BatchField.OUTPUT_FILE_ID] = out_id
-        if err:
-            await self._save(err_id, "errors", err)
+        if err.lines:
+            await self._save(err_id, "errors", err.content)
             extra[BatchField.ERROR_FILE_ID] = err_id
         allowed = tuple(s for s in BatchStatus if not s.is_terminal)
         await self.store.set_status(
@@ -445,8 +442,8 @@ class BatchRunner:
             "batch %s %s: %d succeeded, %d in the error file",
             self.batch_id,
             final.value,
-            len(out),
-            len(err),
+            out.lines,
+            err.lines,
         )
         return True
 
@@ -464,17 +461,45 @@ class BatchRunner:
             )
             await pipe.execute()
 
-    async def _save(self, file_id: str, kind: str, lines: dict[str, str]) -> None:
-        content = "".join(lines[n] + "\n" for n in sorted(lines, key=int))
+    async def _file_bytes(self, key: str, count: Callable[[str], bool] | None = None) -> _FileBytes:
+        """The lines of a batch's output (or error) hash in line order, as one file's UTF-8,
+        read a chunk at a time: the run holds the file once, not the hash's values and the
+        file besides (an embedding batch's output runs to kilobytes a line). `count`: the
+        lines counted as it reads them."""
+        numbers = sorted(int(n) for n in await self.redis.hkeys(key))
+        read = _FileBytes(bytearray(), len(numbers))
+        for start in range(0, len(numbers), _COLLECT_CHUNK):
+            for text in await self.redis.hmget(key, numbers[start : start + _COLLECT_CHUNK]):
+                if text is None:  # only a run that is finalizing writes these hashes
+                    continue
+                read.content += text.encode()
+                read.content += b"\n"
+                if count is not None and count(text):
+                    read.counted += 1
+        return read
+
+    async def _save(self, file_id: str, kind: str, content: bytearray) -> None:
         await self.files.save(
             owner=self.owner,
             filename=f"{self.batch_id}_{kind}.jsonl",
             purpose=OUTPUT_PURPOSE,
-            content=content,
+            content=memoryview(content),
             created_at=now_s(),
             ttl_s=self.settings.batch_retention_s,
             file_id=file_id,
         )
+
+
+@dataclass
+class _FileBytes:
+    content: bytearray
+    lines: int
+    counted: int = 0
+
+
+def _count_failed(line: str) -> bool:
+    """An error line of a request that ran and failed (not one the batch never ran)."""
+    return _error_code(line) not in NOT_RUN_CODES
 
 
 def _error_code(line: str) -> str | None:
