@@ -7,6 +7,7 @@ memory, so a file is bounded like any other queued work."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -55,19 +56,16 @@ class FileStore:
         owner: str | None,
         filename: str,
         purpose: str,
-        content: str | bytes | memoryview,
+        content: str | bytes,
         created_at: int,
         ttl_s: int,
         file_id: str | None = None,
     ) -> FileObject:
         """Store a file (overwriting `file_id` when given: writing the same output twice is
         harmless) and list it under its owner. `content` as bytes (UTF-8) is stored as it is,
-        without another copy of a large file."""
+        without another copy of a large upload."""
         file_id = file_id or new_file_id()
-        if isinstance(content, memoryview):
-            size = content.nbytes
-        else:
-            size = len(content) if isinstance(content, bytes) else len(content.encode())
+        size = len(content) if isinstance(content, bytes) else len(content.encode())
         key = self.keys.file(file_id)
         async with pipeline(self.redis, atomic=True) as pipe:
             pipe.hset(
@@ -133,18 +131,74 @@ class FileStore:
             await self.redis.zrem(key, *expired)
         return found[:limit], len(found) > limit
 
+    async def save_parts(
+        self,
+        *,
+        owner: str | None,
+        filename: str,
+        purpose: str,
+        parts: AsyncIterable[bytes],
+        created_at: int,
+        ttl_s: int,
+        file_id: str,
+    ) -> FileObject:
+        """Store a file given in parts (UTF-8), each pushed as it comes, so the writer never
+        holds the whole file and no one Redis value holds it either. Writing it again replaces
+        it: the parts start over, and the file's record comes last."""
+        parts_key = self.keys.file_parts(file_id)
+        await self.redis.delete(parts_key)
+        size = 0
+        async for part in parts:
+            size += len(part)
+            await self.redis.rpush(parts_key, part)
+        await self.redis.expire(parts_key, ttl_s)
+        key = self.keys.file(file_id)
+        meta = {
+            "id": file_id,
+            "filename": filename,
+            "purpose": purpose,
+            "bytes": size,
+            "created_at": created_at,
+            "owner": owner or "",
+        }
+        async with pipeline(self.redis, atomic=True) as pipe:
+            pipe.hset(key, mapping=meta)
+            pipe.hdel(key, "content")  # an earlier save of the same id, in one piece
+            pipe.expire(key, ttl_s)
+            pipe.zadd(self.keys.files_of(owner), {file_id: created_at})
+            await pipe.execute()
+        return FileObject(
+            id=file_id, bytes=size, created_at=created_at, filename=filename, purpose=purpose
+        )
+
     async def delete(self, file_id: str, owner: str | None) -> bool:
         """Remove a file and its listing entry; False when there was none."""
         async with pipeline(self.redis, atomic=True) as pipe:
             pipe.delete(self.keys.file(file_id))
+            pipe.delete(self.keys.file_parts(file_id))
             pipe.zrem(self.keys.files_of(owner), file_id)
-            deleted, _ = await pipe.execute()
+            deleted, _, _ = await pipe.execute()
         return bool(deleted)
 
     async def content(self, file_id: str) -> str | None:
+        """The whole file as text (None when there is none)."""
+        pieces = [piece async for piece in self.content_parts(file_id)]
+        return None if not pieces else "".join(pieces)
+
+    async def content_parts(self, file_id: str) -> AsyncIterator[str]:
+        """The file's text a part at a time (one part for a file saved whole); nothing when
+        there is no such file."""
         if not is_valid_file_id(file_id):
-            return None
-        return await self.redis.hget(self.keys.file(file_id), "content")
+            return
+        whole = await self.redis.hget(self.keys.file(file_id), "content")
+        if whole is not None:
+            yield whole
+            return
+        parts_key = self.keys.file_parts(file_id)
+        for index in range(await self.redis.llen(parts_key)):
+            part = await self.redis.lindex(parts_key, index)
+            if part is not None:
+                yield part
 
 
 @dataclass

@@ -5,11 +5,11 @@ Invalid requests are 400 with OpenAI's error body, as OpenAI answers them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from producer_api.auth import Principal
@@ -158,10 +158,17 @@ async def read_file(file_id: str, state: State, caller: Caller) -> FileObject:
 )
 async def file_content(file_id: str, state: State, caller: Caller) -> Response:
     await _visible_file(state, file_id, caller)
-    content = await FileStore(state.redis, state.keys).content(file_id)
-    if content is None:
+    parts = FileStore(state.redis, state.keys).content_parts(file_id)
+    first = await anext(parts, None)
+    if first is None:
         raise _not_found("file", file_id)
-    return Response(content.encode(), media_type="application/jsonl")
+
+    async def body() -> AsyncIterator[bytes]:  # a batch's output: part by part, not whole
+        yield first.encode()
+        async for part in parts:
+            yield part.encode()
+
+    return StreamingResponse(body(), media_type="application/jsonl")
 
 
 @router.post("/batches", responses=error_responses(400, 413))

@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -421,17 +421,17 @@ class BatchRunner:
             if not applied and current is BatchStatus.CANCELLING:
                 return await self._finalize(BatchStatus.CANCELLED)  # every line is in already
         out_id, err_id = output_file_ids(self.batch_id)
-        out = await self._file_bytes(self.keys.batch_outputs(self.batch_id))
-        err = await self._file_bytes(self.keys.batch_errors(self.batch_id), _count_failed)
+        out = await self._save(out_id, "output", self.keys.batch_outputs(self.batch_id))
+        err = await self._save(
+            err_id, "errors", self.keys.batch_errors(self.batch_id), _count_failed
+        )
         extra: dict[str, str | int] = {
             BatchField.COMPLETED: out.lines,
             BatchField.FAILED: err.counted,
         }
         if out.lines:
-            await self._save(out_id, "output", out.content)
             extra[BatchField.OUTPUT_FILE_ID] = out_id
         if err.lines:
-            await self._save(err_id, "errors", err.content)
             extra[BatchField.ERROR_FILE_ID] = err_id
         allowed = tuple(s for s in BatchStatus if not s.is_terminal)
         await self.store.set_status(
@@ -461,38 +461,39 @@ class BatchRunner:
             )
             await pipe.execute()
 
-    async def _file_bytes(self, key: str, count: Callable[[str], bool] | None = None) -> _FileBytes:
-        """The lines of a batch's output (or error) hash in line order, as one file's UTF-8,
-        read a chunk at a time: the run holds the file once, not the hash's values and the
-        file besides (an embedding batch's output runs to kilobytes a line). `count`: the
-        lines counted as it reads them."""
+    async def _save(
+        self, file_id: str, kind: str, key: str, count: Callable[[str], bool] | None = None
+    ) -> _Written:
+        """Write the lines of a batch's output (or error) hash, in line order, as a file, a
+        chunk of lines at a time: neither the run nor one Redis value holds the whole file (an
+        embedding batch's output runs to kilobytes a line). No file when the hash is empty.
+        `count`: the lines counted as they go by."""
         numbers = sorted(int(n) for n in await self.redis.hkeys(key))
-        read = _FileBytes(bytearray(), len(numbers))
-        for start in range(0, len(numbers), _COLLECT_CHUNK):
-            for text in await self.redis.hmget(key, numbers[start : start + _COLLECT_CHUNK]):
-                if text is None:  # only a run that is finalizing writes these hashes
-                    continue
-                read.content += text.encode()
-                read.content += b"\n"
-                if count is not None and count(text):
-                    read.counted += 1
-        return read
+        written = _Written(len(numbers))
 
-    async def _save(self, file_id: str, kind: str, content: bytearray) -> None:
-        await self.files.save(
-            owner=self.owner,
-            filename=f"{self.batch_id}_{kind}.jsonl",
-            purpose=OUTPUT_PURPOSE,
-            content=memoryview(content),
-            created_at=now_s(),
-            ttl_s=self.settings.batch_retention_s,
-            file_id=file_id,
-        )
+        async def parts() -> AsyncIterator[bytes]:
+            for start in range(0, len(numbers), _COLLECT_CHUNK):
+                texts = await self.redis.hmget(key, numbers[start : start + _COLLECT_CHUNK])
+                present = [text for text in texts if text is not None]
+                if count is not None:
+                    written.counted += sum(1 for text in present if count(text))
+                yield "".join(text + "\n" for text in present).encode()
+
+        if numbers:
+            await self.files.save_parts(
+                owner=self.owner,
+                filename=f"{self.batch_id}_{kind}.jsonl",
+                purpose=OUTPUT_PURPOSE,
+                parts=parts(),
+                created_at=now_s(),
+                ttl_s=self.settings.batch_retention_s,
+                file_id=file_id,
+            )
+        return written
 
 
 @dataclass
-class _FileBytes:
-    content: bytearray
+class _Written:
     lines: int
     counted: int = 0
 

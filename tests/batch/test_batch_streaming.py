@@ -86,6 +86,7 @@ def test_a_run_holds_only_lines_in_flight_and_a_resumed_run_parses_no_file(
         raise AssertionError("a resumed run parsed the whole input file")
 
     monkeypatch.setattr(runner_module, "iter_lines", no_full_parse)
+    monkeypatch.setattr(runner_module, "_COLLECT_CHUNK", 7)  # the output file: several parts
     done, most = batch_stack.bg.run(_advance(batch_stack, batch_id, 60), timeout=90)
     assert done and most <= IN_FLIGHT
 
@@ -99,3 +100,14 @@ def test_a_run_holds_only_lines_in_flight_and_a_resumed_run_parses_no_file(
         assert text == expected_text(prompts[record["custom_id"]])
     errors = batch_stack.content(final["error_file_id"])
     assert sorted(e["error"]["line"] for e in errors) == list(BAD_AT)
+
+    # written a chunk of lines at a time, as parts: no one Redis value holds the whole file
+    keys = RedisKeys()
+    with Redis.from_url(batch_stack.redis_url, decode_responses=True) as redis:
+        file_id = final["output_file_id"]
+        assert redis.llen(keys.file_parts(file_id)) == -(-LINES // 7)
+        assert not redis.hexists(keys.file(file_id), "content")
+    downloaded = batch_stack.http.get(f"/v1/files/{file_id}/content")
+    listed = batch_stack.http.get(f"/v1/files/{file_id}").json()
+    assert listed["bytes"] == len(downloaded.content)
+    assert downloaded.text.count("\n") == LINES
