@@ -13,10 +13,9 @@ finalize. Every step is idempotent, so a run killed at any point is simply run a
 Only one run advances a batch at a time (`Lease`); a run that dies leaves the lease to expire,
 and the controller's resumer starts a new run.
 
-Memory stays bounded by the lines in flight, not the file: a run holds the input's text (its
-lines) and the numbers of its valid lines; a line is parsed when it fans out and kept only
-until its job is collected. Validation parses each line once and stores the invalid lines'
-numbers (`invalid_lines`), so later runs find the valid ones without parsing the file again."""
+Memory follows the lines in flight, not the file (producer_api.batches.input_lines).
+Validation parses each line once and stores the invalid lines' numbers (`invalid_lines`), so
+later runs find the valid ones without parsing the file again."""
 
 from __future__ import annotations
 
@@ -26,27 +25,25 @@ import itertools
 import json
 import logging
 import time
-from array import array
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from redis.asyncio import Redis
 
 from producer_api import queue
-from producer_api.batches.files import OUTPUT_PURPOSE, FileStore
+from producer_api.batches.files import FileStore
+from producer_api.batches.input_lines import InputLines
 from producer_api.batches.lease_holder import holder_token
 from producer_api.batches.lines import (
     ParsedLine,
     batch_job_request,
-    iter_lines,
     line_not_run,
     line_of_error,
     line_of_result,
-    parse_line,
     prompt_param,
 )
+from producer_api.batches.output_files import WrittenFile, write_lines_file
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.batches.store import BatchStore, now_s
 from producer_api.errors import ApiError
@@ -117,11 +114,8 @@ class BatchRunner:
         self.outstanding: dict[int, str] = {}  # line number -> job id, not yet collected
         self.line_of: dict[str, int] = {}  # job id -> line number, of the outstanding jobs
         self._next_sweep = 0.0  # monotonic time every outstanding job's status is read next
-        self.raw_lines: list[str] = []  # the input file's lines
-        self.endpoint = ""
-        self.valid = array("q")  # numbers of the valid input lines, in order
-        self.parsed: dict[int, ParsedLine] = {}  # the lines in flight, by number
-        self.submitted = 0  # valid lines fanned out (an index into `valid`)
+        self.input = InputLines([], "", settings.default_max_tokens)
+        self.submitted = 0  # valid lines fanned out (an index into `input.valid`)
 
     async def advance(self, until: float, lease: Lease) -> bool:
         """Work on the batch until it is over (True) or the monotonic time `until` (False)."""
@@ -134,23 +128,16 @@ class BatchRunner:
         text = await self.files.content(data[BatchField.INPUT_FILE_ID])
         if text is None:
             return await self._fail("input_file_missing", "the input file no longer exists")
-        self.raw_lines = text.splitlines()
+        self.input = InputLines(
+            text.splitlines(), data[BatchField.ENDPOINT], self.settings.default_max_tokens
+        )
         del text
-        self.endpoint = data[BatchField.ENDPOINT]
         invalid = data.get(BatchField.INVALID_LINES)
         if data[BatchField.STATUS] == BatchStatus.VALIDATING or invalid is None:
             if not await self._validate(data[BatchField.STATUS] == BatchStatus.VALIDATING):
                 return True
         else:
-            skip = set(json.loads(invalid))
-            self.valid = array(
-                "q",
-                (
-                    number
-                    for number, raw in enumerate(self.raw_lines, start=1)
-                    if raw.strip() and number not in skip
-                ),
-            )
+            self.input.skip(json.loads(invalid))
         await self._load_progress()
         while True:
             status = await self.redis.hget(self.keys.batch(self.batch_id), BatchField.STATUS)
@@ -167,7 +154,7 @@ class BatchRunner:
                 reads = len(self.outstanding) / self.settings.batch_status_reads_per_s
                 pause = max(self.settings.batch_sweep_interval_s, reads)
                 self._next_sweep = time.monotonic() + pause
-            if self.submitted >= len(self.valid) and not self.outstanding:
+            if self.submitted >= len(self.input.valid) and not self.outstanding:
                 return await self._finalize(BatchStatus.COMPLETED)
             await self._publish_counts()
             if time.monotonic() >= until or not await lease.renew():
@@ -184,14 +171,13 @@ class BatchRunner:
         invalid: list[int] = []
         details: list[dict[str, Any]] = []
         total = 0
-        for line in iter_lines(self.raw_lines, self.endpoint, self.settings.default_max_tokens):
+        for line in self.input.scan():
             total += 1
             if line.ok:
-                self.valid.append(line.number)
                 continue
             invalid.append(line.number)
             assert line.error is not None
-            if len(details) < _FAILURE_DETAILS and not self.valid:
+            if len(details) < _FAILURE_DETAILS and not self.input.valid:
                 details.append(
                     {"code": line.error.code.value, "message": line.error.message,
                      "line": line.number}
@@ -211,7 +197,7 @@ class BatchRunner:
                 mapping={BatchField.TOTAL: total, BatchField.INVALID_LINES: json.dumps(invalid)},
             )
             await pipe.execute()
-        if not self.valid:
+        if not self.input.valid:
             await self._fail("invalid_input", "no line of the input file is valid", details)
             return False
         await self.store.set_status(
@@ -219,18 +205,6 @@ class BatchRunner:
         )
         log.info("batch %s: %d lines, %d invalid", self.batch_id, total, len(invalid))
         return True
-
-    def _line(self, number: int) -> ParsedLine:
-        """An input line that was valid at validation, parsed (again, unless in flight)."""
-        line = self.parsed.get(number)
-        if line is None:
-            raw = self.raw_lines[number - 1]
-            line = parse_line(number, raw, self.endpoint, self.settings.default_max_tokens)
-        return line
-
-    def _unsubmitted(self) -> Iterator[ParsedLine]:
-        for number in self.valid[self.submitted :]:
-            yield self._line(number)
 
     async def _load_progress(self) -> None:
         """Where an earlier run stopped: lines enqueued, and which of them are collected."""
@@ -246,7 +220,8 @@ class BatchRunner:
         self.line_of = {job: n for n, job in self.outstanding.items()}
 
     async def _fan_out(self) -> None:
-        if self.submitted >= len(self.valid):
+        valid = self.input.valid
+        if self.submitted >= len(valid):
             return
         room = min(
             self.settings.batch_chunk_lines,
@@ -254,12 +229,12 @@ class BatchRunner:
         )
         if room <= 0:
             return
-        model = self._line(self.valid[self.submitted]).request.model  # type: ignore[union-attr]
+        model = self.input.line(valid[self.submitted]).request.model  # type: ignore[union-attr]
         backlog = await queue.queue_length(self.redis, self.keys, model, bulk=True)
         room = min(room, self.settings.batch_max_backlog - backlog)
         if room <= 0:
             return
-        chunk = [self._line(n) for n in self.valid[self.submitted : self.submitted + room]]
+        chunk = [self.input.line(n) for n in valid[self.submitted : self.submitted + room]]
         refused = await self._refusals(chunk)
         runnable = [line for line in chunk if line.number not in refused]
         deadline = datetime.fromtimestamp(self.expires_at, UTC)
@@ -296,7 +271,7 @@ class BatchRunner:
             )
             await pipe.execute()
         self.submitted += len(chunk)
-        self.parsed.update((line.number, line) for line in runnable if line.number in enqueued)
+        self.input.parsed.update((ln.number, ln) for ln in runnable if ln.number in enqueued)
         self.outstanding.update(enqueued)
         self.line_of.update({job: n for n, job in enqueued.items()})
 
@@ -362,7 +337,7 @@ class BatchRunner:
         out: dict[int, str] = {}
         err: dict[int, str] = {}
         for (number, job_id), data in zip(ended, stored, strict=True):
-            line = self._line(number)
+            line = self.input.line(number)
             if not data:
                 err[number] = line_not_run(
                     line, ErrorCode.INTERNAL_ERROR.value, f"the record of job {job_id} is gone"
@@ -379,7 +354,7 @@ class BatchRunner:
         for number, job_id in ended:
             self.outstanding.pop(number, None)
             self.line_of.pop(job_id, None)
-            self.parsed.pop(number, None)
+            self.input.parsed.pop(number, None)
 
     async def _publish_counts(self) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -398,13 +373,15 @@ class BatchRunner:
             with contextlib.suppress(queue.JobNotFoundError):
                 await queue.cancel_job(self.redis, self.keys, job_id, reason=message)
         await self._sweep()
-        left = itertools.chain(self._unsubmitted(), map(self._line, list(self.outstanding)))
+        left = itertools.chain(
+            self.input.valid_from(self.submitted), map(self.input.line, list(self.outstanding))
+        )
         while part := list(itertools.islice(left, _ERROR_WRITE_CHUNK)):
             never_run = {line.number: line_not_run(line, code, message) for line in part}
             await self.redis.hset(self.keys.batch_errors(self.batch_id), mapping=never_run)
         self.outstanding.clear()
         self.line_of.clear()
-        self.parsed.clear()
+        self.input.parsed.clear()
 
     async def _fail(self, code: str, message: str, details: list | None = None) -> bool:
         errors = {"object": "list", "data": details or [{"code": code, "message": message}]}
@@ -463,39 +440,18 @@ class BatchRunner:
 
     async def _save(
         self, file_id: str, kind: str, key: str, count: Callable[[str], bool] | None = None
-    ) -> _Written:
-        """Write the lines of a batch's output (or error) hash, in line order, as a file, a
-        chunk of lines at a time: neither the run nor one Redis value holds the whole file (an
-        embedding batch's output runs to kilobytes a line). No file when the hash is empty.
-        `count`: the lines counted as they go by."""
-        numbers = sorted(int(n) for n in await self.redis.hkeys(key))
-        written = _Written(len(numbers))
-
-        async def parts() -> AsyncIterator[bytes]:
-            for start in range(0, len(numbers), _COLLECT_CHUNK):
-                texts = await self.redis.hmget(key, numbers[start : start + _COLLECT_CHUNK])
-                present = [text for text in texts if text is not None]
-                if count is not None:
-                    written.counted += sum(1 for text in present if count(text))
-                yield "".join(text + "\n" for text in present).encode()
-
-        if numbers:
-            await self.files.save_parts(
-                owner=self.owner,
-                filename=f"{self.batch_id}_{kind}.jsonl",
-                purpose=OUTPUT_PURPOSE,
-                parts=parts(),
-                created_at=now_s(),
-                ttl_s=self.settings.batch_retention_s,
-                file_id=file_id,
-            )
-        return written
-
-
-@dataclass
-class _Written:
-    lines: int
-    counted: int = 0
+    ) -> WrittenFile:
+        return await write_lines_file(
+            self.redis,
+            self.files,
+            key,
+            file_id=file_id,
+            owner=self.owner,
+            filename=f"{self.batch_id}_{kind}.jsonl",
+            created_at=now_s(),
+            ttl_s=self.settings.batch_retention_s,
+            count=count,
+        )
 
 
 def _count_failed(line: str) -> bool:

@@ -12,7 +12,7 @@ import time
 import pytest
 from redis import Redis
 
-from producer_api.batches import runner as runner_module
+from producer_api.batches import input_lines, output_files
 from producer_api.batches.runner import BatchRunner, Lease
 from producer_api.batches.settings import BatchControllerSettings
 from redis_io.clients import redis_client
@@ -51,7 +51,7 @@ async def _advance(stack: BatchStack, batch_id: str, seconds: float) -> tuple[bo
     async def watch() -> None:
         nonlocal most
         while True:
-            most = max(most, len(run.parsed))
+            most = max(most, len(run.input.parsed))
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
@@ -85,8 +85,8 @@ def test_a_run_holds_only_lines_in_flight_and_a_resumed_run_parses_no_file(
     def no_full_parse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a resumed run parsed the whole input file")
 
-    monkeypatch.setattr(runner_module, "iter_lines", no_full_parse)
-    monkeypatch.setattr(runner_module, "_COLLECT_CHUNK", 7)  # the output file: several parts
+    monkeypatch.setattr(input_lines, "iter_lines", no_full_parse)
+    monkeypatch.setattr(output_files, "CHUNK_LINES", 7)  # the output file: several parts
     done, most = batch_stack.bg.run(_advance(batch_stack, batch_id, 60), timeout=90)
     assert done and most <= IN_FLIGHT
 
