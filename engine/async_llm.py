@@ -7,6 +7,10 @@ step (one OpenMP team, as the worker's engine thread keeps it). A driver task on
 hands that thread the requests added and aborted since its last round, has it run one step,
 and sorts the step's deltas into each request's stream (engine.request_stream). A request id is
 refused while a request with that id is still streaming.
+
+A pooling model (runner "pooling", or a folder detected as one) gets a PoolingEngine on the same
+thread instead: `encode()` queues a request there, and the round that pools it resolves the
+caller's future with one finished PoolingRequestOutput.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from engine.errors import DuplicateRequestError, RequestRejectedError
 from engine.llm import start_engine
 from engine.lora.request import LoRARequest
 from engine.outputs import EngineRequest, RequestDelta, RequestMetrics, RequestOutput
+from engine.pooling.engine import PoolingEngine
+from engine.pooling.outputs import PooledResult, PoolingOutput, PoolingRequest, PoolingRequestOutput
+from engine.pooling_llm import PoolingPrompt, pooling_config
 from engine.prompts import PromptType, parse_prompt
 from engine.request_stream import RequestStream
 from engine.sampling_params import output_kind_of
+from schemas.pooling import PoolingParams
 from schemas.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,6 +57,15 @@ class _Abort:
 
 
 @dataclass
+class _Encode:
+    request: PoolingRequest
+    result: asyncio.Future[PoolingRequestOutput]
+
+
+_Op = _Add | _Abort | _Encode
+
+
+@dataclass
 class _Started:
     stream: RequestStream
     prompt_token_ids: list[int]
@@ -63,6 +80,8 @@ class _Round:
     started: list[_Started] = field(default_factory=list)
     rejected: list[tuple[RequestStream, RequestRejectedError]] = field(default_factory=list)
     deltas: list[RequestDelta] = field(default_factory=list)
+    pooled: list[PooledResult] = field(default_factory=list)
+    pool_rejected: list[tuple[_Encode, RequestRejectedError]] = field(default_factory=list)
     busy: bool = False  # requests remain in the engine
 
 
@@ -72,12 +91,14 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="async-engine")
         try:
-            self.engine: Engine = self._thread.submit(start_engine, config).result()
+            started = self._thread.submit(_start_engine, config).result()
         except BaseException:
             self._thread.shutdown(wait=False)
             raise
+        self._engine, self.pooling_engine = started
         self._streams: dict[str, RequestStream] = {}
-        self._pending: list[_Add | _Abort] = []
+        self._encodes: dict[str, asyncio.Future[PoolingRequestOutput]] = {}
+        self._pending: list[_Op] = []
         self._busy = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -90,6 +111,13 @@ class AsyncLLM:
         if isinstance(engine_args, EngineArgs):
             return cls(engine_args.create_engine_config())
         return cls(engine_args)
+
+    @property
+    def engine(self) -> Engine:
+        """The generating engine (a pooling model has none: see pooling_engine)."""
+        if self._engine is None:
+            raise ValueError("this engine pools: use encode(), not generate()")
+        return self._engine
 
     # ------------------------------------------------------------------ the API
 
@@ -104,11 +132,9 @@ class AsyncLLM:
         """The request's outputs as it runs (see RequestOutputKind); the last is `finished`.
         Leaving the loop early aborts the request. lora_request: run with this adapter."""
         self._check_alive()
-        if request_id in self._streams:
-            raise DuplicateRequestError(
-                f"request id {request_id!r} is already running: request ids must be unique "
-                "among running requests"
-            )
+        self._check_new_id(request_id)
+        if self._engine is None:
+            raise ValueError("this engine pools: use encode(), not generate()")
         params = sampling_params if sampling_params is not None else SamplingParams()
         engine_prompt = parse_prompt(prompt)
         text = engine_prompt if isinstance(engine_prompt, str) else None
@@ -126,16 +152,49 @@ class AsyncLLM:
             if not stream.finished:  # the caller stopped listening (break, cancel)
                 self._abort_stream(request_id, stream)
 
+    async def encode(
+        self,
+        prompt: PoolingPrompt | PromptType,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling model's vector for the prompt: one output, `finished`, whose
+        `.outputs.data` is the pooled float32 tensor (`.outputs.embedding` as a list).
+        `priority` is accepted as vLLM's signature has it; pooling runs in arrival order."""
+        self._check_alive()
+        self._check_new_id(request_id)
+        if self.pooling_engine is None:
+            raise ValueError(
+                "this engine generates: load an embedding model with runner='pooling' to encode"
+            )
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        result: asyncio.Future[PoolingRequestOutput] = asyncio.get_running_loop().create_future()
+        self._encodes[request_id] = result
+        self._submit(_Encode(PoolingRequest(request_id, _pooling_prompt(prompt), params), result))
+        try:
+            output = await asyncio.shield(result)
+        finally:
+            if not result.done():  # the caller stopped waiting (cancelled)
+                self._abort_encode(request_id, result)
+        yield output
+
     async def abort(self, request_id: str | Iterable[str]) -> None:
-        """Stop requests now: each stream's last output is finished, reason "abort"."""
+        """Stop requests now: each stream's last output is finished, reason "abort"; an
+        encode() still waiting raises asyncio.CancelledError."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for one_id in ids:
             stream = self._streams.get(one_id)
             if stream is not None:
                 self._abort_stream(one_id, stream)
+            result = self._encodes.get(one_id)
+            if result is not None:
+                self._abort_encode(one_id, result)
 
     async def get_tokenizer(self) -> Any:
         """The model's HF tokenizer (None for a model without one)."""
+        if self.pooling_engine is not None:
+            return self.pooling_engine.tokenizer
         return self.engine.tokenizer
 
     async def check_health(self) -> None:
@@ -157,7 +216,9 @@ class AsyncLLM:
         if self._driver is not None and not self._driver.done():
             self._driver.cancel()
         self._thread.shutdown(wait=True)
-        ranks = self.engine.runner.tp_ranks
+        if self._engine is None:
+            return  # a pooling model runs on this process alone
+        ranks = self._engine.runner.tp_ranks
         if ranks is not None:
             ranks.stop()
 
@@ -166,6 +227,25 @@ class AsyncLLM:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise self._dead
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self._streams or request_id in self._encodes:
+            raise DuplicateRequestError(
+                f"request id {request_id!r} is already running: request ids must be unique "
+                "among running requests"
+            )
+
+    def _abort_encode(self, request_id: str, result: asyncio.Future[PoolingRequestOutput]) -> None:
+        if self._encodes.get(request_id) is result:
+            del self._encodes[request_id]
+        queued = any(isinstance(op, _Encode) and op.result is result for op in self._pending)
+        if queued:  # never handed to the engine
+            self._pending = [
+                op for op in self._pending if not (isinstance(op, _Encode) and op.result is result)
+            ]
+        else:
+            self._submit(_Abort(request_id))
+        result.cancel()
 
     def _abort_stream(self, request_id: str, stream: RequestStream) -> None:
         if self._streams.get(request_id) is stream:
@@ -178,7 +258,7 @@ class AsyncLLM:
                 op for op in self._pending if not (isinstance(op, _Add) and op.stream is stream)
             ]
 
-    def _submit(self, op: _Add | _Abort) -> None:
+    def _submit(self, op: _Op) -> None:
         self._pending.append(op)
         try:
             loop = asyncio.get_running_loop()
@@ -210,13 +290,16 @@ class AsyncLLM:
             self._busy = done.busy
             self._deliver(done)
 
-    def _round(self, ops: list[_Add | _Abort]) -> _Round:
+    def _round(self, ops: list[_Op]) -> _Round:
         """On the engine thread: apply the queued adds and aborts, in order, then one step."""
+        if self.pooling_engine is not None:
+            return self._pooling_round(self.pooling_engine, ops)
         done = _Round()
         for op in ops:
             if isinstance(op, _Abort):
                 self.engine.abort(op.request_id)
                 continue
+            assert isinstance(op, _Add)  # encode() refuses a generating engine
             try:
                 self.engine.add_request(op.request)
             except RequestRejectedError as exc:
@@ -232,7 +315,33 @@ class AsyncLLM:
         done.busy = self.engine.has_unfinished()
         return done
 
+    def _pooling_round(self, engine: PoolingEngine, ops: list[_Op]) -> _Round:
+        """On the engine thread: queue and abort pooling requests, then pool one batch."""
+        done = _Round()
+        for op in ops:
+            if isinstance(op, _Abort):
+                engine.abort(op.request_id)
+                continue
+            assert isinstance(op, _Encode)  # generate() refuses a pooling engine
+            try:
+                engine.add_request(op.request)
+            except RequestRejectedError as exc:
+                done.pool_rejected.append((op, exc))
+        if engine.has_unfinished():
+            done.pooled = engine.step()
+        done.busy = engine.has_unfinished()
+        return done
+
     def _deliver(self, done: _Round) -> None:
+        for encode, error in done.pool_rejected:
+            self._settle(encode.request.request_id, encode.result, error)
+        for pooled in done.pooled:
+            result = self._encodes.get(pooled.request_id)
+            if result is not None:
+                output = PoolingRequestOutput(
+                    pooled.request_id, pooled.prompt_token_ids, PoolingOutput(pooled.data)
+                )
+                self._settle(pooled.request_id, result, output)
         for refused, error in done.rejected:
             self._end(refused)
             refused.fail(error)
@@ -254,6 +363,21 @@ class AsyncLLM:
             if stream.finished:
                 self._end(stream)
 
+    def _settle(
+        self,
+        request_id: str,
+        result: asyncio.Future[PoolingRequestOutput],
+        outcome: PoolingRequestOutput | Exception,
+    ) -> None:
+        if self._encodes.get(request_id) is result:
+            del self._encodes[request_id]
+        if result.done():  # cancelled meanwhile
+            return
+        if isinstance(outcome, Exception):
+            result.set_exception(outcome)
+        else:
+            result.set_result(outcome)
+
     def _end(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
@@ -263,7 +387,24 @@ class AsyncLLM:
         for stream in list(self._streams.values()):
             stream.fail(error)
         self._streams.clear()
+        for result in self._encodes.values():
+            if not result.done():
+                result.set_exception(error)
+        self._encodes.clear()
         self._pending.clear()
+
+
+def _start_engine(config: EngineConfig) -> tuple[Engine | None, PoolingEngine | None]:
+    """On the engine thread: the pooling engine for a pooling model, else the generating one."""
+    if pooling_config(config, None):
+        return None, PoolingEngine(config)
+    return start_engine(config), None
+
+
+def _pooling_prompt(prompt: PoolingPrompt | PromptType) -> PoolingPrompt:
+    """Text or token ids from any of vLLM's single-prompt forms."""
+    parsed = parse_prompt(prompt)
+    return parsed if isinstance(parsed, str) else list(parsed)
 
 
 # vLLM's names: AsyncLLMEngine (its first async engine) and AsyncLLM (its V1 engine).

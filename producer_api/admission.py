@@ -2,7 +2,8 @@
 limits, the prompt within the model's vocabulary and context (producer_api.prompt_check), queue
 not full. Each refusal is a 4xx (or gRPC status) naming the field.
 
-`admit_jobs` runs them all for the generation interfaces (OpenAI routes, gRPC), which then wait
+`admit_jobs` runs them all for the generation interfaces (OpenAI routes, gRPC), and
+`admit_embeddings` for embeddings (/v1/embeddings, /v1/score, gRPC); callers then wait
 for their jobs, cancel them when the caller leaves (`cancel_jobs`), and report a job that did
 not succeed as its error (`job_failure`)."""
 
@@ -18,10 +19,12 @@ from producer_api.auth import Principal
 from producer_api.deps import ApiState
 from producer_api.errors import ApiError
 from producer_api.lora import on_base_model
+from producer_api.openai_embeddings import embedding_job
 from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
 from producer_api.queue import enqueue
 from producer_api.workers import ServedModel
 from schemas import ErrorBody, ErrorCode, Job, JobKind, JobRequest, JobStatus
+from schemas.pooling import PoolingParams
 
 # A job request and the request field its prompt came from (named in a refusal).
 PromptedRequest = tuple[JobRequest, str]
@@ -110,6 +113,36 @@ async def admit_jobs(
     requests = []
     for job_request, prompt_param in build(resolved):
         await check_prompt(job_request, limits, prompt_param)
+        requests.append(job_request)
+    return await submit_all(state, caller, requests)
+
+
+async def admit_embeddings(
+    state: ApiState,
+    caller: Principal,
+    model: str,
+    inputs: Sequence[tuple[str | list[int], str]],
+    dimensions: int | None,
+    timeout_s: float,
+) -> list[Job]:
+    """Check the model serves embeddings (and `dimensions`), each input (with the request
+    field it came from, named on refusal) against it, and queue one embedding job per input,
+    all or none."""
+    served, context = await model_and_context(state, model, allow_configured=False)
+    check_task(served, JobKind.EMBEDDING)
+    size = served.embedding_size if served is not None else None
+    if dimensions is not None and size is not None and dimensions > size:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST,
+            f"dimensions: {dimensions} is more than this model's {size}",
+            "dimensions",
+        )
+    limits = await limits_of(state, served, context)
+    pooling = PoolingParams(dimensions=dimensions)
+    requests = []
+    for item, param in inputs:
+        job_request = embedding_job(model, item, pooling, timeout_s, param)
+        await check_prompt(job_request, limits, param)
         requests.append(job_request)
     return await submit_all(state, caller, requests)
 

@@ -42,11 +42,19 @@ def embedding_inputs(body: EmbeddingRequest, limit: int) -> list[tuple[str | lis
     else:
         inputs = list(given)  # type: ignore[arg-type]
         params = [f"input.{index}" for index in range(len(inputs))]
+    return checked_inputs(inputs, params, "input", limit)
+
+
+def checked_inputs(
+    inputs: list[str | list[int]], params: list[str], field: str, limit: int
+) -> list[tuple[str | list[int], str]]:
+    """The inputs with their fields (`params`, in the request field `field`), once none is
+    empty or too long and there are 1 to `limit` of them; else 400 naming the field."""
     if not inputs:
-        raise ApiError(ErrorCode.INVALID_REQUEST, "input: give at least one input", "input")
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"{field}: give at least one input", field)
     if len(inputs) > limit:
         raise ApiError(
-            ErrorCode.INVALID_REQUEST, f"input: at most {limit} inputs in one request", "input"
+            ErrorCode.INVALID_REQUEST, f"{field}: at most {limit} inputs in one request", field
         )
     for item, param in zip(inputs, params, strict=True):
         if not item:

@@ -88,7 +88,9 @@ TERMINAL_BATCH_STATUSES = frozenset(
 class BatchField(StrEnum):
     """Fields of the batch hash. Times (`*_at`) are unix seconds; `metadata` and `errors` are
     JSON; total / completed / failed count requests; `submitted` counts input lines the
-    controller has enqueued (its resume point); `owner` is absent for anonymous batches."""
+    controller has enqueued (its resume point); `invalid_lines` (JSON: the numbers of the
+    input lines refused at validation) lets a resumed run skip them without parsing the file
+    again; `owner` is absent for anonymous batches."""
 
     ID = "id"
     OWNER = "owner"
@@ -113,6 +115,7 @@ class BatchField(StrEnum):
     SUBMITTED = "submitted"
     METADATA = "metadata"
     ERRORS = "errors"
+    INVALID_LINES = "invalid_lines"
 
 
 # The `*_at` field set when a batch enters each status (every status has one but the first).

@@ -33,6 +33,8 @@ With `partitions` > 1 on a single node, partition k >= 1 is `{p}:jobs:{model}:<k
                                       "workers"         >= PRIORITY_BULK)   jobs stream
     {p}:file:{id}                     hash, TTL         Files API, batch    Files API, batch
                                                         controller          controller
+    {p}:file-parts:{id}               list, TTL         batch controller    Files API, batch
+                                                        (output files)      controller
     {p}:files:{owner}                 sorted set        Files API           Files API (list)
     {p}:batch:{id}                    hash, TTL         Batch API,          Batch API, CLI
                                                         controller
@@ -96,7 +98,9 @@ admission capacity the jobs stream left over, so a bulk backlog never delays int
 enqueue, cancel, the janitor and dead letters treat it like the jobs stream of the same model.
 
 Files `{p}:file:{id}`: fields id, filename, purpose, bytes, created_at (unix s), owner, content
-(the raw bytes). `{p}:files:{owner}` scores file ids by created_at for listing.
+(the raw bytes; absent for a file written in parts: its content is the list
+`{p}:file-parts:{id}`, in order, so no one value holds a large batch output).
+`{p}:files:{owner}` scores file ids by created_at for listing.
 
 Batches `{p}:batch:{id}`: the fields of `schemas.batches.BatchField`. Controller bookkeeping:
 `:lines` maps input line number -> job id (set as each line is enqueued); `:out` and `:err` map
@@ -314,6 +318,10 @@ class RedisKeys:
 
     def file(self, file_id: str) -> str:
         return f"{self.prefix}:file:{encode_segment(file_id)}"
+
+    def file_parts(self, file_id: str) -> str:
+        """A list: the content of a file written in parts (a batch's output), in order."""
+        return f"{self.prefix}:file-parts:{encode_segment(file_id)}"
 
     def files_of(self, owner: str | None) -> str:
         return f"{self.prefix}:files:{encode_segment(owner or '')}"

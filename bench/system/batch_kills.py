@@ -71,6 +71,14 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def peak_rss_mb(pid: int) -> float:
+    """A live process's peak resident memory so far (VmHWM), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def redis_cpu_seconds(redis_url: str) -> float:
     import redis
 
@@ -85,9 +93,18 @@ def redis_cpu_seconds(redis_url: str) -> float:
 class System:
     """Redis, the API, a batch controller and a worker as processes this run starts and kills."""
 
-    def __init__(self, workdir: Path, redis_url: str, dtype: str) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        redis_url: str,
+        dtype: str,
+        model: str = MODEL,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.redis_url = redis_url
+        self.model = model
+        self.peaks: dict[str, float] = {}  # peak RSS (MiB) of each role, killed processes too
         self.env = {
             **os.environ,
             "PYTHONPATH": str(REPO),
@@ -95,6 +112,7 @@ class System:
             "INFERQ_AUTH_DISABLED": "1",
             "INFERQ_DTYPE": dtype,
             "INFERQ_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+            **(env or {}),
         }
         self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.port = free_port()
@@ -122,7 +140,7 @@ class System:
         return self._spawn("controller", ["-m", "cli", "batch", "controller"])
 
     def start_worker(self) -> subprocess.Popen[bytes]:
-        args = ["-m", "cli", "--log-level", "info", "worker", "--model", MODEL]
+        args = ["-m", "cli", "--log-level", "info", "worker", "--model", self.model]
         return self._spawn("worker", args)
 
     def wait_ready(self, timeout: float = 600) -> float:
@@ -137,11 +155,13 @@ class System:
             time.sleep(0.1)
         raise TimeoutError("the worker did not come up")
 
-    def run_batch(self, lines: list[str], kills: bool) -> tuple[float, dict, list[str]]:
+    def run_batch(
+        self, lines: list[str], kills: bool, endpoint: str = "/v1/completions"
+    ) -> tuple[float, dict, list[str]]:
         text = "\n".join(lines) + "\n"
         files = {"file": ("in.jsonl", text.encode())}
         uploaded = self.http.post("/v1/files", files=files, data={"purpose": "batch"}).json()
-        body = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions"}
+        body = {"input_file_id": uploaded["id"], "endpoint": endpoint}
         body["completion_window"] = "24h"
         started = time.monotonic()
         batch = self.http.post("/v1/batches", json=body).json()
@@ -157,6 +177,7 @@ class System:
             if pending_kills and done >= pending_kills[0][0]:
                 share, name = pending_kills.pop(0)
                 at = time.monotonic() - started
+                self.note_peaks()
                 if name == "controller":
                     self.controller.kill()
                     self.controller.wait()
@@ -172,7 +193,15 @@ class System:
                 ready_after = None
             time.sleep(0.2)
         seconds = time.monotonic() - started
+        self.note_peaks()
         return seconds, batch, notes
+
+    def note_peaks(self) -> None:
+        """Fold each live process's peak RSS into `peaks` (before a kill loses it)."""
+        processes = {"api": self.api, "controller": self.controller, "worker": self.worker}
+        for name, process in processes.items():
+            if process.poll() is None:
+                self.peaks[name] = max(self.peaks.get(name, 0.0), peak_rss_mb(process.pid))
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds each process has used so far (a restarted one: since its restart)."""

@@ -32,6 +32,11 @@ class PooledResult:
 class PoolingOutput:
     data: torch.Tensor
 
+    @property
+    def embedding(self) -> list[float]:
+        """The vector as a list, as vLLM's EmbeddingOutput holds it."""
+        return self.data.tolist()
+
 
 @dataclass
 class PoolingRequestOutput:

@@ -8,6 +8,7 @@ with an `error` (never an exception): it lands in the error file with that reaso
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -69,12 +70,19 @@ class ParsedLine:
 
 
 def parse_lines(text: str, endpoint: str | None, default_max_tokens: int) -> list[ParsedLine]:
-    """Every non-blank line of an input file, validated. `endpoint`: the batch's endpoint, which
-    every line's `url` must name (None: each line's own url, as at upload time). A repeated
-    custom_id is an error on the later line."""
-    parsed: list[ParsedLine] = []
+    """Every non-blank line of an input file, validated (see iter_lines)."""
+    return list(iter_lines(text.splitlines(), endpoint, default_max_tokens))
+
+
+def iter_lines(
+    raw_lines: Iterable[str], endpoint: str | None, default_max_tokens: int
+) -> Iterator[ParsedLine]:
+    """Each non-blank line of an input file (its lines, as `str.splitlines` gives them),
+    validated one at a time, so a caller that keeps only what it needs holds one parsed line at
+    a time. `endpoint`: the batch's endpoint, which every line's `url` must name (None: each
+    line's own url, as at upload time). A repeated custom_id is an error on the later line."""
     seen: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(raw_lines, start=1):
         if not raw.strip():
             continue
         line = parse_line(number, raw, endpoint, default_max_tokens)
@@ -86,8 +94,7 @@ def parse_lines(text: str, endpoint: str | None, default_max_tokens: int) -> lis
                     error=_invalid(f"duplicate custom_id {line.custom_id!r}"),
                 )
             seen.add(line.custom_id)
-        parsed.append(line)
-    return parsed
+        yield line
 
 
 def parse_line(number: int, raw: str, endpoint: str | None, default_max_tokens: int) -> ParsedLine:

@@ -5,11 +5,11 @@ Invalid requests are 400 with OpenAI's error body, as OpenAI answers them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from producer_api.auth import Principal
@@ -85,7 +85,7 @@ async def upload_file(
     settings = state.settings
     raw = await file.read(settings.max_file_bytes + 1)
     try:
-        text, lines = validate_upload(
+        summary = validate_upload(
             raw,
             max_bytes=settings.max_file_bytes,
             max_lines=settings.max_batch_lines,
@@ -97,18 +97,17 @@ async def upload_file(
         owner=caller.owner,
         filename=file.filename or "batch.jsonl",
         purpose=purpose,
-        content=text,
+        content=raw,  # UTF-8, checked by validate_upload
         created_at=now_s(),
         ttl_s=settings.file_retention_s,
     )
-    bad = [line for line in lines if not line.ok]
     body = stored.model_dump()
-    if bad:
-        first = bad[0]
+    first = summary.first_invalid
+    if first is not None:
         reason = first.error.message if first.error else "invalid"
         body["status_details"] = (
-            f"{len(bad)} of {len(lines)} lines are invalid and will go to the batch's error "
-            f"file (first: line {first.number}: {reason})"
+            f"{summary.invalid} of {summary.lines} lines are invalid and will go to the batch's "
+            f"error file (first: line {first.number}: {reason})"
         )
     return body
 
@@ -159,10 +158,17 @@ async def read_file(file_id: str, state: State, caller: Caller) -> FileObject:
 )
 async def file_content(file_id: str, state: State, caller: Caller) -> Response:
     await _visible_file(state, file_id, caller)
-    content = await FileStore(state.redis, state.keys).content(file_id)
-    if content is None:
+    parts = FileStore(state.redis, state.keys).content_parts(file_id)
+    first = await anext(parts, None)
+    if first is None:
         raise _not_found("file", file_id)
-    return Response(content.encode(), media_type="application/jsonl")
+
+    async def body() -> AsyncIterator[bytes]:  # a batch's output: part by part, not whole
+        yield first.encode()
+        async for part in parts:
+            yield part.encode()
+
+    return StreamingResponse(body(), media_type="application/jsonl")
 
 
 @router.post("/batches", responses=error_responses(400, 413))

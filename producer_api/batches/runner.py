@@ -11,21 +11,29 @@ finalize. Every step is idempotent, so a run killed at any point is simply run a
 - output files get ids derived from the batch id: finalizing twice overwrites the same file.
 
 Only one run advances a batch at a time (`Lease`); a run that dies leaves the lease to expire,
-and the controller's resumer starts a new run."""
+and the controller's resumer starts a new run.
+
+Memory follows the lines in flight, not the file (producer_api.batches.input_lines).
+Validation parses each line once and stores the invalid lines' numbers (`invalid_lines`), so
+later runs find the valid ones without parsing the file again."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from redis.asyncio import Redis
 
 from producer_api import queue
-from producer_api.batches.files import OUTPUT_PURPOSE, FileStore
+from producer_api.batches.files import FileStore
+from producer_api.batches.input_lines import InputLines
 from producer_api.batches.lease_holder import holder_token
 from producer_api.batches.lines import (
     ParsedLine,
@@ -33,9 +41,9 @@ from producer_api.batches.lines import (
     line_not_run,
     line_of_error,
     line_of_result,
-    parse_lines,
     prompt_param,
 )
+from producer_api.batches.output_files import WrittenFile, write_lines_file
 from producer_api.batches.settings import BatchControllerSettings
 from producer_api.batches.store import BatchStore, now_s
 from producer_api.errors import ApiError
@@ -64,6 +72,8 @@ CANCELLED_CODE = "batch_cancelled"
 EXPIRED_CODE = "batch_expired"
 NOT_RUN_CODES = (CANCELLED_CODE, EXPIRED_CODE)
 _COLLECT_CHUNK = 500
+_ERROR_WRITE_CHUNK = 1000  # error lines written per round trip while validating or stopping
+_FAILURE_DETAILS = 10  # invalid lines named in a failed batch's errors
 
 
 class Lease:
@@ -114,9 +124,8 @@ class BatchRunner:
         self.outstanding: dict[int, str] = {}  # line number -> job id, not yet collected
         self.line_of: dict[str, int] = {}  # job id -> line number, of the outstanding jobs
         self._next_sweep = 0.0  # monotonic time every outstanding job's status is read next
-        self.lines: dict[int, ParsedLine] = {}
-        self.valid: list[ParsedLine] = []
-        self.submitted = 0
+        self.input = InputLines([], "", settings.default_max_tokens)
+        self.submitted = 0  # valid lines fanned out (an index into `input.valid`)
 
     async def advance(self, until: float, lease: Lease) -> bool:
         """Work on the batch until it is over (True) or the monotonic time `until` (False)."""
@@ -129,12 +138,16 @@ class BatchRunner:
         text = await self.files.content(data[BatchField.INPUT_FILE_ID])
         if text is None:
             return await self._fail("input_file_missing", "the input file no longer exists")
-        parsed = parse_lines(text, data[BatchField.ENDPOINT], self.settings.default_max_tokens)
-        self.lines = {line.number: line for line in parsed}
-        self.valid = [line for line in parsed if line.ok]
-        validating = data[BatchField.STATUS] == BatchStatus.VALIDATING
-        if validating and not await self._validate(parsed):
-            return True
+        self.input = InputLines(
+            text.splitlines(), data[BatchField.ENDPOINT], self.settings.default_max_tokens
+        )
+        del text
+        invalid = data.get(BatchField.INVALID_LINES)
+        if data[BatchField.STATUS] == BatchStatus.VALIDATING or invalid is None:
+            if not await self._validate(data[BatchField.STATUS] == BatchStatus.VALIDATING):
+                return True
+        else:
+            self.input.skip(json.loads(invalid))
         await self._load_progress()
         while True:
             status = await self.redis.hget(self.keys.batch(self.batch_id), BatchField.STATUS)
@@ -151,7 +164,7 @@ class BatchRunner:
                 reads = len(self.outstanding) / self.settings.batch_status_reads_per_s
                 pause = max(self.settings.batch_sweep_interval_s, reads)
                 self._next_sweep = time.monotonic() + pause
-            if self.submitted >= len(self.valid) and not self.outstanding:
+            if self.submitted >= len(self.input.valid) and not self.outstanding:
                 return await self._finalize(BatchStatus.COMPLETED)
             await self._publish_counts()
             if time.monotonic() >= until or not await lease.renew():
@@ -160,26 +173,47 @@ class BatchRunner:
 
     # ------------------------------------------------------------------ phases
 
-    async def _validate(self, parsed: list[ParsedLine]) -> bool:
-        """Bad lines go to the error file now; False when nothing can run (batch failed)."""
-        errors = {line.number: line_of_error(line) for line in parsed if not line.ok}
+    async def _validate(self, validating: bool) -> bool:
+        """Parse every line once, keeping only the valid lines' numbers. While validating, bad
+        lines go to the error file now and their numbers to the batch; False when nothing can
+        run (the batch failed)."""
+        errors: dict[int, str] = {}
+        invalid: list[int] = []
+        details: list[dict[str, Any]] = []
+        total = 0
+        for line in self.input.scan():
+            total += 1
+            if line.ok:
+                continue
+            invalid.append(line.number)
+            assert line.error is not None
+            if len(details) < _FAILURE_DETAILS and not self.input.valid:
+                details.append(
+                    {"code": line.error.code.value, "message": line.error.message,
+                     "line": line.number}
+                )  # fmt: skip
+            if validating:
+                errors[line.number] = line_of_error(line)
+                if len(errors) >= _ERROR_WRITE_CHUNK:
+                    await self.redis.hset(self.keys.batch_errors(self.batch_id), mapping=errors)
+                    errors.clear()
+        if not validating:  # a batch validated before invalid_lines was stored
+            return True
         async with self.redis.pipeline(transaction=False) as pipe:
             if errors:
                 pipe.hset(self.keys.batch_errors(self.batch_id), mapping=errors)
-            pipe.hset(self.keys.batch(self.batch_id), BatchField.TOTAL, len(parsed))
+            pipe.hset(
+                self.keys.batch(self.batch_id),
+                mapping={BatchField.TOTAL: total, BatchField.INVALID_LINES: json.dumps(invalid)},
+            )
             await pipe.execute()
-        if not self.valid:
-            details = [
-                {"code": line.error.code.value, "message": line.error.message, "line": line.number}
-                for line in parsed[:10]
-                if line.error is not None
-            ]
+        if not self.input.valid:
             await self._fail("invalid_input", "no line of the input file is valid", details)
             return False
         await self.store.set_status(
             self.batch_id, BatchStatus.IN_PROGRESS, (BatchStatus.VALIDATING,)
         )
-        log.info("batch %s: %d lines, %d invalid", self.batch_id, len(parsed), len(errors))
+        log.info("batch %s: %d lines, %d invalid", self.batch_id, total, len(invalid))
         return True
 
     async def _load_progress(self) -> None:
@@ -196,7 +230,8 @@ class BatchRunner:
         self.line_of = {job: n for n, job in self.outstanding.items()}
 
     async def _fan_out(self) -> None:
-        if self.submitted >= len(self.valid):
+        valid = self.input.valid
+        if self.submitted >= len(valid):
             return
         room = min(
             self.settings.batch_chunk_lines,
@@ -204,12 +239,12 @@ class BatchRunner:
         )
         if room <= 0:
             return
-        model = self.valid[self.submitted].request.model  # type: ignore[union-attr]
+        model = self.input.line(valid[self.submitted]).request.model  # type: ignore[union-attr]
         backlog = await queue.queue_length(self.redis, self.keys, model, bulk=True)
         room = min(room, self.settings.batch_max_backlog - backlog)
         if room <= 0:
             return
-        chunk = self.valid[self.submitted : self.submitted + room]
+        chunk = [self.input.line(n) for n in valid[self.submitted : self.submitted + room]]
         refused = await self._refusals(chunk)
         runnable = [line for line in chunk if line.number not in refused]
         on_base = await self._on_base_models(runnable, refused)
@@ -248,6 +283,7 @@ class BatchRunner:
             )
             await pipe.execute()
         self.submitted += len(chunk)
+        self.input.parsed.update((ln.number, ln) for ln in runnable if ln.number in enqueued)
         self.outstanding.update(enqueued)
         self.line_of.update({job: n for n, job in enqueued.items()})
 
@@ -328,7 +364,7 @@ class BatchRunner:
         out: dict[int, str] = {}
         err: dict[int, str] = {}
         for (number, job_id), data in zip(ended, stored, strict=True):
-            line = self.lines[number]
+            line = self.input.line(number)
             if not data:
                 err[number] = line_not_run(
                     line, ErrorCode.INTERNAL_ERROR.value, f"the record of job {job_id} is gone"
@@ -345,6 +381,7 @@ class BatchRunner:
         for number, job_id in ended:
             self.outstanding.pop(number, None)
             self.line_of.pop(job_id, None)
+            self.input.parsed.pop(number, None)
 
     async def _publish_counts(self) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -363,14 +400,15 @@ class BatchRunner:
             with contextlib.suppress(queue.JobNotFoundError):
                 await queue.cancel_job(self.redis, self.keys, job_id, reason=message)
         await self._sweep()
-        never_run = {
-            line.number: line_not_run(line, code, message) for line in self.valid[self.submitted :]
-        }
-        never_run.update({n: line_not_run(self.lines[n], code, message) for n in self.outstanding})
-        if never_run:
+        left = itertools.chain(
+            self.input.valid_from(self.submitted), map(self.input.line, list(self.outstanding))
+        )
+        while part := list(itertools.islice(left, _ERROR_WRITE_CHUNK)):
+            never_run = {line.number: line_not_run(line, code, message) for line in part}
             await self.redis.hset(self.keys.batch_errors(self.batch_id), mapping=never_run)
         self.outstanding.clear()
         self.line_of.clear()
+        self.input.parsed.clear()
 
     async def _fail(self, code: str, message: str, details: list | None = None) -> bool:
         errors = {"object": "list", "data": details or [{"code": code, "message": message}]}
@@ -386,22 +424,18 @@ class BatchRunner:
             )
             if not applied and current is BatchStatus.CANCELLING:
                 return await self._finalize(BatchStatus.CANCELLED)  # every line is in already
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self.keys.batch_outputs(self.batch_id))
-            pipe.hgetall(self.keys.batch_errors(self.batch_id))
-            out, err = await pipe.execute()
         out_id, err_id = output_file_ids(self.batch_id)
+        out = await self._save(out_id, "output", self.keys.batch_outputs(self.batch_id))
+        err = await self._save(
+            err_id, "errors", self.keys.batch_errors(self.batch_id), _count_failed
+        )
         extra: dict[str, str | int] = {
-            BatchField.COMPLETED: len(out),
-            BatchField.FAILED: sum(
-                1 for text in err.values() if _error_code(text) not in NOT_RUN_CODES
-            ),
+            BatchField.COMPLETED: out.lines,
+            BatchField.FAILED: err.counted,
         }
-        if out:
-            await self._save(out_id, "output", out)
+        if out.lines:
             extra[BatchField.OUTPUT_FILE_ID] = out_id
-        if err:
-            await self._save(err_id, "errors", err)
+        if err.lines:
             extra[BatchField.ERROR_FILE_ID] = err_id
         allowed = tuple(s for s in BatchStatus if not s.is_terminal)
         await self.store.set_status(
@@ -412,8 +446,8 @@ class BatchRunner:
             "batch %s %s: %d succeeded, %d in the error file",
             self.batch_id,
             final.value,
-            len(out),
-            len(err),
+            out.lines,
+            err.lines,
         )
         return True
 
@@ -431,17 +465,25 @@ class BatchRunner:
             )
             await pipe.execute()
 
-    async def _save(self, file_id: str, kind: str, lines: dict[str, str]) -> None:
-        content = "".join(lines[n] + "\n" for n in sorted(lines, key=int))
-        await self.files.save(
+    async def _save(
+        self, file_id: str, kind: str, key: str, count: Callable[[str], bool] | None = None
+    ) -> WrittenFile:
+        return await write_lines_file(
+            self.redis,
+            self.files,
+            key,
+            file_id=file_id,
             owner=self.owner,
             filename=f"{self.batch_id}_{kind}.jsonl",
-            purpose=OUTPUT_PURPOSE,
-            content=content,
             created_at=now_s(),
             ttl_s=self.settings.batch_retention_s,
-            file_id=file_id,
+            count=count,
         )
+
+
+def _count_failed(line: str) -> bool:
+    """An error line of a request that ran and failed (not one the batch never ran)."""
+    return _error_code(line) not in NOT_RUN_CODES
 
 
 def _error_code(line: str) -> str | None:

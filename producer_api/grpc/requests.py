@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from producer_api.errors import ApiError
 from producer_api.grpc.stubs import inference_pb2 as pb
+from producer_api.openai_embeddings import checked_inputs
 from producer_api.openai_models import CompletionRequest
 from schemas import ErrorCode, JobRequest, SamplingParams
 from schemas.errors import error_location, field_path
@@ -145,3 +146,30 @@ def _invalid(exc: ValidationError) -> ApiError:
         first = first or param
         problems.append(f"{param}: {error['msg']}" if param else error["msg"])
     return ApiError(ErrorCode.INVALID_REQUEST, "; ".join(problems), first)
+
+
+def embedding_inputs(request: pb.EmbeddingRequest, limit: int) -> list[tuple[str | list[int], str]]:
+    """Each input and the message field it came from (`input.2`, `input_token_ids.0`), checked
+    as /v1/embeddings checks them; INVALID_ARGUMENT naming the field otherwise."""
+    if request.input and request.input_token_ids:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST,
+            "input_token_ids: give input or input_token_ids, not both",
+            "input_token_ids",
+        )
+    field = "input_token_ids" if request.input_token_ids else "input"
+    inputs: list[str | list[int]] = (
+        [list(ids.token_ids) for ids in request.input_token_ids]
+        if request.input_token_ids
+        else list(request.input)
+    )
+    params = [f"{field}.{index}" for index in range(len(inputs))]
+    return checked_inputs(inputs, params, field, limit)
+
+
+def requested_dimensions(request: pb.EmbeddingRequest) -> int | None:
+    if not request.HasField("dimensions"):
+        return None
+    if request.dimensions < 1:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "dimensions: must be at least 1", "dimensions")
+    return request.dimensions

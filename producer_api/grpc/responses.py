@@ -57,13 +57,35 @@ def choice_message(choice: ChoiceResult) -> pb.Choice:
     return message
 
 
+def prompt_logprobs_messages(result: JobResult) -> list[pb.PromptLogprob]:
+    """One message per prompt token (the first's logprob unset) where they were asked for."""
+    return [
+        pb.PromptLogprob() if item is None else pb.PromptLogprob(logprob=_logprobs([item])[0])
+        for item in result.prompt_logprobs or ()
+    ]
+
+
 def completions_response(job: Job, result: JobResult) -> pb.CompletionsResponse:
     return pb.CompletionsResponse(
         job_id=job.id,
         model_id=job.model,
         choices=[choice_message(choice) for choice in result.choices],
         usage=usage_message(result.usage),
+        prompt_logprobs=prompt_logprobs_messages(result),
     )
+
+
+def embedding_response(model: str, jobs: Sequence[Job]) -> pb.EmbeddingResponse:
+    """The succeeded embedding jobs of a request's inputs, in input order."""
+    data = []
+    prompt_tokens = 0
+    for index, job in enumerate(jobs):
+        result = job.result
+        assert result is not None and result.embedding is not None
+        prompt_tokens += result.usage.prompt_tokens
+        data.append(pb.Embedding(index=index, embedding=result.embedding, job_id=job.id))
+    usage = pb.Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+    return pb.EmbeddingResponse(model_id=model, data=data, usage=usage)
 
 
 def chunk_message(chunk: TokenChunk, usage: Usage | None = None) -> pb.CompletionChunk:
@@ -105,6 +127,8 @@ def job_message(job: Job) -> pb.Job:
     if job.result is not None:
         message.choices.extend(choice_message(choice) for choice in job.result.choices)
         message.usage.CopyFrom(usage_message(job.result.usage))
+        message.embedding.extend(job.result.embedding or ())
+        message.prompt_logprobs.extend(prompt_logprobs_messages(job.result))
     if job.error is not None:
         message.error.CopyFrom(
             pb.JobError(

@@ -16,20 +16,30 @@ from collections.abc import AsyncGenerator, Iterator
 from grpc import aio
 
 from producer_api import queue
-from producer_api.admission import PromptedRequest, admit_jobs, cancel_jobs, check_n, job_failure
+from producer_api.admission import (
+    PromptedRequest,
+    admit_embeddings,
+    admit_jobs,
+    cancel_jobs,
+    check_n,
+    job_failure,
+)
 from producer_api.auth import Principal, authenticate, bearer_token
 from producer_api.deps import ApiState
 from producer_api.errors import ApiError
 from producer_api.grpc.requests import (
     GenerationRequest,
+    embedding_inputs,
     job_request,
     prompt_field,
+    requested_dimensions,
     requested_max_tokens,
     requested_n,
 )
 from producer_api.grpc.responses import (
     chunk_message,
     completions_response,
+    embedding_response,
     job_message,
     model_message,
 )
@@ -105,6 +115,31 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         )
 
     @unary_errors
+    async def CreateEmbedding(
+        self, request: pb.EmbeddingRequest, context: aio.ServicerContext
+    ) -> pb.EmbeddingResponse:
+        caller = self._caller(context)
+        inputs = embedding_inputs(request, self.state.settings.max_embedding_inputs)
+        dimensions = requested_dimensions(request)
+        own_timeout = request.timeout_s if request.HasField("timeout_s") else None
+        timeout_s = self._timeout(own_timeout, False, context)
+        jobs = await admit_embeddings(
+            self.state, caller, request.model_id, inputs, dimensions, timeout_s
+        )
+        ended: dict[str, Job] = {}
+        try:
+            for job in jobs:
+                ended[job.id] = done = await self._ended(job)
+                if done.status is not JobStatus.SUCCEEDED or done.result is None:
+                    raise _failure(done)
+        finally:
+            # cancelled (client gone, deadline), one failed, or given up on: free the rest
+            left = [j for j in jobs if j.id not in ended or not ended[j.id].status.is_terminal]
+            if left:
+                await cancel_jobs(self.state, left)
+        return embedding_response(request.model_id, [ended[job.id] for job in jobs])
+
+    @unary_errors
     async def ListModels(
         self, request: pb.ListModelsRequest, context: aio.ServicerContext
     ) -> pb.ListModelsResponse:
@@ -152,26 +187,36 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return jobs[0]
 
     def _job_timeout(self, request: GenerationRequest, context: aio.ServicerContext) -> float:
+        own = request.timeout_s if request.HasField("timeout_s") else None
+        return self._timeout(own, request.keep_running, context)
+
+    def _timeout(
+        self, own: float | None, keep_running: bool, context: aio.ServicerContext
+    ) -> float:
         """The job's deadline from now: its own timeout_s or the call's deadline, the sooner;
         the configured request timeout when neither is given. A job that keeps running is not
         bound to the call's deadline."""
         limits = []
-        if request.HasField("timeout_s"):
-            limits.append(request.timeout_s)
-        remaining = None if request.keep_running else context.time_remaining()
+        if own is not None:
+            limits.append(own)
+        remaining = None if keep_running else context.time_remaining()
         if remaining is not None:
             limits.append(max(remaining, MIN_CALL_TIMEOUT_S))
         return min(limits) if limits else self.state.settings.request_timeout_s
 
-    async def _finished(self, job: Job, keep_running: bool) -> pb.CompletionsResponse:
-        """The job's response once it has succeeded; its failure as the call's status."""
+    async def _ended(self, job: Job) -> Job:
+        """The job once it has ended, or as it stands once its deadline (and a grace) passed."""
         deadline = job.request.deadline
         wait_s = self.state.settings.request_timeout_s
         if deadline is not None:
             wait_s = max((deadline - utc_now()).total_seconds(), 0.0)
+        return await self.state.wait_job(job.id, wait_s + WAIT_GRACE_S)
+
+    async def _finished(self, job: Job, keep_running: bool) -> pb.CompletionsResponse:
+        """The job's response once it has succeeded; its failure as the call's status."""
         ended = job
         try:
-            ended = await self.state.wait_job(job.id, wait_s + WAIT_GRACE_S)
+            ended = await self._ended(job)
         finally:
             # cancelled (client gone, deadline), failed, or given up on: free the job's blocks
             if not keep_running and not ended.status.is_terminal:

@@ -8,20 +8,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from producer_api.admission import check_task, limits_of, model_and_context, submit_all
+from producer_api.admission import admit_embeddings
 from producer_api.auth import Principal
 from producer_api.deps import ApiState, Caller, State
-from producer_api.errors import ApiError, error_responses
-from producer_api.openai_embeddings import (
-    EmbeddingRequest,
-    embedding_inputs,
-    embedding_job,
-    embeddings_body,
-)
-from producer_api.prompt_check import check_prompt
+from producer_api.errors import error_responses
+from producer_api.openai_embeddings import EmbeddingRequest, embedding_inputs, embeddings_body
 from producer_api.routes.openai import GENERATION_ERRORS, wait_all
-from schemas import ErrorCode, Job, JobKind
-from schemas.pooling import PoolingParams
+from schemas import Job
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=error_responses(401, 503))
 
@@ -43,24 +36,7 @@ async def embed_inputs(
     inputs: list[tuple[str | list[int], str]],
     dimensions: int | None = None,
 ) -> list[Job]:
-    """Check the model serves embeddings (and `dimensions`), each input against it, queue one
-    embedding job per input, and wait for them all (each input's field named on refusal)."""
-    served, context = await model_and_context(state, model, allow_configured=False)
-    check_task(served, JobKind.EMBEDDING)
-    size = served.embedding_size if served is not None else None
-    if dimensions is not None and size is not None and dimensions > size:
-        raise ApiError(
-            ErrorCode.INVALID_REQUEST,
-            f"dimensions: {dimensions} is more than this model's {size}",
-            "dimensions",
-        )
-    limits = await limits_of(state, served, context)
-    pooling = PoolingParams(dimensions=dimensions)
+    """Queue one embedding job per input (admit_embeddings) and wait for them all."""
     timeout_s = state.settings.request_timeout_s
-    requests = []
-    for item, param in inputs:
-        job_request = embedding_job(model, item, pooling, timeout_s, param)
-        await check_prompt(job_request, limits, param)
-        requests.append(job_request)
-    jobs = await submit_all(state, caller, requests)
+    jobs = await admit_embeddings(state, caller, model, inputs, dimensions, timeout_s)
     return await wait_all(state, request, jobs)

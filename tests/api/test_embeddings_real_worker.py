@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -20,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from redis import Redis
 
+from producer_api.grpc.stubs import inference_pb2 as pb
 from schemas import RedisKeys
 from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack, auth
+from tests.api.grpc_stack import GrpcClient, grpc_server, metadata, trailing
 from tests.conftest import _started_server
 
 MODEL = "all-MiniLM-L6-v2"
@@ -199,3 +202,81 @@ def test_score_and_rerank_are_cosines_of_the_embeddings(http: httpx.Client, refe
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
     empty = http.post("/v1/rerank", json={"model": MODEL, "query": "q", "documents": ["d", ""]})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents.1"
+
+
+# ---- gRPC ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grpc_client(system: Stack) -> Iterator[GrpcClient]:
+    with grpc_server(system, models=[]) as client:
+        yield client
+
+
+def test_grpc_embeddings_equal_sentence_transformers(grpc_client: GrpcClient, reference) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.model_files import resolve_model_path
+
+    reply = grpc_client.stub.CreateEmbedding(
+        pb.EmbeddingRequest(model_id=MODEL, input=TEXTS), metadata=metadata(), timeout=120
+    )
+    ours = torch.tensor([list(item.embedding) for item in reply.data])
+    assert [item.index for item in reply.data] == [0, 1, 2] and reply.model_id == MODEL
+    assert cosine_distance(ours, reference).max() < 1e-5
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(MODEL))
+    ids = [tokenizer.encode(text) for text in TEXTS[:2]]
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens
+    assert reply.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in TEXTS)
+    by_ids = grpc_client.stub.CreateEmbedding(
+        pb.EmbeddingRequest(
+            model_id=MODEL, input_token_ids=[pb.TokenIds(token_ids=i) for i in ids], dimensions=32
+        ),
+        metadata=metadata(),
+        timeout=120,
+    )
+    short = torch.tensor([list(item.embedding) for item in by_ids.data])
+    assert short.shape == (2, 32)
+    expected = F.normalize(reference[:2, :32], dim=-1)
+    assert cosine_distance(short, expected).max() < 1e-5
+    job = grpc_client.stub.GetJob(
+        pb.GetJobRequest(job_id=reply.data[0].job_id), metadata=metadata()
+    )
+    assert job.status == "succeeded" and list(job.embedding) == list(reply.data[0].embedding)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"input": ["fine", ""]}, "input.1", "empty"),
+        ({}, "input", "at least one"),
+        ({"input": ["word " * 600]}, "input.0", "at most 256"),
+        ({"input": ["hi"], "dimensions": 385}, "dimensions", "384"),
+        ({"input": ["hi"], "dimensions": 0}, "dimensions", "at least 1"),
+        (
+            {"input": ["hi"], "input_token_ids": [pb.TokenIds(token_ids=[1])]},
+            "input_token_ids",
+            "not both",
+        ),
+        (
+            {"input_token_ids": [pb.TokenIds(token_ids=[1, 2]), pb.TokenIds(token_ids=[40000])]},
+            "input_token_ids.1.0",
+            "vocabulary",
+        ),
+        ({"model_id": GENERATOR, "input": ["hi"]}, "model_id", "not embedding"),
+    ],
+)
+def test_grpc_bad_embedding_inputs_are_invalid_argument_before_queueing(
+    system: Stack, grpc_client: GrpcClient, fields: dict, param: str, words: str
+) -> None:
+    redis = Redis.from_url(system.redis_url)
+    queued = redis.xlen(RedisKeys().jobs_stream(MODEL))
+    with pytest.raises(grpc.RpcError) as failed:
+        grpc_client.stub.CreateEmbedding(
+            pb.EmbeddingRequest(**{"model_id": MODEL, **fields}), metadata=metadata(), timeout=60
+        )
+    assert failed.value.code() is grpc.StatusCode.INVALID_ARGUMENT, failed.value.details()
+    assert trailing(failed.value)["error-param"] == param
+    assert words in failed.value.details()
+    assert redis.xlen(RedisKeys().jobs_stream(MODEL)) == queued
+    redis.close()

@@ -100,8 +100,6 @@ def grpc_client(served, stack: Stack) -> Iterator[GrpcClient]:
 def test_bad_sampling_input_is_invalid_argument_over_grpc(
     grpc_client, stack, served, fields, param
 ):
-    if param == "prompt_logprobs":
-        pytest.skip("gRPC has no prompt_logprobs field (its responses carry none)")
     if fields == {"allowed_token_ids": []}:
         pytest.skip("an empty repeated field is an unset one in proto3")
     request = pb.CompletionsRequest(model_id=MODEL, prompt="hello there", **fields)
@@ -235,3 +233,32 @@ def test_prompt_logprobs_come_back_as_vllm_answers_them(stack, served):
     ]
     chat_scored = chat.json()["prompt_logprobs"]
     assert len(chat_scored) == 2 and chat_scored[0] is None
+
+
+def test_prompt_logprobs_over_grpc_equal_the_http_api(stack, served, grpc_client):
+    api, _ = served
+    request = pb.CompletionsRequest(
+        model_id=MODEL, prompt="one two three", prompt_logprobs=1, num_tokens=2
+    )
+    reply = grpc_client.stub.CreateCompletion(request, metadata=metadata(), timeout=30)
+    with httpx.Client(base_url=api.url, headers=auth(), timeout=30) as http:
+        body = http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "one two three", "prompt_logprobs": 1, "max_tokens": 2},
+        ).json()
+    http_scored = body["choices"][0]["prompt_logprobs"]
+    assert len(reply.prompt_logprobs) == len(http_scored) == 3
+    assert not reply.prompt_logprobs[0].HasField("logprob") and http_scored[0] is None
+    for ours, theirs in zip(reply.prompt_logprobs[1:], http_scored[1:], strict=True):
+        scored = theirs[str(ours.logprob.token_id)]
+        assert ours.logprob.token == scored["decoded_token"]
+        assert ours.logprob.logprob == pytest.approx(scored["logprob"])
+        assert len(ours.logprob.top_logprobs) == 1
+    job = grpc_client.stub.GetJob(pb.GetJobRequest(job_id=reply.job_id), metadata=metadata())
+    assert list(job.prompt_logprobs) == list(reply.prompt_logprobs)
+    unasked = grpc_client.stub.CreateCompletion(
+        pb.CompletionsRequest(model_id=MODEL, prompt="one two", num_tokens=1),
+        metadata=metadata(),
+        timeout=30,
+    )
+    assert len(unasked.prompt_logprobs) == 0

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CompletionsRequest(_message.Message):
-    __slots__ = ("model_id", "prompt", "prompt_token_ids", "num_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "n", "stop_sequences", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "priority", "timeout_s", "keep_running", "skip_special_tokens", "structured_output", "use_beam_search", "length_penalty", "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "truncate_prompt_tokens", "best_of")
+    __slots__ = ("model_id", "prompt", "prompt_token_ids", "num_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "n", "stop_sequences", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "priority", "timeout_s", "keep_running", "skip_special_tokens", "structured_output", "use_beam_search", "length_penalty", "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "truncate_prompt_tokens", "best_of", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class CompletionsRequest(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -82,7 +83,8 @@ class CompletionsRequest(_message.Message):
     include_stop_str_in_output: bool
     truncate_prompt_tokens: int
     best_of: int
-    def __init__(self, model_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., keep_running: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., best_of: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, model_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., keep_running: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -115,7 +117,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ChatCompletionsRequest(_message.Message):
-    __slots__ = ("model_id", "messages", "num_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "n", "stop_sequences", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "priority", "timeout_s", "keep_running", "skip_special_tokens", "structured_output", "use_beam_search", "length_penalty", "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "truncate_prompt_tokens", "best_of")
+    __slots__ = ("model_id", "messages", "num_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "n", "stop_sequences", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs", "top_logprobs", "priority", "timeout_s", "keep_running", "skip_special_tokens", "structured_output", "use_beam_search", "length_penalty", "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "truncate_prompt_tokens", "best_of", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,7 @@ class ChatCompletionsRequest(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     num_tokens: int
@@ -185,7 +188,8 @@ class ChatCompletionsRequest(_message.Message):
     include_stop_str_in_output: bool
     truncate_prompt_tokens: int
     best_of: int
-    def __init__(self, model_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., keep_running: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., best_of: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, model_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., n: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., keep_running: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., use_beam_search: _Optional[bool] = ..., length_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., best_of: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class StreamCompletionRequest(_message.Message):
     __slots__ = ("completion", "chat", "job_id", "after_chunk")
@@ -251,17 +255,65 @@ class Usage(_message.Message):
     cached_prompt_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class PromptLogprob(_message.Message):
+    __slots__ = ("logprob",)
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    logprob: TokenLogprob
+    def __init__(self, logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
+
 class CompletionsResponse(_message.Message):
-    __slots__ = ("job_id", "model_id", "choices", "usage")
+    __slots__ = ("job_id", "model_id", "choices", "usage", "prompt_logprobs")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     model_id: str
     choices: _containers.RepeatedCompositeFieldContainer[Choice]
     usage: Usage
-    def __init__(self, job_id: _Optional[str] = ..., model_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
+    def __init__(self, job_id: _Optional[str] = ..., model_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbeddingRequest(_message.Message):
+    __slots__ = ("model_id", "input", "input_token_ids", "dimensions", "timeout_s")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    input: _containers.RepeatedScalarFieldContainer[str]
+    input_token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    dimensions: int
+    timeout_s: float
+    def __init__(self, model_id: _Optional[str] = ..., input: _Optional[_Iterable[str]] = ..., input_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("index", "embedding", "job_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    job_id: str
+    def __init__(self, index: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class EmbeddingResponse(_message.Message):
+    __slots__ = ("model_id", "data", "usage")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    data: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: Usage
+    def __init__(self, model_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class CompletionChunk(_message.Message):
     __slots__ = ("job_id", "index", "choice", "text", "token_ids", "logprobs", "finish_reason", "stop_sequence", "stop_token_id", "final", "usage")
@@ -312,7 +364,7 @@ class JobError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "status", "model_id", "priority", "attempts", "worker", "created_at", "started_at", "finished_at", "choices", "usage", "error")
+    __slots__ = ("id", "status", "model_id", "priority", "attempts", "worker", "created_at", "started_at", "finished_at", "choices", "usage", "error", "embedding", "prompt_logprobs")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +377,8 @@ class Job(_message.Message):
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     id: str
     status: str
     model_id: str
@@ -337,7 +391,9 @@ class Job(_message.Message):
     choices: _containers.RepeatedCompositeFieldContainer[Choice]
     usage: Usage
     error: JobError
-    def __init__(self, id: _Optional[str] = ..., status: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., attempts: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
+    def __init__(self, id: _Optional[str] = ..., status: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., attempts: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., embedding: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

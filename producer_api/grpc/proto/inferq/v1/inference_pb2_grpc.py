@@ -59,6 +59,11 @@ class InferenceStub:
                 request_serializer=producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.Job.FromString,
                 _registered_method=True)
+        self.CreateEmbedding = channel.unary_unary(
+                '/inferq.v1.Inference/CreateEmbedding',
+                request_serializer=producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.EmbeddingRequest.SerializeToString,
+                response_deserializer=producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.EmbeddingResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/inferq.v1.Inference/ListModels',
                 request_serializer=producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
@@ -104,6 +109,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateEmbedding(self, request, context):
+        """One embedding job per input on an embedding model's queue (the HTTP API's /v1/embeddings);
+        answers when they have all ended. A model that generates is INVALID_ARGUMENT naming model_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Models with at least one live worker.
         """
@@ -138,6 +151,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.CancelJobRequest.FromString,
                     response_serializer=producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.Job.SerializeToString,
+            ),
+            'CreateEmbedding': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateEmbedding,
+                    request_deserializer=producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.EmbeddingRequest.FromString,
+                    response_serializer=producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.EmbeddingResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -280,6 +298,33 @@ class Inference:
             '/inferq.v1.Inference/CancelJob',
             producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.CancelJobRequest.SerializeToString,
             producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateEmbedding(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inferq.v1.Inference/CreateEmbedding',
+            producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.EmbeddingRequest.SerializeToString,
+            producer__api_dot_grpc_dot_proto_dot_inferq_dot_v1_dot_inference__pb2.EmbeddingResponse.FromString,
             options,
             channel_credentials,
             insecure,
