@@ -187,7 +187,7 @@ class EchoWorker(FakeWorker):
     async def _end(self, claimed: Claimed, status: JobStatus, fields: dict) -> None:
         keys_, args = transition_call(self.keys, claimed.job.id, status, fields)
         transition_applied(await self.redis.eval(TRANSITION_SCRIPT, 2, *keys_, *args))
-        await self._done(claimed.entry_id)
+        await self._done(claimed.entry_id, claimed.stream)
 
     async def serve(self, claimed: Claimed) -> None:
         job = claimed.job
@@ -213,7 +213,9 @@ class EchoWorker(FakeWorker):
         first_token_at = None
         for step, piece in enumerate(output.pieces):
             if await self.redis.hget(self.keys.job(job.id), "status") != JobStatus.RUNNING:
-                await self._done(claimed.entry_id)  # cancelled meanwhile: drop the work
+                await self._done(
+                    claimed.entry_id, claimed.stream
+                )  # cancelled meanwhile: drop the work
                 return
             last = step == len(output.pieces) - 1
             chunks = []

@@ -41,6 +41,7 @@ def echo_pieces(job: Job) -> list[str]:
 class Claimed:
     job: Job
     entry_id: str
+    stream: str  # the stream the entry came from (the jobs stream, or the bulk stream)
 
 
 class FakeWorker:
@@ -50,33 +51,39 @@ class FakeWorker:
         self.model = model
         self.name = name
         self.stream = keys.jobs_stream(model)
+        # a job of priority PRIORITY_BULK or more is queued on the bulk stream, read after
+        self.streams = (self.stream, keys.bulk_stream(model))
 
     async def create_group(self) -> None:
         try:
-            await self.redis.xgroup_create(self.stream, self.keys.group, id="0", mkstream=True)
+            for stream in self.streams:
+                await self.redis.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
     async def claim(self, block_ms: int = 2000) -> Claimed | None:
         """Read one entry and start its job (None when nothing came or the job was cancelled)."""
-        reply = await self.redis.xreadgroup(
-            self.keys.group, self.name, {self.stream: ">"}, count=1, block=block_ms
-        )
+        reply = await self.redis.xreadgroup(self.keys.group, self.name, {self.stream: ">"}, count=1)
+        if not reply:  # interactive work first, as a real worker takes it
+            reply = await self.redis.xreadgroup(
+                self.keys.group, self.name, {s: ">" for s in self.streams}, count=1, block=block_ms
+            )
         if not reply:
             return None
-        entry_id, fields = reply[0][1][0]
+        stream, entries = reply[0]
+        entry_id, fields = entries[0]
         job_id = fields[JOB_ENTRY_FIELD]
         keys_, args = transition_call(
             self.keys, job_id, JobStatus.RUNNING, {"started_at": utc_now(), "worker": self.name}
         )
         applied, _ = transition_applied(await self.redis.eval(TRANSITION_SCRIPT, 2, *keys_, *args))
         if not applied:
-            await self._done(entry_id)
+            await self._done(entry_id, stream)
             return None
         await self.redis.hincrby(self.keys.job(job_id), "attempts", 1)
         job = Job.from_redis_hash(await self.redis.hgetall(self.keys.job(job_id)))
-        return Claimed(job, entry_id)
+        return Claimed(job, entry_id, stream)
 
     async def publish(
         self, chunks: list[TokenChunk], *, live: bool = True, replay: bool = True
@@ -136,13 +143,13 @@ class FakeWorker:
             self.keys, job.id, JobStatus.SUCCEEDED, {"result": result, "finished_at": utc_now()}
         )
         applied, _ = transition_applied(await self.redis.eval(TRANSITION_SCRIPT, 2, *keys_, *args))
-        await self._done(claimed.entry_id)
+        await self._done(claimed.entry_id, claimed.stream)
         return applied
 
-    async def _done(self, entry_id: str) -> None:
+    async def _done(self, entry_id: str, stream: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.stream, self.keys.group, entry_id)
-            pipe.xdel(self.stream, entry_id)
+            pipe.xack(stream, self.keys.group, entry_id)
+            pipe.xdel(stream, entry_id)
             await pipe.execute()
 
     async def serve_one(self) -> Claimed | None:

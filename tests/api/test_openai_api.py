@@ -59,6 +59,16 @@ def test_completion_non_stream_and_stream_agree(client):
     assert chunks[-1].choices == [] and chunks[-1].usage == response.usage
 
 
+def test_a_bulk_priority_stream_reaches_its_end(client):
+    """A request of bulk priority (vLLM's `priority` field) is queued on the bulk stream and
+    still streams to its end, as any worker of the model reads that stream too."""
+    want = expected(3, prompt=PROMPT)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, stream=True, extra_body={"priority": 6}
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
+
+
 def test_continuous_usage_stats_report_usage_so_far_on_every_chunk(client):
     want = expected(4, prompt=PROMPT)
     stream = client.completions.create(
