@@ -84,6 +84,7 @@ VLLM_VALUES = {
     "include_stop_str_in_output": True,
     "truncate_prompt_tokens": 4,
     "best_of": 3,
+    "prompt_logprobs": 2,
 }
 RENAMED = {"stop_sequences": "stop", "num_tokens": "max_tokens"}
 
