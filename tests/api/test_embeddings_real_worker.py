@@ -6,11 +6,7 @@ before anything is queued."""
 from __future__ import annotations
 
 import base64
-import os
 import struct
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -23,9 +19,9 @@ from redis import Redis
 
 from producer_api.grpc.stubs import inference_pb2 as pb
 from schemas import RedisKeys
-from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack, auth
+from tests.api.conftest import ALICE_KEY, Stack, auth
 from tests.api.grpc_stack import GrpcClient, grpc_server, metadata, trailing
-from tests.conftest import _started_server
+from tests.api.real_worker import real_worker_stack
 
 MODEL = "all-MiniLM-L6-v2"
 GENERATOR = "some-generator"  # only a heartbeat: a generation model's live worker
@@ -48,35 +44,11 @@ def reference() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory, reference) -> Iterator[Stack]:
-    server = _started_server(tmp_path_factory.mktemp("redis-embed"))
-    worker = subprocess.Popen(
-        [
-            sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", MODEL,
-            "--redis-url", server.url,
-        ],
-        env={**os.environ, "INFERQ_NUM_THREADS": os.environ.get("INFERQ_NUM_THREADS", "1")},
-    )  # fmt: skip
-    bg = BackgroundLoop()
-    stack = Stack(server.url, bg)
-    try:
-        api = stack.api(models=[])
-        give_up = time.monotonic() + READY_TIMEOUT_S
-        with httpx.Client(base_url=api.url) as http:
-            while http.get("/ready").status_code != 200:
-                assert worker.poll() is None, "the worker exited during start-up"
-                assert time.monotonic() < give_up, "the worker did not come up"
-                time.sleep(0.5)
+    with real_worker_stack(
+        tmp_path_factory, MODEL, threads="1", ready_timeout_s=READY_TIMEOUT_S
+    ) as stack:
         stack.heartbeat(GENERATOR)
         yield stack
-    finally:
-        stack.close()
-        bg.close()
-        worker.terminate()
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-        server.kill()
 
 
 @pytest.fixture

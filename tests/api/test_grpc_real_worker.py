@@ -5,9 +5,6 @@ client frees the job's KV blocks in the worker."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,9 +16,9 @@ from redis import Redis
 
 from producer_api.grpc.stubs import inference_pb2, inference_pb2_grpc
 from schemas import WorkerInfo
-from tests.api.conftest import BackgroundLoop, Stack, auth
+from tests.api.conftest import Stack, auth
 from tests.api.grpc_stack import GrpcClient, grpc_server
-from tests.conftest import _started_server
+from tests.api.real_worker import real_worker_stack
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
@@ -35,41 +32,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 @contextmanager
 def real_system(
-    tmp_path_factory: pytest.TempPathFactory, *worker_args: str
+    tmp_path_factory: pytest.TempPathFactory, *extra_args: str
 ) -> Iterator[tuple[Stack, GrpcClient]]:
-    """Redis, a real worker on the default model (plus `worker_args`), the HTTP API and the
+    """Redis, a real worker on the default model (plus `extra_args`), the HTTP API and the
     gRPC server, up and ready."""
-    server = _started_server(tmp_path_factory.mktemp("redis-grpc"))
-    worker = subprocess.Popen(
-        [
-            sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", MODEL,
-            "--redis-url", server.url, "--max-model-len", str(MAX_MODEL_LEN),
-            "--heartbeat-interval-s", "0.5", *worker_args,
-        ],
-        env={**os.environ, "INFERQ_NUM_THREADS": os.environ.get("INFERQ_NUM_THREADS", "2")},
-    )  # fmt: skip
-    bg = BackgroundLoop()
-    stack = Stack(server.url, bg)
-    try:
-        api = stack.api(models=[])
-        give_up = time.monotonic() + READY_TIMEOUT_S
-        with httpx.Client(base_url=api.url) as http:
-            while http.get("/ready").status_code != 200:
-                assert worker.poll() is None, "the worker exited during start-up"
-                assert time.monotonic() < give_up, "the worker did not come up"
-                time.sleep(0.5)
-        # as `inferq up` runs it on localhost: without keys (the issue's example sends none)
-        with grpc_server(stack, models=[], api_keys={}, auth_disabled=True) as client:
-            yield stack, client
-    finally:
-        stack.close()
-        bg.close()
-        worker.terminate()
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-        server.kill()
+    worker_args = ("--max-model-len", str(MAX_MODEL_LEN), "--heartbeat-interval-s", "0.5")
+    # gRPC as `inferq up` runs it on localhost: without keys (the issue's example sends none)
+    with (
+        real_worker_stack(tmp_path_factory, MODEL, *worker_args, *extra_args) as stack,
+        grpc_server(stack, models=[], api_keys={}, auth_disabled=True) as client,
+    ):
+        yield stack, client
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +133,12 @@ def wait_freed(stack: Stack) -> WorkerInfo:
         time.sleep(0.2)
 
 
+# Long enough to outlast DEADLINE_S on the fastest CPU we get (about 7 ms a token), within
+# the worker's 512-token context.
 LONG = inference_pb2.CompletionsRequest(
-    model_id=MODEL, prompt="Count slowly:", num_tokens=400, ignore_eos=True, temperature=0
+    model_id=MODEL, prompt="Count slowly:", num_tokens=480, ignore_eos=True, temperature=0
 )
+DEADLINE_S = 1.5
 
 
 def wait_running(stack: Stack) -> None:
@@ -176,7 +152,7 @@ def test_a_deadline_frees_the_jobs_blocks(system):
     stack, client = system
     wait_freed(stack)
     with pytest.raises(grpc.RpcError) as failed:
-        client.stub.CreateCompletion(LONG, timeout=3)
+        client.stub.CreateCompletion(LONG, timeout=DEADLINE_S)
     assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     wait_freed(stack)
 

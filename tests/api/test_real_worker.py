@@ -5,9 +5,6 @@ Greedy outputs must equal the offline `engine.LLM`'s, and usage must count the s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -18,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
 from schemas import RedisKeys
-from tests.api.conftest import ALICE_KEY, BackgroundLoop, Stack, auth
+from tests.api.conftest import ALICE_KEY, Stack, auth
+from tests.api.real_worker import real_worker_stack
 from tests.api.test_jobs_api import sse_events
-from tests.conftest import _started_server
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512  # the worker's context, small so "too long" prompts stay cheap
@@ -47,34 +44,10 @@ def reference():
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> Iterator[Stack]:
-    server = _started_server(tmp_path_factory.mktemp("redis-real"))
-    worker = subprocess.Popen(
-        [
-            sys.executable, "-m", "cli", "--log-level", "warning", "worker", "--model", MODEL,
-            "--redis-url", server.url, "--max-model-len", str(MAX_MODEL_LEN),
-        ],
-        env={**os.environ, "INFERQ_NUM_THREADS": os.environ.get("INFERQ_NUM_THREADS", "2")},
-    )  # fmt: skip
-    bg = BackgroundLoop()
-    stack = Stack(server.url, bg)
-    try:
-        api = stack.api(models=[], max_n=4)
-        give_up = time.monotonic() + READY_TIMEOUT_S
-        with httpx.Client(base_url=api.url) as http:
-            while http.get("/ready").status_code != 200:
-                assert worker.poll() is None, "the worker exited during start-up"
-                assert time.monotonic() < give_up, "the worker did not come up"
-                time.sleep(0.5)
+    with real_worker_stack(
+        tmp_path_factory, MODEL, "--max-model-len", str(MAX_MODEL_LEN), max_n=4
+    ) as stack:
         yield stack
-    finally:
-        stack.close()
-        bg.close()
-        worker.terminate()
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-        server.kill()
 
 
 @pytest.fixture

@@ -4,10 +4,6 @@ scores equal the sigmoid of transformers' logits; the other routes refuse it nam
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +11,8 @@ import httpx
 import pytest
 import torch
 
-from tests.api.conftest import BackgroundLoop, Stack, auth
-from tests.conftest import _started_server
+from tests.api.conftest import Stack, auth
+from tests.api.real_worker import real_worker_stack
 
 NAME = "tiny-cross-encoder"
 QUERY = "what is a queue"
@@ -55,35 +51,15 @@ def cross_encoder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory, cross_encoder: Path) -> Iterator[Stack]:
-    server = _started_server(tmp_path_factory.mktemp("redis-score"))
-    worker = subprocess.Popen(
-        [
-            sys.executable, "-m", "cli", "--log-level", "warning", "worker",
-            "--model", str(cross_encoder), "--served-model-name", NAME,
-            "--redis-url", server.url,
-        ],
-        env={**os.environ, "INFERQ_NUM_THREADS": "1"},
-    )  # fmt: skip
-    bg = BackgroundLoop()
-    stack = Stack(server.url, bg)
-    try:
-        api = stack.api(models=[])
-        give_up = time.monotonic() + READY_TIMEOUT_S
-        with httpx.Client(base_url=api.url) as http:
-            while http.get("/ready").status_code != 200:
-                assert worker.poll() is None, "the worker exited during start-up"
-                assert time.monotonic() < give_up, "the worker did not come up"
-                time.sleep(0.5)
+    with real_worker_stack(
+        tmp_path_factory,
+        str(cross_encoder),
+        "--served-model-name",
+        NAME,
+        threads="1",
+        ready_timeout_s=READY_TIMEOUT_S,
+    ) as stack:
         yield stack
-    finally:
-        stack.close()
-        bg.close()
-        worker.terminate()
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-        server.kill()
 
 
 def reference_scores(path: Path, queries: list[str], documents: list[str]) -> torch.Tensor:

@@ -35,6 +35,41 @@ def answers(port: int) -> bool:
         return False
 
 
+def start_up(data_dir: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """`inferq up` with `args` (authentication off: no keys in its environment), once its
+    banner says everything serves; the process and what it printed so far."""
+    env = {k: v for k, v in os.environ.items() if k not in ("INFERQ_API_KEYS",)}
+    command = [sys.executable, "-m", "cli", "--log-level", "warning", "up"]
+    process = subprocess.Popen(
+        [*command, "--data-dir", str(data_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    output: list[str] = []
+    try:
+        give_up = time.monotonic() + 300
+        assert process.stdout is not None
+        while not any("Ctrl-C stops everything" in line for line in output):
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "".join(output)
+            output.append(line)
+            assert time.monotonic() < give_up, "".join(output)
+    except BaseException:
+        process.kill()
+        raise
+    return process, "".join(output)
+
+
+def stop_up(process: subprocess.Popen[str], printed: str) -> str:
+    """Ctrl-C, as a user stops it: it must exit 0; what it printed while stopping."""
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=90)
+    assert process.returncode == 0, printed + rest
+    return rest
+
+
 def test_no_auth_only_on_loopback(monkeypatch):
     monkeypatch.delenv("INFERQ_API_KEYS", raising=False)
     monkeypatch.delenv("INFERQ_AUTH_DISABLED", raising=False)
@@ -68,28 +103,11 @@ def test_existing_redis_is_used_not_started(redis_url):
 @pytest.mark.model
 def test_up_answers_a_completion_and_stops_cleanly(tmp_path):
     api_port, redis_port, grpc_port = free_port(), free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("INFERQ_API_KEYS",)}
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "cli", "--log-level", "warning", "up",
-            "--port", str(api_port), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
-            "--data-dir", str(tmp_path), "--grpc-port", str(grpc_port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    process, text = start_up(
+        tmp_path, "--port", str(api_port), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+        "--grpc-port", str(grpc_port),
     )  # fmt: skip
-    output: list[str] = []
     try:
-        give_up = time.monotonic() + 300
-        assert process.stdout is not None
-        while not any("Ctrl-C stops everything" in line for line in output):
-            line = process.stdout.readline()
-            assert line or process.poll() is None, "".join(output)
-            output.append(line)
-            assert time.monotonic() < give_up, "".join(output)
-        text = "".join(output)
         assert "AUTHENTICATION IS DISABLED" in text and "curl -s" in text
         response = httpx.post(
             f"http://127.0.0.1:{api_port}/v1/completions",
@@ -100,12 +118,10 @@ def test_up_answers_a_completion_and_stops_cleanly(tmp_path):
         assert response.json()["usage"]["completion_tokens"] >= 1
         assert _batch_output(f"http://127.0.0.1:{api_port}") == ["only-line"]
         assert _grpc_completion(grpc_port).usage.completion_tokens >= 1
-        process.send_signal(signal.SIGINT)
-        rest, _ = process.communicate(timeout=90)
+        rest = stop_up(process, text)
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 0, "".join(output) + rest
     for child in ("worker", "batch-controller", "grpc", "api", "redis"):
         assert f"{child} stopped cleanly" in rest, rest
     assert not answers(api_port) and not answers(redis_port) and not answers(grpc_port)
@@ -120,29 +136,12 @@ def test_up_serves_the_embedding_model_beside(tmp_path):
     except ModelNotFoundError as exc:
         pytest.skip(str(exc))
     api_port, redis_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("INFERQ_API_KEYS",)}
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "cli", "--log-level", "warning", "up", "--no-worker",
-            "--no-grpc", "--embedding-model", "all-MiniLM-L6-v2",
-            "--port", str(api_port), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
-            "--data-dir", str(tmp_path),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
+    process, text = start_up(
+        tmp_path, "--no-worker", "--no-grpc", "--embedding-model", "all-MiniLM-L6-v2",
+        "--port", str(api_port), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
     )  # fmt: skip
-    output: list[str] = []
     try:
-        give_up = time.monotonic() + 300
-        assert process.stdout is not None
-        while not any("Ctrl-C stops everything" in line for line in output):
-            line = process.stdout.readline()
-            assert line or process.poll() is None, "".join(output)
-            output.append(line)
-            assert time.monotonic() < give_up, "".join(output)
-        assert "/v1/embeddings" in "".join(output)
+        assert "/v1/embeddings" in text
         response = httpx.post(
             f"http://127.0.0.1:{api_port}/v1/embeddings",
             json={"model": "all-MiniLM-L6-v2", "input": ["Hello", "world"]},
@@ -150,12 +149,10 @@ def test_up_serves_the_embedding_model_beside(tmp_path):
         )
         assert response.status_code == 200, response.text
         assert [len(item["embedding"]) for item in response.json()["data"]] == [384, 384]
-        process.send_signal(signal.SIGINT)
-        rest, _ = process.communicate(timeout=90)
+        rest = stop_up(process, text)
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 0, "".join(output) + rest
     assert "embedding-worker stopped cleanly" in rest, rest
 
 
