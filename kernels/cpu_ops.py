@@ -290,13 +290,19 @@ def decode_layers(
     eps: float,
     scale: float,
     windows: list[int],
+    lora_tensors: list[torch.Tensor | None] | None = None,
+    lora_block: list[torch.Tensor | None] | None = None,
+    lora_shape: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every decoder layer of a decode-only step (one query row per sequence) in one call:
     (hidden, residual) after the last layer, before the final norm.
 
     norm_weights: input and post-attention norm per layer; linear_tensors / linear_ints: the
     qkv, o, gate_up and down projections of each layer (`NativeLinear.tensors()` / `.ints()`
-    apiece); windows: each layer's sliding window (0: full attention)."""
+    apiece); windows: each layer's sliding window (0: full attention). LoRA adapters in the
+    step: lora_tensors the slot stacks (a, b_t) of each of those linears (None, None: not
+    adapted), lora_block the step's padded rows, mask and slots, lora_shape its (count,
+    longest) (engine.lora.batched.PaddedRows); None: no adapter runs."""
     return torch.ops.inferq_cpu.decode_layers(
         hidden,
         positions,
@@ -314,4 +320,7 @@ def decode_layers(
         scale,
         QUANT_GEMM_MIN_ROWS,
         windows,
+        lora_tensors or [],
+        lora_block or [],
+        list(lora_shape),
     )
