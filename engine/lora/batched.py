@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels import cpu_ops
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -47,6 +49,8 @@ class RowMapping:
 
     order: torch.Tensor
     segments: list[Segment]
+    segment_slots: torch.Tensor  # [segments] int64, for the C++ kernel (kernels.cpu_ops.lora_add)
+    segment_starts: torch.Tensor  # [segments + 1] int64
     padded: PaddedRows | None
     every_row_in_order: bool  # order is 0..rows-1: no gather or scatter needed
 
@@ -106,10 +110,16 @@ def _mapping(slots: np.ndarray, device: torch.device, dtype: torch.dtype) -> Row
     return RowMapping(
         torch.from_numpy(order).to(device),
         segments,
+        torch.tensor([segment.slot for segment in segments], dtype=torch.int64, device=device),
+        torch.tensor([*starts.tolist(), len(order)], dtype=torch.int64, device=device),
         _padded(order, segments, device, dtype),
         in_order,
     )
 
+
+# On the CPU one C++ call adds every slot's terms (where the kernels are built); the torch forms
+# below serve CUDA and a CPU without them.
+_NATIVE_TERMS = True
 
 # The padded block's wasted rows cost arithmetic; the per-slot form costs a few ops per slot
 # (its matmuls launched apart). Padding is taken while it wastes at most this many rows per
@@ -233,6 +243,11 @@ class LoRASlots:
         if not present:
             return out
         mapping = step.for_rows(x.shape[0])
+        if _NATIVE_TERMS and x.device.type == "cpu" and cpu_ops.cpu_kernels_available():
+            a, b_t = self.stacks()
+            return cpu_ops.lora_add(
+                out, x, a, b_t, mapping.order, mapping.segment_slots, mapping.segment_starts
+            )
         if mapping.padded is not None:
             return out.index_add_(0, mapping.padded.rows, self.padded_terms(x, mapping.padded))
         rows = x if mapping.every_row_in_order else x.index_select(0, mapping.order)

@@ -23,10 +23,10 @@
 // each with an optional input order (GPTQ act-order) and bias.
 //
 // LoRA adapters (engine/lora/batched.py) arrive as two optional tensors per linear, its slot
-// stacks a [slots, columns, in] and b_t [slots, columns, out], and the step's padded block of
-// adapted rows (rows, mask, slots; its shape count x longest). Each adapted linear adds its
-// terms as LoRASlots.padded_terms computes them, with the same ops; an adapted gate_up packed
-// for the gated kernel is projected, de-interleaved and activated apart, as in Python.
+// stacks a [slots, columns, in] and b_t [slots, columns, out], and the step's adapted rows
+// sorted by slot (order, slots, starts). Each adapted linear adds its terms through
+// inferq_cpu::lora_add, as the Python forward does; an adapted gate_up packed for the gated
+// kernel is projected, de-interleaved, adapted and activated apart, as in Python.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -77,10 +77,9 @@ struct Linear {
   std::optional<at::Tensor> a, b, c, input_order, bias;
 };
 
-// A step's adapted rows as one padded block (engine.lora.batched.PaddedRows).
-struct LoRABlock {
-  at::Tensor rows, mask, slots;  // mask, slots: undefined where none is needed
-  int64_t count = 0, longest = 0;
+// A step's adapted rows sorted by slot (engine.lora.batched.RowMapping).
+struct LoRARows {
+  at::Tensor order, slots, starts;
 };
 
 // One linear's slot stacks; a undefined: no LoRA on this linear.
@@ -89,21 +88,10 @@ struct LoRAStacks {
 };
 
 at::Tensor add_lora(at::Tensor out, const at::Tensor& x, const LoRAStacks& lora,
-                    const LoRABlock& block) {
+                    const LoRARows& rows) {
+  static const c10::OperatorHandle lora_add = find_op("inferq_cpu::lora_add");
   if (!lora.a.defined()) return out;
-  at::Tensor a = lora.a, b_t = lora.b_t;
-  if (block.slots.defined()) {
-    a = a.index_select(0, block.slots);
-    b_t = b_t.index_select(0, block.slots);
-  } else {
-    a = a.narrow(0, 0, block.count);
-    b_t = b_t.narrow(0, 0, block.count);
-  }
-  const at::Tensor rows = x.index_select(0, block.rows).view({block.count, block.longest, -1});
-  at::Tensor hidden = at::bmm(rows, a.transpose(1, 2));
-  if (block.mask.defined()) hidden.mul_(block.mask);
-  return out.index_add_(0, block.rows,
-                        at::bmm(hidden, b_t).view({block.count * block.longest, -1}));
+  return call_op(lora_add, {out, x, lora.a, lora.b_t, rows.order, rows.slots, rows.starts});
 }
 
 // quant_gemm_min_rows: from this many rows on, quant_matmul runs its dequantized-tile GEMM.
@@ -172,7 +160,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const c10::List<std::optional<at::Tensor>>& linear_tensors, c10::IntArrayRef linear_ints,
     int64_t num_heads, double eps, double scale, int64_t quant_gemm_min_rows,
     c10::IntArrayRef windows, const c10::List<std::optional<at::Tensor>>& lora_tensors,
-    const c10::List<std::optional<at::Tensor>>& lora_block, c10::IntArrayRef lora_shape) {
+    at::TensorList lora_rows) {
   static const c10::OperatorHandle panels = find_op("inferq_cpu::panel_linear");
   static const c10::OperatorHandle rms_norm = find_op("inferq_cpu::rms_norm");
   static const c10::OperatorHandle rotary_store_kv = find_op("inferq_cpu::rotary_store_kv");
@@ -191,12 +179,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   const int64_t num_tokens = hidden_in.size(0);
   const bool adapted = !lora_tensors.empty();
   std::vector<LoRAStacks> loras;
-  LoRABlock block;
+  LoRARows rows;
   if (adapted) {
     TORCH_CHECK(static_cast<int64_t>(lora_tensors.size()) == 2 * num_layers * kLinearsPerLayer,
                 "LoRA: two stacks (a, b_t) per linear, or none");
-    TORCH_CHECK(lora_block.size() == 3 && lora_shape.size() == 2,
-                "LoRA: the block's rows, mask and slots, and its count and longest");
+    TORCH_CHECK(lora_rows.size() == 3, "LoRA: the rows' order, slots and starts");
     auto get = [](const c10::List<std::optional<at::Tensor>>& list, size_t i) {
       const std::optional<at::Tensor> t = list.get(i);
       return t.has_value() ? *t : at::Tensor();
@@ -204,9 +191,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     for (int64_t i = 0; i < num_layers * kLinearsPerLayer; ++i) {
       loras.push_back(LoRAStacks{get(lora_tensors, 2 * i), get(lora_tensors, 2 * i + 1)});
     }
-    block = LoRABlock{get(lora_block, 0), get(lora_block, 1), get(lora_block, 2), lora_shape[0],
-                      lora_shape[1]};
-    TORCH_CHECK(block.rows.defined(), "LoRA: the block's rows");
+    rows = LoRARows{lora_rows[0], lora_rows[1], lora_rows[2]};
   }
 
   auto normed_sum = [&](const at::Tensor& x, const at::Tensor& residual,
@@ -223,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const LoRAStacks* lora = adapted ? loras.data() + layer * kLinearsPerLayer : nullptr;
     auto lora_linear = [&](int64_t index, const at::Tensor& x) {
       at::Tensor out = run_linear(proj[index], x, quant_gemm_min_rows);
-      return adapted ? add_lora(out, x, lora[index], block) : out;
+      return adapted ? add_lora(out, x, lora[index], rows) : out;
     };
     at::Tensor normed;
     if (layer == 0) {
@@ -257,7 +242,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       } else {
         projected_up = run_linear(proj[2], normed, quant_gemm_min_rows);
       }
-      activated = call_op(silu_and_mul, {add_lora(projected_up, normed, lora[2], block)});
+      activated = call_op(silu_and_mul, {add_lora(projected_up, normed, lora[2], rows)});
     } else {
       activated = run_linear(proj[2], normed, quant_gemm_min_rows);
       if (proj[2].kind != kGatedPanels) activated = call_op(silu_and_mul, {activated});
@@ -275,7 +260,7 @@ TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
       "Tensor seq_lens, Tensor cos_sin_cache, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor[] norm_weights, Tensor?[] linear_tensors, int[] linear_ints, int num_heads, "
       "float eps, float scale, int quant_gemm_min_rows, int[] windows, Tensor?[] lora_tensors, "
-      "Tensor?[] lora_block, int[] lora_shape) -> (Tensor, Tensor)");
+      "Tensor[] lora_rows) -> (Tensor, Tensor)");
   m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
   // oneDNN-packed weights are tensors of their own backend; dispatch sees them among the args.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &decode_layers);

@@ -45,11 +45,10 @@ class _AdapterArgs:
     """decode_layers' LoRA arguments for one step (see kernels.cpu_ops.decode_layers)."""
 
     stacks: list[torch.Tensor | None]
-    block: list[torch.Tensor | None]
-    shape: tuple[int, int]
+    rows: list[torch.Tensor]
 
 
-_NO_ADAPTERS = _AdapterArgs([], [], (0, 0))
+_NO_ADAPTERS = _AdapterArgs([], [])
 
 
 @dataclass(frozen=True)
@@ -96,25 +95,19 @@ class CpuDecodeStack(nn.Module):
         # on the first step after `prepare`.
         self._args: dict[bool, _LayerArgs | None] = {}
 
-    def _adapters(self, rows: int) -> _AdapterArgs | None:
-        """The step's LoRA arguments (empty where no adapter runs in it); None where the C++
-        stack cannot add their terms (rows of the adapters too uneven for one padded block,
-        see engine.lora.batched), so the step takes the Python forward."""
+    def _adapters(self, rows: int) -> _AdapterArgs:
+        """The step's LoRA arguments (empty where no adapter runs in it)."""
         slots = self._layers[0].projections.qkv.lora if self._layers else None
         if slots is None or not slots.step_active:
             return _NO_ADAPTERS
-        padded = slots.current_step.for_rows(rows).padded
-        if padded is None:
-            return None
+        mapping = slots.current_step.for_rows(rows)
         stacks: list[torch.Tensor | None] = []
         for layer in self._layers:
             for projection in layer.projections:
                 lora = projection.lora
                 # A layer no adapter of the step targets computes as the base, as in Python.
                 stacks += lora.stacks() if lora is not None and lora.active() else (None, None)
-        return _AdapterArgs(
-            stacks, [padded.rows, padded.mask, padded.slots], (padded.count, padded.longest)
-        )
+        return _AdapterArgs(stacks, [mapping.order, mapping.segment_slots, mapping.segment_starts])
 
     def prepare(self) -> None:
         """Read the layers' weights again on the next step: they have changed how they are
@@ -136,15 +129,13 @@ class CpuDecodeStack(nn.Module):
             or not kv_caches
         ):
             return None
-        adapters = self._adapters(hidden.shape[0])
-        if adapters is None:
-            return None
         plan = self._shared.backend.fused_decode_plan(meta, kv_caches[0][0], hidden)
         if plan is None or plan.decode_tables is None or plan.decode_lens is None:
             return None
         args = self._layer_args(hidden.shape[0])
         if args is None:
             return None
+        adapters = self._adapters(hidden.shape[0])
         return cpu_ops.decode_layers(
             hidden.contiguous(),
             positions.to(torch.int64).contiguous(),
@@ -162,8 +153,7 @@ class CpuDecodeStack(nn.Module):
             self._scale,
             self._windows,
             adapters.stacks,
-            adapters.block,
-            adapters.shape,
+            adapters.rows,
         )
 
     def _layer_args(self, rows: int) -> _LayerArgs | None:
