@@ -44,6 +44,7 @@ SOURCES = tuple(
         "int8_matmul.cpp",
         "panel_matmul.cpp",
         "greedy.cpp",
+        "lora.cpp",
     )
 )
 # What a build usually takes where none was timed here yet: a 2-core VM compiles for about two

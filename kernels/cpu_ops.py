@@ -251,6 +251,21 @@ def panel_gated_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int)
     return torch.ops.inferq_cpu.panel_gated_linear(x, panels, out_features)
 
 
+def lora_add(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    order: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+) -> torch.Tensor:
+    """out [T, width] plus each adapted row's LoRA term, in place: order [n] the adapted rows
+    sorted by slot, slots[s]'s rows order[starts[s]:starts[s + 1]]; a [slots, columns, in] and
+    b_t [slots, columns, width] every slot's stacks (engine.lora.batched)."""
+    return torch.ops.inferq_cpu.lora_add(out, x, a, b_t, order, slots, starts)
+
+
 @dataclass(frozen=True)
 class NativeLinear:
     """One linear layer as decode_layers runs it: its kind, the weight in that kind's form
@@ -290,13 +305,18 @@ def decode_layers(
     eps: float,
     scale: float,
     windows: list[int],
+    lora_tensors: list[torch.Tensor | None] | None = None,
+    lora_rows: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every decoder layer of a decode-only step (one query row per sequence) in one call:
     (hidden, residual) after the last layer, before the final norm.
 
     norm_weights: input and post-attention norm per layer; linear_tensors / linear_ints: the
     qkv, o, gate_up and down projections of each layer (`NativeLinear.tensors()` / `.ints()`
-    apiece); windows: each layer's sliding window (0: full attention)."""
+    apiece); windows: each layer's sliding window (0: full attention). LoRA adapters in the
+    step: lora_tensors the slot stacks (a, b_t) of each of those linears (None, None: not
+    adapted), lora_rows the adapted rows' order, slots and starts as `lora_add` takes them;
+    None: no adapter runs."""
     return torch.ops.inferq_cpu.decode_layers(
         hidden,
         positions,
@@ -314,4 +334,6 @@ def decode_layers(
         scale,
         QUANT_GEMM_MIN_ROWS,
         windows,
+        lora_tensors or [],
+        lora_rows or [],
     )

@@ -3,9 +3,12 @@
 Each adapted base layer holds stacked slot weights: a [slots, parts * max_rank, in] and
 b [slots, out, parts * max_rank] (`parts`: one block of rank columns per shard of a fused
 layer; b is block-diagonal over them, so [q; k; v] or [gate; up] take their terms in one
-matmul). A step sorts its adapted rows by slot once (`LoRAStep`); each layer then gathers them
-in that order, does two matmuls per adapter present in the step on its contiguous segment
-(views, no copies), and adds the terms back in one scatter, whatever the number of requests.
+matmul). A step sorts its adapted rows by slot once (`LoRAStep`). Where the slots' row counts
+are alike (decode: a few rows per adapter) each layer gathers them into one padded
+[slots present, longest, in] block and takes every slot's term in two batched matmuls (padding
+masked out) and one scatter: a handful of ops per layer whatever the number of adapters. Where
+they differ much (a long prompt beside short ones) the padding would cost more than it saves,
+and each slot's contiguous segment takes its two matmuls apart instead.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from kernels import cpu_ops
 
 
 @dataclass(frozen=True)
@@ -24,13 +29,29 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class PaddedRows:
+    """The adapted rows as one [slots present, longest, ...] block: `rows` [slots * longest]
+    row indices (a short slot's tail repeats its last row), `mask` [slots, longest, 1] zero on
+    that padding (None: no slot is short), `slots` [slots] the slot of each block (None: they
+    are 0, 1, ... in order, so a layer's slot stacks are narrowed rather than gathered)."""
+
+    rows: torch.Tensor
+    mask: torch.Tensor | None
+    slots: torch.Tensor | None
+    count: int
+    longest: int
+
+
+@dataclass(frozen=True)
 class RowMapping:
     """The rows of one input size: the adapted ones sorted by slot (`order`, int64 row indices,
-    in `segments` of one slot each), and as a one-hot [rows, slots] matrix."""
+    in `segments` of one slot each), and as a padded block where that wastes little (`padded`)."""
 
     order: torch.Tensor
     segments: list[Segment]
-    one_hot: torch.Tensor
+    segment_slots: torch.Tensor  # [segments] int64, for the C++ kernel (kernels.cpu_ops.lora_add)
+    segment_starts: torch.Tensor  # [segments + 1] int64
+    padded: PaddedRows | None
     every_row_in_order: bool  # order is 0..rows-1: no gather or scatter needed
 
 
@@ -51,7 +72,6 @@ class LoRAStep:
         cls,
         token_slots: np.ndarray,
         sample_rows: np.ndarray | None,
-        num_slots: int,
         device: torch.device,
         dtype: torch.dtype,
     ) -> LoRAStep:
@@ -60,22 +80,23 @@ class LoRAStep:
         if not used:
             return cls()
         step = cls(slots=used)
-        step.mappings[len(token_slots)] = _mapping(token_slots, num_slots, device, dtype)
+        step.mappings[len(token_slots)] = _mapping(token_slots, device, dtype)
         if sample_rows is not None:
             picked = token_slots[sample_rows]
-            step.mappings[len(sample_rows)] = _mapping(picked, num_slots, device, dtype)
+            step.mappings[len(sample_rows)] = _mapping(picked, device, dtype)
         return step
 
     def for_rows(self, num_rows: int) -> RowMapping:
         mapping = self.mappings.get(num_rows)
         if mapping is None:
-            raise RuntimeError(f"no LoRA row mapping for an input of {num_rows} rows this step")
+            raise RuntimeError(
+                f"no LoRA row mapping for an input of {num_rows} rows this step "
+                f"(rows mapped: {sorted(self.mappings)})"
+            )
         return mapping
 
 
-def _mapping(
-    slots: np.ndarray, num_slots: int, device: torch.device, dtype: torch.dtype
-) -> RowMapping:
+def _mapping(slots: np.ndarray, device: torch.device, dtype: torch.dtype) -> RowMapping:
     adapted = np.flatnonzero(slots >= 0)
     order = adapted[np.argsort(slots[adapted], kind="stable")]
     sorted_slots = slots[order]
@@ -85,29 +106,61 @@ def _mapping(
         Segment(int(sorted_slots[start]), int(start), end)
         for start, end in zip(starts.tolist(), ends, strict=True)
     ]
-    one_hot: np.ndarray = np.zeros((len(slots), num_slots), dtype=np.float32)
-    one_hot[adapted, slots[adapted]] = 1.0
     in_order = len(order) == len(slots) and bool(np.all(order == np.arange(len(slots))))
     return RowMapping(
         torch.from_numpy(order).to(device),
         segments,
-        torch.from_numpy(one_hot).to(device=device, dtype=dtype),
+        torch.tensor([segment.slot for segment in segments], dtype=torch.int64, device=device),
+        torch.tensor([*starts.tolist(), len(order)], dtype=torch.int64, device=device),
+        _padded(order, segments, device, dtype),
         in_order,
     )
 
 
-# A layer computes every slot's term for every row and masks (two matmuls in all) while that
-# costs fewer multiply-adds than this per slot present, else each slot's rows apart (one
-# gather, two matmuls per slot, one scatter): per-op overhead against wasted arithmetic.
-_MASKED_MACS_PER_SLOT = 1_500_000  # measured on Zen 4 (2 threads), SmolLM2-135M shapes, 8 slots
+# On the CPU one C++ call adds every slot's terms (where the kernels are built); the torch forms
+# below serve CUDA and a CPU without them.
+_NATIVE_TERMS = True
+
+# The padded block's wasted rows cost arithmetic; the per-slot form costs a few ops per slot
+# (its matmuls launched apart). Padding is taken while it wastes at most this many rows per
+# real row plus this many per slot: decode steps (a row or so per sequence) always pad, a
+# step with one long prompt among short ones does not.
+_PADDING_PER_ROW = 1.0
+_PADDING_PER_SLOT = 16
+
+
+def _padded(
+    order: np.ndarray, segments: list[Segment], device: torch.device, dtype: torch.dtype
+) -> PaddedRows | None:
+    count = len(segments)
+    longest = max(segment.end - segment.start for segment in segments)
+    wasted = count * longest - len(order)
+    if wasted > _PADDING_PER_ROW * len(order) + _PADDING_PER_SLOT * count:
+        return None
+    rows = np.empty((count, longest), dtype=np.int64)
+    mask = np.zeros((count, longest, 1), dtype=np.float32)
+    for index, segment in enumerate(segments):
+        length = segment.end - segment.start
+        rows[index, :length] = order[segment.start : segment.end]
+        rows[index, length:] = order[segment.end - 1]
+        mask[index, :length] = 1.0
+    slots = np.array([segment.slot for segment in segments], dtype=np.int64)
+    return PaddedRows(
+        torch.from_numpy(rows.reshape(-1)).to(device),
+        None if not wasted else torch.from_numpy(mask).to(device=device, dtype=dtype),
+        None if np.array_equal(slots, np.arange(count)) else torch.from_numpy(slots).to(device),
+        count,
+        longest,
+    )
 
 
 class LoRASlots:
     """One base layer's resident adapter weights and the step they are applied in.
 
     Slot s holds rows [s * columns, (s + 1) * columns) of a [slots * columns, in] and of
-    b_t [slots * columns, out] (b transposed, so one slot's part is contiguous too), so all
-    slots at once are one matmul each, and one slot's are two matmuls on contiguous views."""
+    b_t [slots * columns, out] (b transposed, so one slot's part is contiguous too): viewed as
+    [slots, columns, ...] stacks for the batched matmuls of a padded block, and one slot's
+    part a contiguous view for its own two matmuls."""
 
     def __init__(
         self,
@@ -135,6 +188,10 @@ class LoRASlots:
         """Whether any adapter runs in the current step."""
         return self._step_of.current.active
 
+    @property
+    def current_step(self) -> LoRAStep:
+        return self._step_of.current
+
     def _columns(self, slot: int) -> slice:
         return slice(slot * self.columns, (slot + 1) * self.columns)
 
@@ -154,6 +211,27 @@ class LoRASlots:
         self.b_t[columns, rows].copy_(b.T)
         self.targeted[slot] = True
 
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """a and b_t as [slots, columns, in] and [slots, columns, out]: one slot a block."""
+        return (
+            self.a.view(self.num_slots, self.columns, -1),
+            self.b_t.view(self.num_slots, self.columns, -1),
+        )
+
+    def padded_terms(self, x: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
+        """The LoRA terms [slots * longest, out] of the padded block's rows (zero on padding);
+        the C++ decode stack computes them with the same ops (kernels/cpu/decode_stack.cpp)."""
+        a, b_t = self.stacks()
+        if padded.slots is None:
+            a, b_t = a[: padded.count], b_t[: padded.count]
+        else:
+            a, b_t = a.index_select(0, padded.slots), b_t.index_select(0, padded.slots)
+        block = x.index_select(0, padded.rows).view(padded.count, padded.longest, -1)
+        hidden = torch.bmm(block, a.transpose(1, 2))
+        if padded.mask is not None:
+            hidden.mul_(padded.mask)
+        return torch.bmm(hidden, b_t).view(padded.count * padded.longest, -1)
+
     def active(self) -> bool:
         """Whether any adapter in this step adapts this layer (else it computes as the base)."""
         return any(self.targeted[slot] for slot in self._step_of.current.slots)
@@ -165,11 +243,13 @@ class LoRASlots:
         if not present:
             return out
         mapping = step.for_rows(x.shape[0])
-        macs = x.shape[0] * self.a.shape[0] * (self.a.shape[1] + self.b_t.shape[1])
-        if macs <= _MASKED_MACS_PER_SLOT * len(present):
-            hidden = (x @ self.a.T).view(x.shape[0], self.num_slots, self.columns)
-            hidden = hidden * mapping.one_hot[:, :, None]
-            return out + hidden.view(x.shape[0], -1) @ self.b_t
+        if _NATIVE_TERMS and x.device.type == "cpu" and cpu_ops.cpu_kernels_available():
+            a, b_t = self.stacks()
+            return cpu_ops.lora_add(
+                out, x, a, b_t, mapping.order, mapping.segment_slots, mapping.segment_starts
+            )
+        if mapping.padded is not None:
+            return out.index_add_(0, mapping.padded.rows, self.padded_terms(x, mapping.padded))
         rows = x if mapping.every_row_in_order else x.index_select(0, mapping.order)
         terms = out.new_zeros(rows.shape[0], out.shape[1])
         for segment in mapping.segments:

@@ -150,9 +150,7 @@ class LoRAManager:
                 seq_slots[index] = slot = self._slot_for(lora_id, in_use)
                 in_use.add(slot)
         token_slots: np.ndarray = np.repeat(seq_slots, np.asarray(query_lens, dtype=np.int64))
-        self.steps.current = LoRAStep.of(
-            token_slots, sample_rows, self.max_loras, self._device, self._dtype
-        )
+        self.steps.current = LoRAStep.of(token_slots, sample_rows, self._device, self._dtype)
         try:
             yield self.steps.current
         finally:

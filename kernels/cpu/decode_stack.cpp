@@ -17,9 +17,16 @@
 //                kept exact, oneDNN tiles                 -> inferq_cpu::w8a8_matmul above that
 //   kind PANELS: weight packed in panels; int out         -> inferq_cpu::panel_linear
 //   kind GATED_PANELS: [gate; up] weight interleaved and
-//                packed in panels; int the halves' width  -> inferq_cpu::panel_gated_linear,
+//                packed in panels; ints the halves' width,
+//                the interleave group                     -> inferq_cpu::panel_gated_linear,
 //                which applies SiLU-and-mul itself (only as a gate_up projection)
 // each with an optional input order (GPTQ act-order) and bias.
+//
+// LoRA adapters (engine/lora/batched.py) arrive as two optional tensors per linear, its slot
+// stacks a [slots, columns, in] and b_t [slots, columns, out], and the step's adapted rows
+// sorted by slot (order, slots, starts). Each adapted linear adds its terms through
+// inferq_cpu::lora_add, as the Python forward does; an adapted gate_up packed for the gated
+// kernel is projected, de-interleaved, adapted and activated apart, as in Python.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -69,6 +76,23 @@ struct Linear {
   int64_t kind, p0, p1, p2;
   std::optional<at::Tensor> a, b, c, input_order, bias;
 };
+
+// A step's adapted rows sorted by slot (engine.lora.batched.RowMapping).
+struct LoRARows {
+  at::Tensor order, slots, starts;
+};
+
+// One linear's slot stacks; a undefined: no LoRA on this linear.
+struct LoRAStacks {
+  at::Tensor a, b_t;
+};
+
+at::Tensor add_lora(at::Tensor out, const at::Tensor& x, const LoRAStacks& lora,
+                    const LoRARows& rows) {
+  static const c10::OperatorHandle lora_add = find_op("inferq_cpu::lora_add");
+  if (!lora.a.defined()) return out;
+  return call_op(lora_add, {out, x, lora.a, lora.b_t, rows.order, rows.slots, rows.starts});
+}
 
 // quant_gemm_min_rows: from this many rows on, quant_matmul runs its dequantized-tile GEMM.
 at::Tensor run_linear(const Linear& spec, at::Tensor x, int64_t quant_gemm_min_rows) {
@@ -135,7 +159,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     at::TensorList key_caches, at::TensorList value_caches, at::TensorList norm_weights,
     const c10::List<std::optional<at::Tensor>>& linear_tensors, c10::IntArrayRef linear_ints,
     int64_t num_heads, double eps, double scale, int64_t quant_gemm_min_rows,
-    c10::IntArrayRef windows) {
+    c10::IntArrayRef windows, const c10::List<std::optional<at::Tensor>>& lora_tensors,
+    at::TensorList lora_rows) {
+  static const c10::OperatorHandle panels = find_op("inferq_cpu::panel_linear");
   static const c10::OperatorHandle rms_norm = find_op("inferq_cpu::rms_norm");
   static const c10::OperatorHandle rotary_store_kv = find_op("inferq_cpu::rotary_store_kv");
   static const c10::OperatorHandle attention = find_op("inferq_cpu::paged_decode_attention");
@@ -151,6 +177,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   const std::vector<Linear> linears =
       read_linears(linear_tensors, linear_ints, num_layers * kLinearsPerLayer);
   const int64_t num_tokens = hidden_in.size(0);
+  const bool adapted = !lora_tensors.empty();
+  std::vector<LoRAStacks> loras;
+  LoRARows rows;
+  if (adapted) {
+    TORCH_CHECK(static_cast<int64_t>(lora_tensors.size()) == 2 * num_layers * kLinearsPerLayer,
+                "LoRA: two stacks (a, b_t) per linear, or none");
+    TORCH_CHECK(lora_rows.size() == 3, "LoRA: the rows' order, slots and starts");
+    auto get = [](const c10::List<std::optional<at::Tensor>>& list, size_t i) {
+      const std::optional<at::Tensor> t = list.get(i);
+      return t.has_value() ? *t : at::Tensor();
+    };
+    for (int64_t i = 0; i < num_layers * kLinearsPerLayer; ++i) {
+      loras.push_back(LoRAStacks{get(lora_tensors, 2 * i), get(lora_tensors, 2 * i + 1)});
+    }
+    rows = LoRARows{lora_rows[0], lora_rows[1], lora_rows[2]};
+  }
 
   auto normed_sum = [&](const at::Tensor& x, const at::Tensor& residual,
                         const at::Tensor& weight) {
@@ -163,6 +205,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   at::Tensor residual;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const Linear* proj = linears.data() + layer * kLinearsPerLayer;
+    const LoRAStacks* lora = adapted ? loras.data() + layer * kLinearsPerLayer : nullptr;
+    auto lora_linear = [&](int64_t index, const at::Tensor& x) {
+      at::Tensor out = run_linear(proj[index], x, quant_gemm_min_rows);
+      return adapted ? add_lora(out, x, lora[index], rows) : out;
+    };
     at::Tensor normed;
     if (layer == 0) {
       residual = hidden;
@@ -170,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     } else {
       std::tie(normed, residual) = normed_sum(hidden, residual, norm_weights[2 * layer]);
     }
-    const at::Tensor qkv = run_linear(proj[0], normed, quant_gemm_min_rows);
+    const at::Tensor qkv = lora_linear(0, normed);
     const at::Tensor q = call_op(rotary_store_kv, {qkv, positions, cos_sin_cache, slot_mapping,
                                                    key_caches[layer], value_caches[layer],
                                                    c10::IValue(num_heads)});
@@ -180,12 +227,27 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                                    c10::IValue(scale), c10::IValue(windows[layer]),
                                    c10::IValue(0.0),   c10::IValue()};
     attention.callBoxed(&stack);
-    const at::Tensor projected =
-        run_linear(proj[1], attended.view({num_tokens, -1}), quant_gemm_min_rows);
+    const at::Tensor projected = lora_linear(1, attended.view({num_tokens, -1}));
     std::tie(normed, residual) = normed_sum(projected, residual, norm_weights[2 * layer + 1]);
-    at::Tensor activated = run_linear(proj[2], normed, quant_gemm_min_rows);
-    if (proj[2].kind != kGatedPanels) activated = call_op(silu_and_mul, {activated});
-    hidden = run_linear(proj[3], activated, quant_gemm_min_rows);
+    at::Tensor activated;
+    if (adapted && lora[2].a.defined()) {
+      at::Tensor projected_up;
+      if (proj[2].kind == kGatedPanels) {
+        // The plain projection through the same panels comes out interleaved by p1 features.
+        const int64_t half = proj[2].p0, group = proj[2].p1;
+        projected_up = call_op(panels, {normed, *proj[2].a, c10::IValue(), c10::IValue(2 * half)})
+                           .view({num_tokens, -1, 2, group})
+                           .transpose(1, 2)
+                           .reshape({num_tokens, 2 * half});
+      } else {
+        projected_up = run_linear(proj[2], normed, quant_gemm_min_rows);
+      }
+      activated = call_op(silu_and_mul, {add_lora(projected_up, normed, lora[2], rows)});
+    } else {
+      activated = run_linear(proj[2], normed, quant_gemm_min_rows);
+      if (proj[2].kind != kGatedPanels) activated = call_op(silu_and_mul, {activated});
+    }
+    hidden = lora_linear(3, activated);
   }
   return {hidden, residual};
 }
@@ -197,7 +259,8 @@ TORCH_LIBRARY_FRAGMENT(inferq_cpu, m) {
       "decode_layers(Tensor hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor cos_sin_cache, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor[] norm_weights, Tensor?[] linear_tensors, int[] linear_ints, int num_heads, "
-      "float eps, float scale, int quant_gemm_min_rows, int[] windows) -> (Tensor, Tensor)");
+      "float eps, float scale, int quant_gemm_min_rows, int[] windows, Tensor?[] lora_tensors, "
+      "Tensor[] lora_rows) -> (Tensor, Tensor)");
   m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
   // oneDNN-packed weights are tensors of their own backend; dispatch sees them among the args.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, &decode_layers);

@@ -103,14 +103,19 @@ def prompts_of(count: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 250, (n,), generator=generator).tolist() for n in lengths]
 
 
-@pytest.fixture(params=["masked", "per_slot"])
+@pytest.fixture(params=["native", "padded", "per_slot"])
 def lora_term(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways a layer computes the LoRA terms: every slot's at once, masked per row, or
-    each slot's rows apart (chosen by size; forced here)."""
+    """Every way a layer computes the LoRA terms: in one C++ call (the CPU's), or in torch ops
+    (CUDA's), every slot's at once in a padded block or each slot's rows apart (chosen by how
+    much padding a step needs; forced here)."""
     from engine.lora import batched
 
-    limit = 1 << 62 if request.param == "masked" else 0
-    monkeypatch.setattr(batched, "_MASKED_MACS_PER_SLOT", limit)
+    if request.param == "native":
+        return str(request.param)
+    monkeypatch.setattr(batched, "_NATIVE_TERMS", False)
+    limit = 1 << 30 if request.param == "padded" else -1
+    monkeypatch.setattr(batched, "_PADDING_PER_ROW", limit)
+    monkeypatch.setattr(batched, "_PADDING_PER_SLOT", limit)
     return str(request.param)
 
 

@@ -168,11 +168,15 @@ def test_a_bad_adapter_fails_only_its_own_request(
         assert completion.token_ids == []
 
 
-def test_steps_without_adapters_keep_the_cpu_decode_stack(
-    build: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("backend", ["aten", "panels"])
+def test_decode_steps_with_and_without_adapters_take_the_cpu_decode_stack(
+    build: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
     from engine.platforms.cpu import decode_stack
+    from engine.platforms.cpu.matmul import available_backends
 
+    if backend not in available_backends(torch.float32):
+        pytest.skip(f"{backend} is not built for this CPU")
     calls: list[int] = []
     original = decode_stack.cpu_ops.decode_layers
 
@@ -181,13 +185,18 @@ def test_steps_without_adapters_keep_the_cpu_decode_stack(
         return original(hidden, *args)
 
     monkeypatch.setattr(decode_stack.cpu_ops, "decode_layers", counted)
+    # panels pack the [gate; up] weight for their gated kernel, which an adapted step bypasses.
     base = build("llama")
-    adapter = LoRARequest("a", 1, str(make_adapter(base, tmp_path / "a", seed=1)))
-    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
-    llm.generate(prompts_of(1), GREEDY, use_tqdm=False, lora_request=adapter)
-    assert not calls  # an adapter's steps take the Python forward
-    llm.generate(prompts_of(1), GREEDY, use_tqdm=False)
-    assert calls  # the base model's keep the C++ stack
+    adapter = make_adapter(base, tmp_path / "a", seed=1)
+    prompts = prompts_of(3)
+    expected = peft_greedy(base, adapter, prompts) + peft_greedy(base, None, prompts)
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8, cpu_matmul=backend)
+    request = LoRARequest("a", 1, str(adapter))
+    outputs = llm.generate(
+        prompts * 2, GREEDY, use_tqdm=False, lora_request=[request] * 3 + [None] * 3
+    )
+    assert calls  # the decode steps, adapted rows and base rows alike, ran in C++
+    assert_close([tokens_and_logprobs(output) for output in outputs], expected)
 
 
 def test_a_lora_request_needs_enable_lora(build: Callable[..., Path], tmp_path: Path) -> None:

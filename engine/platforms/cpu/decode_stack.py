@@ -41,6 +41,17 @@ class _LayerArgs:
 
 
 @dataclass(frozen=True)
+class _AdapterArgs:
+    """decode_layers' LoRA arguments for one step (see kernels.cpu_ops.decode_layers)."""
+
+    stacks: list[torch.Tensor | None]
+    rows: list[torch.Tensor]
+
+
+_NO_ADAPTERS = _AdapterArgs([], [])
+
+
+@dataclass(frozen=True)
 class DecoderLayerParts:
     """What the stack reads of one pre-norm decoder layer (a family whose layers run the
     stack's op sequence builds these): its projections run in the layout's order."""
@@ -84,11 +95,19 @@ class CpuDecodeStack(nn.Module):
         # on the first step after `prepare`.
         self._args: dict[bool, _LayerArgs | None] = {}
 
-    def _adapted_step(self) -> bool:
-        """Whether LoRA adapters run in this step: the C++ stack has no LoRA term, so such a
-        step takes the Python forward (every layer's slots read the same step)."""
+    def _adapters(self, rows: int) -> _AdapterArgs:
+        """The step's LoRA arguments (empty where no adapter runs in it)."""
         slots = self._layers[0].projections.qkv.lora if self._layers else None
-        return slots is not None and slots.step_active
+        if slots is None or not slots.step_active:
+            return _NO_ADAPTERS
+        mapping = slots.current_step.for_rows(rows)
+        stacks: list[torch.Tensor | None] = []
+        for layer in self._layers:
+            for projection in layer.projections:
+                lora = projection.lora
+                # A layer no adapter of the step targets computes as the base, as in Python.
+                stacks += lora.stacks() if lora is not None and lora.active() else (None, None)
+        return _AdapterArgs(stacks, [mapping.order, mapping.segment_slots, mapping.segment_starts])
 
     def prepare(self) -> None:
         """Read the layers' weights again on the next step: they have changed how they are
@@ -108,7 +127,6 @@ class CpuDecodeStack(nn.Module):
             hidden.device.type != "cpu"
             or cpu_glue.current() is not cpu_glue.NATIVE
             or not kv_caches
-            or self._adapted_step()
         ):
             return None
         plan = self._shared.backend.fused_decode_plan(meta, kv_caches[0][0], hidden)
@@ -117,6 +135,7 @@ class CpuDecodeStack(nn.Module):
         args = self._layer_args(hidden.shape[0])
         if args is None:
             return None
+        adapters = self._adapters(hidden.shape[0])
         return cpu_ops.decode_layers(
             hidden.contiguous(),
             positions.to(torch.int64).contiguous(),
@@ -133,6 +152,8 @@ class CpuDecodeStack(nn.Module):
             self._eps,
             self._scale,
             self._windows,
+            adapters.stacks,
+            adapters.rows,
         )
 
     def _layer_args(self, rows: int) -> _LayerArgs | None:

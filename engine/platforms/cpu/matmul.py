@@ -204,7 +204,9 @@ def native(
         assert packed.panels is not None, "panels needs the weight packed first"
         if packed.gated:  # the decode stack then skips its SiLU-and-mul: this kernel applies it
             return NativeLinear(
-                LinearKind.GATED_PANELS, packed.panels, params=(weight.shape[0] // 2, 0, 0)
+                LinearKind.GATED_PANELS,
+                packed.panels,
+                params=(weight.shape[0] // 2, cpu_ops.GATED_GROUP, 0),
             )
         return NativeLinear(
             LinearKind.PANELS, packed.panels, bias=bias, params=(weight.shape[0], 0, 0)
