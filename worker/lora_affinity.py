@@ -70,7 +70,7 @@ class _Partition:
 
 class LoraAffinity:
     """One worker's side of LoRA affinity (see the module docstring): `defer` the jobs to offer,
-    `take_offers` of others, `due` offers to run after the wait, `withdraw_all` on stop."""
+    `take_offers` of others, `run_due` its offers whose wait ended (all of them on stop)."""
 
     def __init__(
         self,
@@ -98,6 +98,9 @@ class LoraAffinity:
             for stream, kind in ((p.jobs, "j"), (p.bulk, "b"))
         }
         self._offers: dict[tuple[str, str], Offer] = {}  # (stream, entry id) -> offer
+        # entries taken from offers, not yet loaded: they run here, never offered on (which
+        # would stretch their wait beyond one offer's)
+        self._taken: set[tuple[str, str]] = set()
         self._peers: list[WorkerInfo] = []
         self._peers_read_at = float("-inf")
 
@@ -123,10 +126,12 @@ class LoraAffinity:
         if self.wait_s <= 0:
             return verdicts
         resident = set(self.resident())
+        taken, self._taken = self._taken, set()
         candidates = [
             v
             for v in verdicts
             if isinstance(v, Admit)
+            and (v.held.queue_stream, v.held.entry_id) not in taken
             and v.held.job.request.lora is not None
             and v.held.job.request.lora not in resident
             and v.held.job.status is JobStatus.QUEUED
@@ -159,18 +164,19 @@ class LoraAffinity:
                 [self.keys.group, self.consumer, left, STALE_OFFER_MS, *adapters],
             )
             taken += script_entries(reply, (p.jobs, p.bulk))
+        self._taken.update((entry.stream, entry.entry_id) for entry in taken)
         if taken:
             log_event(
                 logger, logging.INFO, "lora_offers_taken", worker=self.consumer, count=len(taken)
             )
         return taken
 
-    async def due(self, now_all: bool = False) -> list[HeldJob]:
-        """Withdraw the offers whose wait ended (all of them with `now_all`); the jobs still
-        this worker's, to run now. Those another worker took are forgotten here."""
+    async def run_due(self, run: Callable[[HeldJob], None], now_all: bool = False) -> None:
+        """Withdraw the offers whose wait ended (all of them with `now_all`) and `run` each job
+        still this worker's, as soon as its offer is withdrawn. Those another worker took are
+        forgotten here."""
         now = time.monotonic()
         ended = [key for key, offer in self._offers.items() if now_all or offer.ends_at <= now]
-        mine: list[HeldJob] = []
         for key in ended:
             offer = self._offers[key]
             still_mine = await run_script(
@@ -181,7 +187,7 @@ class LoraAffinity:
             )
             del self._offers[key]
             if int(still_mine):
-                mine.append(offer.held)
+                run(offer.held)
             else:
                 log_event(
                     logger,
@@ -190,7 +196,6 @@ class LoraAffinity:
                     job=offer.held.job_id,
                     adapter=offer.held.job.request.lora,
                 )
-        return mine
 
     async def _offer(self, held: HeldJob) -> None:
         stream = held.queue_stream or self._partitions[0].jobs

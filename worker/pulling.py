@@ -79,8 +79,7 @@ class EntryPuller:
         `block`) and take them."""
         entries: list[Entry] = []
         if self.affinity is not None:
-            for held in await self.affinity.due():
-                self.batch.queue(held)
+            await self.affinity.run_due(self.batch.queue)
             entries = self._not_held(await self.affinity.take_offers(budget))
         if self.recover_pending and not self.stopping():
             entries += self._not_held(await self.reader.read_own_pending())
@@ -126,8 +125,7 @@ class EntryPuller:
         """Withdraw every LoRA offer and queue the jobs still this worker's (a stopping worker
         hands them back with the rest)."""
         if self.affinity is not None:
-            for held in await self.affinity.due(now_all=True):
-                self.batch.queue(held)
+            await self.affinity.run_due(self.batch.queue, now_all=True)
 
     def _read_wait_ms(self) -> int:
         if self.affinity is None:
