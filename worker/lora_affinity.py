@@ -46,7 +46,7 @@ from worker.logs import log_event
 logger = logging.getLogger(__name__)
 
 PEERS_MAX_AGE_S = 1.0  # how stale the view of other workers' adapters may be
-OFFER_POLL_MS = 100  # an idle worker holding adapters looks for offers at least this often
+OFFER_POLL_MS = 100  # a worker holding adapters looks for offers this often
 STALE_OFFER_MS = 60_000  # offers past their deadline this long are dropped by any taker
 
 
@@ -103,6 +103,7 @@ class LoraAffinity:
         self._taken: set[tuple[str, str]] = set()
         self._peers: list[WorkerInfo] = []
         self._peers_read_at = float("-inf")
+        self._next_take = 0.0  # monotonic: when to look for offers again
 
     @property
     def offered(self) -> list[HeldJob]:
@@ -150,8 +151,12 @@ class LoraAffinity:
     async def take_offers(self, budget: int) -> list[Entry]:
         """Claim up to `budget` live offers for the adapters resident here."""
         adapters = [encode_segment(name) for name in self.resident()]
-        if budget <= 0 or not adapters:
+        now = time.monotonic()
+        if budget <= 0 or not adapters or now < self._next_take:
             return []
+        # at most every OFFER_POLL_MS: a busy worker pulls every step, and a step's Redis work
+        # stays one round trip but for this
+        self._next_take = now + OFFER_POLL_MS / 1000
         taken: list[Entry] = []
         for p in self._partitions:
             left = budget - len(taken)
