@@ -345,6 +345,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         manager = self.block_manager
+        lora = self.runner.lora
         spec = self.speculator.counts if self.speculator is not None else SpeculationCounts()
         return EngineStats(
             num_blocks_total=manager.num_total_blocks,
@@ -361,4 +362,6 @@ class Engine:
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
+            lora_resident=tuple(lora.resident_ids) if lora is not None else (),
+            lora_cached=tuple(lora.cached_ids) if lora is not None else (),
         )

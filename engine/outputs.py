@@ -124,6 +124,10 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # LoRA adapter ids in the engine's slots (usable this step) and those in host memory only
+    # (max_cpu_loras), least recently used first.
+    lora_resident: tuple[int, ...] = ()
+    lora_cached: tuple[int, ...] = ()
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -41,6 +41,8 @@ class WorkerView:
     weight_bytes: int | None  # None: a worker too old to say
     architecture: str | None  # what its engine serves the model as; None: a worker too old to say
     lora_adapters: list[str]  # the LoRA adapters it serves on its model, by name
+    lora_resident: list[str]  # of those, the ones in its engine's slots now
+    lora_cached: list[str]  # of those, the ones in its host memory only
 
     @classmethod
     def of(cls, info: WorkerInfo, now: float) -> WorkerView:

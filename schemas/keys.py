@@ -25,6 +25,8 @@ With `partitions` > 1 on a single node, partition k >= 1 is `{p}:jobs:{model}:<k
     {p}:control                       pub/sub channel   cancel, LoRA        workers
                                                         load/unload
     {p}:lora:{model}                  hash              LoRA load/unload    workers
+    {p}:lora-offers:{model}           sorted set, TTL   workers (an entry   workers holding
+                                                        held for another)   the adapter
     {p}:arrivals:{model}              pub/sub channel   enqueue, hand-back  workers
     {p}:idem:{owner}:{key}            string, TTL       enqueue             enqueue
     {p}:ttft:{model}                  sorted set, TTL   workers (heartbeat) status, dashboard
@@ -91,6 +93,11 @@ each XADD of a job entry to the model's jobs or bulk stream (enqueue, hand-back)
 reads its streams between two steps only when something arrived, instead of at every step; it
 still reads now and then without a notice, so an entry added by a producer that does not
 publish waits a little longer but is never stranded.
+
+LoRA offers `{p}:lora-offers:{model}` (one per queue partition, in the partition's hash slot):
+entries a worker read for a LoRA adapter it does not hold, left for a live worker of the model
+that holds it resident (see worker.lora_affinity); member `adapter NUL stream NUL entry id NUL
+offering worker`, scored by the unix time (Redis TIME) after which the offerer runs it itself.
 
 Bulk stream `{p}:bulk:{model}`: the same entries and group as the jobs stream, for jobs whose
 priority is PRIORITY_BULK or more (`RedisKeys.queue_stream` picks). Workers read it only with the
@@ -300,6 +307,11 @@ class RedisKeys:
         (an unloaded one keeps its name with the LORA_UNLOADED value, so it also leaves the
         workers that were started with it in `lora_modules`)."""
         return f"{self.prefix}:lora:{encode_segment(model)}"
+
+    def lora_offers(self, model: str, partition: int = 0) -> str:
+        """Sorted set of the entries of partition `partition` of `model`'s jobs and bulk streams
+        held for a worker that holds their LoRA adapter (in the partition's hash slot)."""
+        return self._queue_name("lora-offers", model, partition)
 
     def arrivals_channel(self, model: str) -> str:
         return f"{self.prefix}:arrivals:{encode_segment(model)}"

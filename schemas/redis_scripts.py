@@ -141,6 +141,69 @@ if room > 0 then bulk = read(KEYS[2], room) end
 return {interactive, bulk}
 """
 
+# LoRA affinity (worker.lora_affinity): an entry read by a worker that does not hold the job's
+# adapter, offered to a live worker of the model that does. Members are
+# `kind|entry id|adapter (encode_segment)|offering worker`, kind `j` (the partition's jobs stream)
+# or `b` (its bulk stream); scores are unix milliseconds by Redis TIME, so no worker's clock
+# matters. Only an entry still pending under its offering worker changes hands: one whose
+# offerer died and whose entries were claimed over by the janitor is never taken twice.
+#
+# LORA_OFFER: offer one entry until ARGV[2] ms from now.
+# KEYS[1] offers; ARGV[1] member, ARGV[2] wait ms, ARGV[3] TTL ms of the set
+# returns the deadline (unix ms)
+LORA_OFFER_SCRIPT = """
+local t = redis.call('TIME')
+local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], deadline, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return deadline
+"""
+
+# LORA_TAKE: claim up to ARGV[3] offers not yet past their deadline, for the adapters ARGV[5..]
+# (encoded), into consumer ARGV[2]; offers past their deadline by more than ARGV[4] ms are
+# dropped (their offerer runs them, or is gone).
+# KEYS[1] offers, KEYS[2] jobs stream, KEYS[3] bulk stream of the partition; ARGV[1] group
+# returns {jobs-stream entries, bulk entries}, each entry {id, {field, value, ...}}
+LORA_TAKE_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[4]))
+local wanted = {}
+for i = 5, #ARGV do wanted[ARGV[i]] = true end
+local streams = {j = KEYS[2], b = KEYS[3]}
+local taken = {j = {}, b = {}}
+local count = 0
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
+  if count >= tonumber(ARGV[3]) then break end
+  local kind, entry, adapter, owner = string.match(member, '^([jb])|([^|]+)|([^|]+)|(.*)$')
+  if not kind then
+    redis.call('ZREM', KEYS[1], member)
+  elseif wanted[adapter] and owner ~= ARGV[2] then
+    redis.call('ZREM', KEYS[1], member)
+    local pending = redis.call('XPENDING', streams[kind], ARGV[1], entry, entry, 1)
+    if pending[1] and pending[1][2] == owner then
+      local claimed = redis.call('XCLAIM', streams[kind], ARGV[1], ARGV[2], 0, entry)
+      if claimed[1] then
+        table.insert(taken[kind], claimed[1])
+        count = count + 1
+      end
+    end
+  end
+end
+return {taken.j, taken.b}
+"""
+
+# LORA_WITHDRAW: end an offer; after it no other worker can take the entry through it.
+# KEYS[1] offers, KEYS[2] the entry's stream; ARGV[1] member, ARGV[2] group, ARGV[3] entry id,
+# ARGV[4] the offering worker
+# returns 1 when the entry is still pending under the offering worker (it runs it), else 0
+LORA_WITHDRAW_SCRIPT = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+local pending = redis.call('XPENDING', KEYS[2], ARGV[2], ARGV[3], ARGV[3], 1)
+if pending[1] and pending[1][2] == ARGV[4] then return 1 end
+return 0
+"""
+
 # Hand a job back to its queue (worker shutdown), atomic per job: retire the old entry and queue
 # a fresh one for the same job, unless the job ended meanwhile. A graceful hand-back is no
 # failed attempt, so the attempt counted when the job was started is given back, and the start

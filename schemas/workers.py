@@ -75,6 +75,16 @@ class WorkerInfo(BaseModel):
         description="the LoRA adapters it serves on its model, by name (a request whose model "
         "names one runs on this worker's model with it); a JSON list in the hash",
     )
+    lora_resident: list[str] = Field(
+        default_factory=list,
+        description="of lora_adapters, those in its engine's slots now (max_loras): a job for "
+        "one runs at its next step without loading anything; empty from a worker too old to say",
+    )
+    lora_cached: list[str] = Field(
+        default_factory=list,
+        description="of lora_adapters, those in its host memory but in no slot (max_cpu_loras): "
+        "a step copies one in without reading its folder",
+    )
     prompt_tokens: int = Field(0, ge=0, description="prompt tokens computed since it started")
     generated_tokens: int = Field(0, ge=0, description="tokens generated since it started")
     started_at: AwareDatetime
@@ -85,7 +95,7 @@ class WorkerInfo(BaseModel):
     def _in_utc(cls, value: datetime) -> datetime:
         return as_utc(value)
 
-    @field_validator("lora_adapters", mode="before")
+    @field_validator("lora_adapters", "lora_resident", "lora_cached", mode="before")
     @classmethod
     def _json_list(cls, value: object) -> object:
         return json.loads(value) if isinstance(value, str) else value
@@ -96,6 +106,10 @@ class WorkerInfo(BaseModel):
         if not self.kv_blocks_total:
             return 0.0
         return 1.0 - self.kv_blocks_free / self.kv_blocks_total
+
+    def has_room(self) -> bool:
+        """Whether it would start another job now: nothing waiting, KV blocks free."""
+        return self.waiting == 0 and self.kv_blocks_free > 0
 
     def to_redis_hash(self) -> dict[str, str]:
         out = {}

@@ -72,6 +72,8 @@ async def beat(
     task: JobKind = JobKind.GENERATION,
     embedding_size: int | None = None,
     lora_adapters: list[str] | None = None,
+    lora_resident: list[str] | None = None,
+    lora_cached: list[str] | None = None,
     ttfts: Iterable[TtftSample] = (),
 ) -> WorkerInfo:
     """Write one heartbeat from an EngineStats snapshot, with the model's live-stats samples, in
@@ -80,7 +82,8 @@ async def beat(
     `quantization` (None: full precision), `weight_bytes` and `architecture` (e.g.
     "Qwen3ForCausalLM") tell operators what the worker runs; `task` and `embedding_size` which
     kind of job it takes (and how many dimensions); `lora_adapters` the LoRA adapters it
-    serves (by name, on its model)."""
+    serves (by name, on its model), `lora_resident` those of them in its engine's slots and
+    `lora_cached` those in its host memory only."""
     info = WorkerInfo(
         name=name,
         model=model,
@@ -98,6 +101,8 @@ async def beat(
         task=task,
         embedding_size=embedding_size,
         lora_adapters=lora_adapters or [],
+        lora_resident=lora_resident or [],
+        lora_cached=lora_cached or [],
         prompt_tokens=max(0, stats.num_prompt_tokens_computed),
         generated_tokens=max(0, stats.num_generation_tokens),
         started_at=started_at,

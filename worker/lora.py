@@ -10,7 +10,7 @@ reuse the old id."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from redis.asyncio import Redis
 
@@ -57,6 +57,16 @@ class AdapterRegistry:
             return None
         lora_id = self._ids.setdefault((name, path), len(self._ids) + 1)
         return LoRARequest(name, lora_id, path)
+
+    def names_of(self, lora_ids: Iterable[int]) -> list[str]:
+        """The names of the engine's adapter ids that still stand for what the name serves now
+        (an id of a name since re-loaded from another path is left out)."""
+        current = {
+            self._ids[(name, path)]: name
+            for name, path in self.paths().items()
+            if (name, path) in self._ids
+        }
+        return [current[lora_id] for lora_id in lora_ids if lora_id in current]
 
     def replace_runtime(self, registry: Mapping[str, str]) -> None:
         """Take the base model's run-time registry as it stands in Redis."""

@@ -16,8 +16,10 @@ from collections.abc import Callable
 from schemas import ErrorBody, ErrorCode, JobField, JobStatus, utc_now
 from worker.batch import Batch
 from worker.crashes import CrashPolicy
+from worker.held import HeldJob
 from worker.intake import Admit, Entry, Expire, Reject, Skip, Verdict
 from worker.logs import log_event
+from worker.lora_affinity import LoraAffinity
 from worker.priority import PriorityReader, ReadPacing
 from worker.publisher import Outbox
 from worker.settings import WorkerSettings
@@ -40,6 +42,7 @@ class EntryPuller:
         batch: Batch,
         outbox: Outbox,
         stopping: Callable[[], bool],
+        affinity: LoraAffinity | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
@@ -49,6 +52,7 @@ class EntryPuller:
         self.batch = batch
         self.outbox = outbox
         self.stopping = stopping  # a stopping worker takes on none of its pending entries
+        self.affinity = affinity  # LoRA jobs offered to, and taken from, workers holding them
         self.recover_pending = True  # read our own pending entries first
         self._next_janitor = 0.0
         self._next_dead_check = 0.0
@@ -74,8 +78,11 @@ class EntryPuller:
         """Read up to `budget` entries (new ones only with `read_new`; waiting for them with
         `block`) and take them."""
         entries: list[Entry] = []
+        if self.affinity is not None:
+            await self.affinity.run_due(self.batch.queue)
+            entries = self._not_held(await self.affinity.take_offers(budget))
         if self.recover_pending and not self.stopping():
-            entries = self._not_held(await self.reader.read_own_pending())
+            entries += self._not_held(await self.reader.read_own_pending())
             self.recover_pending = False
         if budget > len(entries) and time.monotonic() >= self._next_dead_check:
             # A dead worker's heartbeat expires well before its entries' lease: look every beat.
@@ -104,18 +111,34 @@ class EntryPuller:
                 )
             entries += claimed
         if read_new and budget - len(entries) > 0:
-            wait_ms = self.settings.block_ms if block and not entries else None
+            wait_ms = self._read_wait_ms() if block and not entries else None
             entries += await self._read_new(budget - len(entries), wait_ms)
         elif block and not entries:
-            await asyncio.sleep(self.settings.block_ms / 1000)
-        if entries:
-            self._take(await self.reader.load(entries, self.crash_policy, utc_now()))
+            await asyncio.sleep(self._read_wait_ms() / 1000)
+        await self._load_and_take(entries)
 
     async def take_new(self, budget: int) -> None:
         """Read up to `budget` new entries without waiting, and take them."""
-        entries = self._not_held(await self._read_new(budget, None))
-        if entries:
-            self._take(await self.reader.load(entries, self.crash_policy, utc_now()))
+        await self._load_and_take(self._not_held(await self._read_new(budget, None)))
+
+    async def release_offered(self) -> None:
+        """Withdraw every LoRA offer and queue the jobs still this worker's (a stopping worker
+        hands them back with the rest)."""
+        if self.affinity is not None:
+            await self.affinity.run_due(self.batch.queue, now_all=True)
+
+    def _read_wait_ms(self) -> int:
+        if self.affinity is None:
+            return self.settings.block_ms
+        return self.affinity.read_wait_ms(self.settings.block_ms)
+
+    async def _load_and_take(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
+        verdicts = await self.reader.load(entries, self.crash_policy, utc_now())
+        if self.affinity is not None and not self.stopping():
+            verdicts = await self.affinity.defer(verdicts)
+        self._take(verdicts)
 
     async def _read_new(self, count: int, wait_ms: int | None) -> list[Entry]:
         """Up to `count` new entries (see PriorityReader.read_new); notices that come while it
@@ -133,10 +156,15 @@ class EntryPuller:
             self._arrivals = True  # more may be waiting
         return entries
 
+    def held_jobs(self) -> list[HeldJob]:
+        """The jobs whose entries this worker holds: in its batch, and offered to others."""
+        offered = self.affinity.offered if self.affinity is not None else []
+        return [*self.batch.all_jobs(), *offered]
+
     def _not_held(self, entries: list[Entry]) -> list[Entry]:
         # by stream too: two partitions of a model may hand out the same entry id
         jobs_stream = self.reader.stream
-        held = {(h.queue_stream or jobs_stream, h.entry_id) for h in self.batch.all_jobs()}
+        held = {(h.queue_stream or jobs_stream, h.entry_id) for h in self.held_jobs()}
         mine = held | self.outbox.entries_being_acked()
         return [e for e in entries if (e.stream or jobs_stream, e.entry_id) not in mine]
 

@@ -49,6 +49,13 @@ class WorkerSettings(RedisConnectionSettings, EngineSettings):
         "of 'name=path' (PEFT folders); a request whose model is a name runs on this model with "
         "that adapter (needs enable_lora)",
     )
+    lora_affinity_wait_s: float = Field(
+        1.0,
+        ge=0,
+        description="a job for a LoRA adapter this worker does not hold resident waits at most "
+        "this long for a live worker of the model that does and has room, then runs here "
+        "(0: run here at once); see worker/lora_affinity.py",
+    )
 
     # how the engine is made (its arguments: the engine settings, inherited)
     engine_factory: str | None = Field(

@@ -18,6 +18,7 @@ from worker.batch import AbortReason, Batch
 from worker.control import REDIS_DOWN, ended_jobs, listen
 from worker.engine_api import EngineLike
 from worker.heartbeat import beat
+from worker.held import HeldJob
 from worker.janitor import renew_leases
 from worker.logs import log_event
 from worker.settings import WorkerSettings
@@ -37,6 +38,7 @@ class SideTasks:
         current_stats: Callable[[], EngineStats],
         on_arrival: Callable[[], None],
         started_at: datetime,
+        held_jobs: Callable[[], list[HeldJob]] | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
@@ -49,6 +51,8 @@ class SideTasks:
         self.current_stats = current_stats
         self.on_arrival = on_arrival
         self.started_at = started_at
+        # every job whose entry it holds: the batch's, and those offered to other workers
+        self.held_jobs = held_jobs or batch.all_jobs
         self._control = Backoff(settings.reconnect_min_s, settings.reconnect_max_s)
         self._lora_changed = asyncio.Event()
 
@@ -98,13 +102,15 @@ class SideTasks:
 
     async def _beat(self) -> None:
         ttfts = self.batch.ttfts.take()
+        stats = self.current_stats()
+        lora = self.batch.lora
         try:
             await beat(
                 self.redis,
                 self.keys,
                 name=self.name,
                 model=self.model,
-                stats=self.current_stats(),
+                stats=stats,
                 started_at=self.started_at,
                 ttl_s=self.settings.heartbeat_ttl_s,
                 max_model_len=self.engine.max_model_len,
@@ -115,7 +121,9 @@ class SideTasks:
                 architecture=self.engine.architecture,
                 task=self.engine.task,
                 embedding_size=self.engine.embedding_size,
-                lora_adapters=self.batch.lora.names(),
+                lora_adapters=lora.names(),
+                lora_resident=lora.names_of(stats.lora_resident),
+                lora_cached=lora.names_of(stats.lora_cached),
                 ttfts=ttfts,
             )
         except BaseException:
@@ -124,7 +132,7 @@ class SideTasks:
 
     async def _renew_leases(self) -> None:
         by_stream: dict[str, dict[str, str]] = {}
-        for h in self.batch.all_jobs():
+        for h in self.held_jobs():
             by_stream.setdefault(h.queue_stream or self.jobs_stream, {})[h.entry_id] = h.job_id
         for stream, entries in by_stream.items():
             lost = await renew_leases(self.redis, self.keys, stream, self.name, set(entries))

@@ -37,6 +37,7 @@ from worker.engine_thread import EngineThread
 from worker.handback import hand_back
 from worker.logs import log_event
 from worker.lora import AdapterRegistry, parse_lora_modules
+from worker.lora_affinity import LoraAffinity
 from worker.metrics import WorkerMetrics
 from worker.priority import PriorityReader, ReadPacing
 from worker.publisher import Outbox
@@ -86,8 +87,23 @@ class Worker:
             prompt_estimate=settings.admission_prompt_tokens,
             lora=AdapterRegistry(parse_lora_modules(settings.lora_modules)),
         )
+        affinity = None
+        if settings.lora_enabled and settings.lora_affinity_wait_s > 0:
+            affinity = LoraAffinity(
+                self.intake_redis,
+                self.keys,
+                self.model,
+                self.name,
+                settings.lora_affinity_wait_s,
+                resident=lambda: self.batch.lora.names_of(self.stats.lora_resident),
+            )
         self.puller = EntryPuller(
-            settings, self.reader, self.batch, self.outbox, stopping=lambda: self._stop_requested
+            settings,
+            self.reader,
+            self.batch,
+            self.outbox,
+            stopping=lambda: self._stop_requested,
+            affinity=affinity,
         )
         self.rounds = RedisRounds(
             settings, self.redis, self.engine, self.batch, self.outbox, self.puller, self.metrics
@@ -103,6 +119,7 @@ class Worker:
             current_stats=lambda: self.stats,
             on_arrival=self.puller.note_arrival,
             started_at=self.started_at,
+            held_jobs=self.puller.held_jobs,
         )
         self._stop_requested = False
         self._drain_deadline = float("inf")
@@ -248,6 +265,10 @@ class Worker:
 
     async def _hand_back_unfinished(self) -> None:
         """Publish what unfinished jobs produced so far, then re-queue them for another worker."""
+        try:
+            await self.puller.release_offered()
+        except REDIS_DOWN as exc:  # offers left pending here go to the janitors with the worker
+            log_event(logger, logging.WARNING, "lora_offers_kept", worker=self.name, error=exc)
         jobs = self.batch.release_for_hand_back()
         give_up = time.monotonic() + max(5.0, self.settings.drain_timeout_s)
         while True:

@@ -84,6 +84,11 @@ class LoRAManager:
     def resident_ids(self) -> list[int]:
         return list(self._resident)
 
+    @property
+    def cached_ids(self) -> list[int]:
+        """Adapters in host memory but in no slot: a step that needs one copies it in."""
+        return [lora_id for lora_id in self._loaded if lora_id not in self._resident]
+
     def add(self, request: LoRARequest) -> None:
         """Load and check `request`'s adapter (raises LoRAAdapterError naming the problem)."""
         known = self._known.get(request.lora_int_id)

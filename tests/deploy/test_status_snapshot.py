@@ -158,20 +158,31 @@ def test_inferq_status_shows_a_full_precision_worker_beside_a_quantized_one(redi
 def test_inferq_status_shows_the_lora_adapters_of_each_worker(redis_url, capsys):
     async def two_workers() -> None:
         redis = Redis.from_url(redis_url, decode_responses=True)
-        for name, adapters in (("lora-w", ["sql", "chat"]), ("plain-w", [])):
+        for name, adapters in (("lora-w", ["sql", "chat", "math"]), ("plain-w", [])):
             await beat(
                 redis, KEYS, name=name, model=MODEL, stats=stats(90, 100, 0, 0, 0, 0),
                 started_at=datetime.now(UTC), ttl_s=30, lora_adapters=adapters,
+                lora_resident=adapters[:1], lora_cached=adapters[1:2],
             )  # fmt: skip
         await redis.aclose()
 
     asyncio.run(two_workers())
     assert inferq(["status", "--redis-url", redis_url]) == 0
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
-    assert " sql,chat " in rows["lora-w"] and " - " in rows["plain-w"]
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("WORKER"))
+    assert "LoRA resident" in header and "LoRA cached" in header
+    rows = {line.split()[0]: line for line in lines if line}
+    cells = rows["lora-w"].split()
+    served = cells.index("sql,chat,math")
+    assert cells[served + 1 : served + 3] == ["sql", "chat"]  # resident, cached
+    assert " - " in rows["plain-w"]
     assert inferq(["status", "--redis-url", redis_url, "--json"]) == 0
     workers = {w["name"]: w for w in json.loads(capsys.readouterr().out)["workers"]}
-    assert workers["lora-w"]["lora_adapters"] == ["sql", "chat"]
+    assert workers["lora-w"]["lora_adapters"] == ["sql", "chat", "math"]
+    assert (workers["lora-w"]["lora_resident"], workers["lora-w"]["lora_cached"]) == (
+        ["sql"],
+        ["chat"],
+    )
     assert workers["plain-w"]["lora_adapters"] == []
 
 
