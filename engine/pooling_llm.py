@@ -143,7 +143,9 @@ class PoolingMethods:
             raise ValueError(
                 f"got {len(params_list)} pooling params for {len(prompt_list)} prompts"
             )
-        inputs = [(engine.tokenize(p) if isinstance(p, str) else p, None) for p in prompt_list]
+        texts = [p for p in prompt_list if isinstance(p, str)]
+        tokenized = iter(engine.tokenize_many(texts))
+        inputs = [(next(tokenized) if isinstance(p, str) else p, None) for p in prompt_list]
         return self._pool_inputs(inputs, params_list, use_tqdm)
 
     def _pool_inputs(

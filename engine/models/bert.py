@@ -19,16 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import Linear
 from engine.models.checkpoint import SafetensorsCheckpoint, WeightLoadError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+# In place, on the MLP's fresh intermediate: a new tensor of that size (tens of MB at a full
+# token budget) costs its page faults again on every call, ~15% of the forward.
 _ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
+    "gelu": torch.ops.aten.gelu_,
+    "gelu_new": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: torch.ops.aten.gelu_(x, approximate="tanh"),
+    "relu": torch.relu_,
 }
 _OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta"})
 # Checkpoint name prefixes of the bare encoder inside a task model, and tensors it does not use.
@@ -122,11 +125,13 @@ class BertLayer(nn.Module):
         hidden = shape.hidden_size
         self.num_heads = shape.num_heads
         self.head_dim = hidden // shape.num_heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.attention_out = nn.Linear(hidden, hidden)
+        # Linear: on the CPU each computes through the matmul plan measured for this machine
+        # (PoolingRunner tunes it), e.g. oneDNN's or our panel kernels over packed weights.
+        self.qkv = Linear(hidden, 3 * hidden)
+        self.attention_out = Linear(hidden, hidden)
         self.attention_norm = nn.LayerNorm(hidden, eps=shape.layer_norm_eps)
-        self.intermediate = nn.Linear(hidden, shape.intermediate_size)
-        self.output = nn.Linear(shape.intermediate_size, hidden)
+        self.intermediate = Linear(hidden, shape.intermediate_size)
+        self.output = Linear(shape.intermediate_size, hidden)
         self.output_norm = nn.LayerNorm(hidden, eps=shape.layer_norm_eps)
         self.act = _ACTIVATIONS[shape.activation]
 
@@ -138,10 +143,23 @@ class BertLayer(nn.Module):
             .permute(2, 0, 3, 1, 4)
             .unbind(0)
         )
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        attended = attended.transpose(1, 2).reshape(batch, length, width)
-        hidden = self.attention_norm(hidden + self.attention_out(attended))
-        return self.output_norm(hidden + self.output(self.act(self.intermediate(hidden))))
+        attended = _attend(q, k, v, attn_mask).transpose(1, 2).reshape(batch, length, width)
+        # Residuals added into the projections' fresh outputs, for the same reason.
+        hidden = self.attention_norm(self.attention_out(attended).add_(hidden))
+        return self.output_norm(self.output(self.act(self.intermediate(hidden))).add_(hidden))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v over [B, heads, L, head_dim]; mask [B, 1, 1, L] is
+    0 on real keys and -inf on padding.
+
+    On the CPU as two batched matmuls around a softmax: at an encoder's lengths (tens of
+    tokens) the scores are small, and torch's flash kernel for the CPU takes ~1.5x as long
+    over its blocks as this. Elsewhere torch's fused kernels."""
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(mask)
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 class ClassifierHead(nn.Module):
@@ -171,6 +189,13 @@ class BertEncoder(nn.Module):
     def hidden_size(self) -> int:
         return self.shape.hidden_size
 
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """The distinct (out, in) of the layers' linears, the ones a matmul plan computes."""
+        shapes = (
+            (m.out_features, m.in_features) for m in self.layers.modules() if isinstance(m, Linear)
+        )
+        return list(dict.fromkeys(shapes))
+
     def forward(
         self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
@@ -178,7 +203,8 @@ class BertEncoder(nn.Module):
         [B, L, hidden]; padding rows hold garbage the caller drops."""
         hidden = self.embeddings(input_ids, token_type_ids, mask)
         # Broadcast over heads and queries: each query sees every real token of its sequence.
-        attn_mask = mask.bool()[:, None, None, :]
+        attn_mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device)
+        attn_mask = attn_mask.masked_fill_(mask == 0, float("-inf"))[:, None, None, :]
         for layer in self.layers:
             hidden = layer(hidden, attn_mask)
         return hidden

@@ -65,6 +65,15 @@ class PoolingEngine:
             raise RequestRejectedError("this model has no tokenizer: pass token ids")
         return self.tokenizer.encode(prompt)
 
+    def tokenize_many(self, prompts: list[str]) -> list[list[int]]:
+        """`tokenize` of each prompt, in one call: the tokenizer's batch path, without Python
+        work per text."""
+        if not prompts:
+            return []
+        if self.tokenizer is None:
+            raise RequestRejectedError("this model has no tokenizer: pass token ids")
+        return [list(ids) for ids in self.tokenizer(prompts)["input_ids"]]
+
     def tokenize_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
         """A text pair as one input, as the tokenizer joins them: (ids, token type ids)."""
         if self.tokenizer is None:

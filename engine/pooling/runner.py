@@ -21,6 +21,7 @@ from engine.models.bert import BertEncoder, EncoderShape, is_cross_encoder, load
 from engine.models.checkpoint import SafetensorsCheckpoint
 from engine.models.interface import CausalLM
 from engine.models.loader import build_model, load_weights
+from engine.platforms.cpu.matmul_tuning import tune_model
 from engine.pooling.model_config import ENCODER_MODEL_TYPES, PoolerConfig, read_pooler_config
 from engine.pooling.pooler import pool
 from schemas.pooling import PoolingType
@@ -57,6 +58,11 @@ class PoolingRunner:
         self.num_labels: int | None = None
         if self.is_encoder:
             self.encoder = load_encoder(hf_config, model_path, self.device, self.dtype)
+            if self.device.type == "cpu":
+                # Every call is prefill-sized: MKL's sgemm, torch's default for fp32, reaches
+                # half of what oneDNN or our panels do on some CPUs (AMD with AVX-512).
+                shapes = self.encoder.linear_shapes()
+                tune_model(self.encoder, shapes, self.dtype, config.cpu_matmul)
             model_limit = EncoderShape.read(hf_config).max_tokens
             self.hidden_size = self.encoder.hidden_size
             if is_cross_encoder(hf_config):
