@@ -103,6 +103,15 @@ class EngineConfig:
         bool,
         Field(description="no CUDA graphs and no compiled CPU forward (debugging, quick starts)"),
     ] = False
+    cuda_graph_max_tokens: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="steps with prefills (mixed, speculative verification) of up to this "
+            "many tokens replay piecewise CUDA graphs, attention running eagerly between them; "
+            "0: such steps run eagerly (decode-only steps replay whole-step graphs either way)",
+        ),
+    ] = 512
     async_scheduling: Annotated[
         bool,
         Field(

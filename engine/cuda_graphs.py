@@ -5,8 +5,8 @@ microsecond kernels), which a graph replays in one call. Graphs are captured onc
 batch size (1, 2, 4, 8, then every 16 up to max_num_seqs) over static input buffers; a step
 copies its inputs into the first rows of those buffers, pads the rest with inert rows (slot -1,
 so nothing is written to the cache; context length 1, so attention reads one valid slot), replays
-the graph of the next captured size and returns the first rows of its output. Prefill and mixed
-steps run eagerly.
+the graph of the next captured size and returns the first rows of its output. Steps with
+prefills replay piecewise graphs instead (engine.piecewise_graphs).
 
 The kernels read every length from device memory and the attention launch uses a fixed split
 count, so one capture serves every context length up to max_model_len.
@@ -18,12 +18,15 @@ import bisect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
 from engine.attention.base import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+_Out = TypeVar("_Out")
 
 StepFn = Callable[[], torch.Tensor]
 # Turns a step function into (replay, output): replay() recomputes `output` in place from the
@@ -39,10 +42,17 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
-def cuda_graph_capture(pool: object | None = None) -> Capture:
+class Recorder(Protocol):
+    """Records a step: returns replay, which recomputes the step's outputs in place from the
+    current contents of the tensors it read, and those outputs."""
+
+    def __call__(self, step: Callable[[], _Out]) -> tuple[Callable[[], None], _Out]: ...
+
+
+def cuda_graph_capture(pool: object | None = None) -> Recorder:
     """The real capture: warm up on a side stream (Triton compiles there), then record."""
 
-    def capture(step: StepFn) -> tuple[Callable[[], None], torch.Tensor]:
+    def capture(step: Callable[[], _Out]) -> tuple[Callable[[], None], _Out]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -27,6 +27,7 @@ from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.lora.manager import LoRAManager
 from engine.models.loader import build_model
 from engine.picking import pick_tokens
+from engine.piecewise_graphs import PiecewiseGraphs, token_sizes
 from engine.platforms.cpu.greedy_screen import ScreenedLMHead
 from engine.platforms.select import platform_for
 from engine.prompt_logprobs import PromptSpan, prompt_spans, score_prompts
@@ -125,12 +126,14 @@ class ModelRunner:
         # sends steps to its executors only after it.
         self.step_sender: StepSender | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         self.num_kv_blocks = tensor_parallel.agree_on_blocks(
             self.tp, self._decide_num_kv_blocks(), self.device
         )
         self.kv_cache = KVCache(self.kv_spec, self.num_kv_blocks, self.device)
         if self._wants_cuda_graphs():
             self.decode_graphs = self._capture_decode_graphs()
+            self.piecewise_graphs = self._capture_piecewise_graphs()
         self.step_sender = tensor_parallel.driver_sender(self.tp, self.tp_ranks)
         logger.info(
             "model runner: %s on %s (%s, weights %s, %.1f MiB), %d KV blocks of %d tokens "
@@ -180,6 +183,29 @@ class ModelRunner:
             logger.exception("CUDA graph capture failed; decode steps run eagerly")
             return None
         return graphs
+
+    def _capture_piecewise_graphs(self) -> PiecewiseGraphs | None:
+        """As for decode graphs, a failed capture leaves steps with prefills eager. Their own
+        pool: a piece's scratch memory must not overlap a decode graph's output."""
+        graphs = self.make_piecewise_graphs()
+        if graphs is None:
+            return None
+        try:
+            with torch.inference_mode():
+                graphs.capture(cuda_graph_capture(torch.cuda.graph_pool_handle()))
+        except Exception:
+            logger.exception("piecewise CUDA graph capture failed; steps with prefills run eagerly")
+            return None
+        return graphs
+
+    def make_piecewise_graphs(self) -> PiecewiseGraphs | None:
+        """Static buffers for steps of up to cuda_graph_max_tokens tokens (not yet captured);
+        None where the setting is 0 or the model cannot be cut at its attention calls."""
+        limit = min(self.config.cuda_graph_max_tokens, self.config.max_num_batched_tokens)
+        split = self.model.split_forward()
+        if split is None or limit <= 0:
+            return None
+        return PiecewiseGraphs(split, token_sizes(limit), self.device)
 
     def make_decode_graphs(self) -> DecodeGraphs:
         """Static buffers for decode steps of up to max_num_seqs sequences (not yet captured)."""
@@ -368,13 +394,11 @@ class ModelRunner:
         if inputs.sample_rows is not None and inputs.sample_rows.numel() == 0:
             self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.attn_meta)
             return None
-        graphs = self.decode_graphs
-        adapted = self.lora is not None and self.lora.steps.current.active  # not in the graphs
-        if graphs is not None and not adapted and graphs.fits(inputs.input_ids, inputs.attn_meta):
-            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
-            if inputs.sample_rows is not None:
-                hidden = hidden.index_select(0, inputs.sample_rows)
-            return hidden
+        hidden = self._graph_hidden(inputs)
+        if hidden is not None:
+            return (
+                hidden if inputs.sample_rows is None else hidden.index_select(0, inputs.sample_rows)
+            )
         return self.model(
             inputs.input_ids,
             inputs.positions,
@@ -382,6 +406,20 @@ class ModelRunner:
             inputs.attn_meta,
             inputs.sample_rows,
         )
+
+    def _graph_hidden(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Every row's final hidden states from captured graphs: whole-step ones for a decode
+        step that fits them, else piecewise ones; None where neither serves the step."""
+        if self.lora is not None and self.lora.steps.current.active:  # not in the graphs
+            return None
+        ids, meta = inputs.input_ids, inputs.attn_meta
+        decode = self.decode_graphs
+        if decode is not None and decode.fits(ids, meta):
+            return decode.run(ids, inputs.positions, meta)
+        pieces = self.piecewise_graphs
+        if pieces is not None and pieces.fits(ids):
+            return pieces.run(ids, inputs.positions, self.kv_cache.layers, meta)
+        return None
 
     def prepare_inputs(self, batch: list[ScheduledSeq]) -> StepInputs:
         """Flatten a step's sequences into model inputs and attention metadata (no mutation)."""

@@ -14,7 +14,12 @@ if TYPE_CHECKING:
     from kernels.activation import silu_and_mul
     from kernels.fused_moe import fused_moe
     from kernels.kv_cache import reshape_and_cache
-    from kernels.paged_attention import choose_num_splits, unified_attention
+    from kernels.paged_attention import (
+        PrefillTiles,
+        choose_num_splits,
+        prefill_tiles_for,
+        unified_attention,
+    )
     from kernels.quant_matmul import quant_matmul_triton
     from kernels.reference import (
         fused_moe_ref,
@@ -31,6 +36,8 @@ if TYPE_CHECKING:
 _HOME = {
     "unified_attention": "kernels.paged_attention",
     "choose_num_splits": "kernels.paged_attention",
+    "PrefillTiles": "kernels.paged_attention",
+    "prefill_tiles_for": "kernels.paged_attention",
     "reshape_and_cache": "kernels.kv_cache",
     "rms_norm": "kernels.rms_norm",
     "rotary_embedding": "kernels.rotary",
@@ -47,9 +54,11 @@ _HOME = {
 }
 
 __all__ = [
+    "PrefillTiles",
     "choose_num_splits",
     "fused_moe",
     "fused_moe_ref",
+    "prefill_tiles_for",
     "quant_matmul_triton",
     "quant_matmul_triton_ref",
     "reshape_and_cache",

@@ -258,6 +258,46 @@ class _LaunchShape:
     block_q: int
     tile_n: int
     num_warps: int
+    num_stages: int | None = None  # None: Triton's default pipelining depth
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """A launch configuration for steps with prefill chunks: BLOCK_M rows (query tokens times
+    the query heads of one KV head), TILE_N keys per tile, warps per program and the depth of
+    the K/V load pipeline."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def label(self) -> str:
+        return f"m{self.block_m}n{self.tile_n}w{self.num_warps}s{self.num_stages}"
+
+
+# The candidates a start-up measurement picks from on Hopper-class GPUs: 128-row tiles feed
+# the tensor cores with a whole warpgroup's worth of rows; 2-4 stages overlap the gathered K/V
+# loads with the dots. Wide heads (D > 128) keep the narrower key tiles that do not spill.
+PREFILL_TILES = (
+    PrefillTiles(128, 64, 8, 3),
+    PrefillTiles(128, 64, 8, 2),
+    PrefillTiles(128, 64, 4, 2),
+    PrefillTiles(128, 32, 4, 4),
+    PrefillTiles(64, 64, 4, 3),
+    PrefillTiles(64, 64, 8, 4),
+)
+
+
+def prefill_tiles_for(queries_per_kv: int, head_dim: int) -> list[PrefillTiles]:
+    """The candidates that fit a head layout: BLOCK_M holds at least one token's heads."""
+    wide = padded_head_dim(head_dim) > 128
+    return [
+        tiles
+        for tiles in PREFILL_TILES
+        if tiles.block_m >= next_pow2(queries_per_kv) and not (wide and tiles.tile_n > 32)
+    ]
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -265,19 +305,29 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, next_pow2(head_dim))
 
 
-def _launch_shape(queries_per_kv: int, max_query_len: int, head_dim_pad: int) -> _LaunchShape:
-    """Tile sizes: 16 query rows (tl.dot's minimum) for decodes, 64 for prefill chunks.
+def _launch_shape(
+    queries_per_kv: int,
+    max_query_len: int,
+    head_dim_pad: int,
+    prefill_tiles: PrefillTiles | None = None,
+) -> _LaunchShape:
+    """Tile sizes: 16 query rows (tl.dot's minimum) for decodes, 64 for prefill chunks unless
+    `prefill_tiles` (a measured choice) says otherwise.
 
     Picked so that sm_90 compiles spill no registers (checked with ptxas -v): the gathered K/V
     addresses are register-hungry, so wide heads get narrower key tiles.
     """
     wide = head_dim_pad > 128
+    num_stages = None
     if max_query_len <= 1:
         block_m, tile_n, num_warps = 16, 16 if wide else 32, 4
+    elif prefill_tiles is not None:
+        block_m, tile_n = prefill_tiles.block_m, prefill_tiles.tile_n
+        num_warps, num_stages = prefill_tiles.num_warps, prefill_tiles.num_stages
     else:
         block_m, tile_n, num_warps = (32, 16, 8) if wide else (64, 64, 8)
     block_m = max(block_m, next_pow2(queries_per_kv))
-    return _LaunchShape(block_m, block_m // queries_per_kv, tile_n, num_warps)
+    return _LaunchShape(block_m, block_m // queries_per_kv, tile_n, num_warps, num_stages)
 
 
 def choose_num_splits(
@@ -317,6 +367,7 @@ def unified_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    prefill_tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's paged context, in one launch.
 
@@ -335,6 +386,8 @@ def unified_attention(
     table entries for blocks wholly before every query's window are never read. softcap: each
     scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). sinks:
     [Hq] sink logits (gpt-oss), each one more term of its head's softmax denominator.
+    prefill_tiles: the launch configuration of steps with prefill chunks (default: 64-row
+    tiles, 8 warps); decode-only steps keep theirs.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -357,7 +410,7 @@ def unified_attention(
 
     queries_per_kv = num_q_heads // num_kv_heads
     head_dim_pad = padded_head_dim(head_dim)
-    shape = _launch_shape(queries_per_kv, max_query_len, head_dim_pad)
+    shape = _launch_shape(queries_per_kv, max_query_len, head_dim_pad, prefill_tiles)
     if num_splits is None:
         keys = max_seq_len if window is None else min(max_seq_len, window)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_query_len, keys, q.device)
@@ -427,6 +480,7 @@ def unified_attention(
         # fp32 caches get exact fp32 products (no TF32); half types use the default MMA.
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else None,
         num_warps=shape.num_warps,
+        **({} if shape.num_stages is None else {"num_stages": shape.num_stages}),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](

@@ -21,5 +21,10 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         # Imported only here: CPU installs without Triton never load it.
         from engine.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        if device_type != "cuda":  # the interpreter: the kernel's default tiles
+            return TritonAttentionBackend()
+        from engine.attention.cuda_prefill import choose_cuda_prefill
+
+        # Steps with prefills attend through whichever path measures fastest on this GPU.
+        return TritonAttentionBackend(choose_prefill=choose_cuda_prefill)
     raise ValueError(f"unknown attention backend {name!r} (expected auto, torch or triton)")

@@ -7,21 +7,41 @@ installs can import the engine. On CPU tensors the kernels run only under TRITON
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
 from engine.attention.base import AttentionMetadata
+from engine.attention.prefill_select import PrefillChoice
+from engine.attention.torch_plan import PrefillShape
+
+logger = logging.getLogger(__name__)
+
+# Per-sequence SDPA calls cost a launch or more each: steps of many sequences keep the kernel.
+SDPA_MAX_SEQS = 16
 
 
 class TritonAttentionBackend:
     """AttentionBackend over kernels.reshape_and_cache + kernels.unified_attention."""
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(
+        self,
+        num_splits: int | None = None,
+        choose_prefill: Callable[[PrefillShape], PrefillChoice] | None = None,
+    ) -> None:
+        """choose_prefill: how steps with prefill chunks attend at a shape, asked once per
+        shape (a measurement on CUDA); None: the kernel with its default tiles."""
         # None lets the kernel choose flash decoding per step; a CUDA-graph runner should fix it.
         self.num_splits = num_splits
+        from engine.attention.cuda_prefill import sdpa_paged_prefill
         from kernels import reshape_and_cache, unified_attention
 
         self._reshape_and_cache = reshape_and_cache
         self._unified_attention = unified_attention
+        self._sdpa_paged_prefill = sdpa_paged_prefill
+        self._choose_prefill = choose_prefill
+        self._prefill: dict[PrefillShape, PrefillChoice] = {}
 
     def forward(
         self,
@@ -38,6 +58,17 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         self._reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        choice = PrefillChoice()
+        if meta.max_query_len > 1:
+            shape = PrefillShape(q.dtype, q.shape[1], *k_cache.shape[2:], k_cache.shape[1])
+            choice = self._prefill_choice(shape)
+            plain = window is None and softcap is None and sinks is None
+            if choice.sdpa and plain and meta.num_seqs <= SDPA_MAX_SEQS:
+                try:
+                    return self._sdpa_paged_prefill(q, k_cache, v_cache, out, meta, scale)
+                except RuntimeError:
+                    logger.exception("SDPA prefill failed; steps with prefills use the kernel")
+                    choice = self._prefill[shape] = PrefillChoice()
         return self._unified_attention(
             q,
             k_cache,
@@ -53,7 +84,16 @@ class TritonAttentionBackend:
             window=window,
             softcap=softcap,
             sinks=sinks,
+            prefill_tiles=choice.tiles,
         )
+
+    def _prefill_choice(self, shape: PrefillShape) -> PrefillChoice:
+        choice = self._prefill.get(shape)
+        if choice is None:
+            ask = self._choose_prefill
+            choice = PrefillChoice() if ask is None else ask(shape)
+            self._prefill[shape] = choice
+        return choice
 
     def attend_from_qkv(
         self,

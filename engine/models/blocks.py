@@ -191,9 +191,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention output after o_proj for every token, or only for `output_rows` (every
         token's K/V is still computed and stored)."""
-        num_tokens = hidden.shape[0]
         qkv = self.project_qkv(positions, hidden)
-        sinks = None if self.sinks is None else self.sinks.float()
         out = self.backend.attend_from_qkv(
             qkv,
             positions,
@@ -205,28 +203,63 @@ class LlamaAttention(nn.Module):
             self.scale,
             window=self.window,
             softcap=self.softcap,
-            sinks=sinks,
+            sinks=self._sinks(),
         )
         if out is None:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q, k = self.rotary_emb(positions, q, k, cos_sin)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            out = self.backend.forward(
-                q,
-                k,
-                v,
-                kv_cache[0],
-                kv_cache[1],
-                meta,
-                self.scale,
-                window=self.window,
-                softcap=self.softcap,
-                sinks=sinks,
-            )
-        out = out.reshape(num_tokens, self.q_size)
+            q, k, v = self._rotate(positions, qkv, cos_sin)
+            out = self.attend(q, k, v, kv_cache, meta)
+        return self.output(out, output_rows)
+
+    def rotated_qkv(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D], rotated: what `attend` takes."""
+        return self._rotate(positions, self.project_qkv(positions, hidden), cos_sin)
+
+    def _rotate(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k, cos_sin)
+        return q, k, v.view(qkv.shape[0], self.num_kv_heads, self.head_dim)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Store k and v in the cache and attend: [T, H, D]."""
+        return self.backend.forward(
+            q,
+            k,
+            v,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            self.scale,
+            window=self.window,
+            softcap=self.softcap,
+            sinks=self._sinks(),
+        )
+
+    def output(self, out: torch.Tensor, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj of the attention output [T, H, D], for every token or only `output_rows`."""
+        out = out.reshape(out.shape[0], self.q_size)
         if output_rows is not None:
             out = out.index_select(0, output_rows)
         return self.o_proj(out)
+
+    def _sinks(self) -> torch.Tensor | None:
+        return None if self.sinks is None else self.sinks.float()
 
 
 # The MLP of decoder layer i (a family whose layers differ there, e.g. mixture-of-experts ones,

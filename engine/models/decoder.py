@@ -38,6 +38,7 @@ from engine.models.interface import (
     ProjectionLayout,
     WeightMapping,
 )
+from engine.models.split import Cut, SplitForward
 from engine.models.variant import BlockVariant, QKNorm, read_decoder_config
 from engine.platforms.cpu.decode_stack import CpuDecodeStack, DecoderLayerParts
 
@@ -157,28 +158,39 @@ class VariantDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's last addition to the residual stream, the stream before it), for every
         token or only `output_rows`; the next norm adds the two."""
+        normed, carry = self.before_attention(hidden, residual)
+        attended = self.self_attn(positions, normed, kv_cache, meta, cos_sin, output_rows)
+        return self.after_attention(attended, carry, output_rows)
+
+    def before_attention(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input, the residual stream `after_attention` adds to)."""
         if self.post_norms:
             stream = hidden if residual is None else hidden + residual
             normed = stream if self.input_layernorm is None else self.input_layernorm(stream)
-            attended = self.self_attn(positions, normed, kv_cache, meta, cos_sin, output_rows)
-            if output_rows is not None:
-                stream = stream.index_select(0, output_rows)
-            stream = stream + self.post_attention_layernorm(attended)
+            return normed, stream
+        assert self.input_layernorm is not None
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        hidden, residual = self.input_layernorm(hidden, residual)
+        return hidden, residual
+
+    def after_attention(
+        self, attended: torch.Tensor, carry: torch.Tensor, output_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of the layer from the attention's output after o_proj (see forward)."""
+        if output_rows is not None:
+            carry = carry.index_select(0, output_rows)
+        if self.post_norms:
+            stream = carry + self.post_attention_layernorm(attended)
             pre_mlp = self.pre_feedforward_layernorm
             mixed = self.mlp(stream if pre_mlp is None else pre_mlp(stream))
             return self.post_feedforward_layernorm(mixed), stream
-        assert self.input_layernorm is not None
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin, output_rows)
-        if output_rows is not None:
-            residual = residual.index_select(0, output_rows)
+        hidden = attended
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, carry)
         hidden = self.mlp(hidden)
         if self.residual_multiplier != 1.0:
             hidden = hidden * self.residual_multiplier
@@ -322,6 +334,60 @@ class VariantModel(nn.Module):
         return hidden
 
 
+class VariantSplitForward:
+    """VariantModel's forward cut at each layer's attention (engine.models.split)."""
+
+    def __init__(self, model: VariantModel) -> None:
+        self.model = model
+        self.layers: list[VariantDecoderLayer] = list(model.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Cut:
+        return self._prepare(0, self.model.embed(input_ids), None, positions)
+
+    def piece(
+        self, layer: int, attended: torch.Tensor, carry: torch.Tensor, positions: torch.Tensor
+    ) -> Cut:
+        hidden, residual = self._finish(layer - 1, attended, carry)
+        return self._prepare(layer, hidden, residual, positions)
+
+    def last_piece(self, attended: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self._finish(len(self.layers) - 1, attended, carry)
+        return self.model.norm(hidden, residual)[0]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_caches: KVCaches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.layers[layer].self_attn.attend(q, k, v, kv_caches[layer], meta)
+
+    def _prepare(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+    ) -> Cut:
+        block = self.layers[layer]
+        normed, carry = block.before_attention(hidden, residual)
+        q, k, v = block.self_attn.rotated_qkv(positions, normed, None)
+        return Cut(q, k, v, carry)
+
+    def _finish(
+        self, layer: int, attended: torch.Tensor, carry: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        block = self.layers[layer]
+        return block.after_attention(block.self_attn.output(attended), carry)
+
+
 def layer_projections(layer: VariantDecoderLayer) -> ProjectionLayout:
     attention, mlp = layer.self_attn, layer.mlp
     if not isinstance(mlp, LlamaMLP):  # a mixture of experts: no dense projections
@@ -395,6 +461,9 @@ class VariantForCausalLM(CausalLM):
         sample_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_meta, sample_rows)
+
+    def split_forward(self) -> SplitForward | None:
+        return VariantSplitForward(self.model)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

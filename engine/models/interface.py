@@ -23,6 +23,8 @@ from engine.layers.linear import Linear, MergedLinear
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from engine.models.split import SplitForward
+
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
 
 
@@ -204,6 +206,11 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> float32 logits [S, vocab (padded under tensor parallelism)]."""
+
+    def split_forward(self) -> SplitForward | None:
+        """The forward cut at its attention calls, for piecewise CUDA graphs of steps with
+        prefills (engine.piecewise_graphs); None: such steps run eagerly."""
+        return None
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """Whether the loader passes over this checkpoint tensor on purpose (e.g. layers a

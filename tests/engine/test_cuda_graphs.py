@@ -97,7 +97,9 @@ def test_a_failed_capture_leaves_the_runner_eager(tiny_model_factory, monkeypatc
     monkeypatch.setattr(model_runner.torch.cuda, "graph_pool_handle", lambda: None)
     runner = _make_runner(tiny_model_factory("llama"), backend="triton", device=TRITON_DEVICE)
     assert runner.decode_graphs is None
+    assert runner.piecewise_graphs is None
     assert "CUDA graph capture failed" in caplog.text
+    assert "piecewise CUDA graph capture failed" in caplog.text
     prompts = [[3, 4, 5], [6]]
     logits = _run_schedule(runner, prompts, [[(0, 3), (1, 1)], [(0, 1), (1, 1)]])
     assert len(logits) == 4  # both steps ran eagerly

@@ -161,3 +161,32 @@ def test_reference_equals_dense_causal_sdpa(device):
         q = batch.q[starts[i] : starts[i + 1]]
         expected = dense_causal_attention(q, batch.dense_k[i], batch.dense_v[i], 0.2)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_every_prefill_tile_configuration_matches_reference(device):
+    """The start-up measurement may pick any of the candidate launch configurations: each must
+    compute the same attention, with 4 query heads packed per KV head and paged prefixes."""
+    pytest.importorskip("triton")
+    from kernels import prefill_tiles_for, unified_attention
+
+    batch = make_paged_batch(
+        [20, 1, 37], [45, 13, 100], num_q_heads=8, num_kv_heads=2, head_dim=64,
+        block_size=16, dtype=torch.float32, device=device,
+    )  # fmt: skip
+    expected = _run_reference(batch, 0.125)
+    configurations = prefill_tiles_for(4, 64)
+    assert len(configurations) >= 4
+    for tiles in configurations:
+        out = torch.empty_like(batch.q)
+        unified_attention(*batch.attention_args(out, 0.125), prefill_tiles=tiles)
+        _assert_close(out, expected, torch.float32)
+
+
+def test_prefill_tiles_keep_narrow_key_tiles_for_wide_heads():
+    pytest.importorskip("triton")
+    from kernels import prefill_tiles_for
+
+    wide = prefill_tiles_for(2, 256)
+    assert wide and all(tiles.tile_n <= 32 for tiles in wide)
+    # 16 query heads per KV head need 16 rows for one token: every candidate has them.
+    assert prefill_tiles_for(16, 128) == prefill_tiles_for(1, 128)
