@@ -114,10 +114,7 @@ async def enqueue(
     (invalid_request) when the deadline has already passed."""
     if max_queue_len is not None and max_queue_len < 1:
         raise ValueError("max_queue_len must be at least 1 (None: no limit)")
-    if request.is_past_deadline():
-        raise QueueError(
-            ErrorBody.of(ErrorCode.INVALID_REQUEST, "deadline: is already in the past", "deadline")
-        )
+    check_deadline(request)
     job = Job.new(request, owner=owner)
     if keys.cluster:
         outcome, value = await cluster_enqueue(
@@ -132,25 +129,40 @@ async def enqueue(
         outcome, value = await _enqueue_on_one_node(
             redis, keys, job, owner=owner, max_queue_len=max_queue_len, replicas=replicas
         )
+    return await enqueued(redis, keys, job, outcome, value, max_queue_len)
+
+
+def check_deadline(request: JobRequest) -> None:
+    """QueueError (invalid_request) when the request's deadline has already passed."""
+    if request.is_past_deadline():
+        raise QueueError(
+            ErrorBody.of(ErrorCode.INVALID_REQUEST, "deadline: is already in the past", "deadline")
+        )
+
+
+async def enqueued(
+    redis: Redis,
+    keys: RedisKeys,
+    job: Job,
+    outcome: str | bytes,
+    value: str | bytes,
+    max_queue_len: int | None,
+) -> Job:
+    """The job ENQUEUE_SCRIPT's reply for `job` stands for: `job` itself, the job an earlier
+    call with its idempotency key created, or QueueFullError."""
     outcome, value = EnqueueOutcome(as_text(outcome)), as_text(value)
     if outcome is EnqueueOutcome.CREATED:
         return job.model_copy(update={"entry_id": value})
     if outcome is EnqueueOutcome.EXISTING:
         return await get_job(redis, keys, value)
-    raise QueueFullError(request.model, int(value), max_queue_len or 0)
+    raise QueueFullError(job.request.model, int(value), max_queue_len or 0)
 
 
-async def _enqueue_on_one_node(
-    redis: Redis,
-    keys: RedisKeys,
-    job: Job,
-    *,
-    owner: str | None,
-    max_queue_len: int | None,
-    replicas: ReplicaWait | None,
-) -> tuple[str | bytes, str | bytes]:
-    """ENQUEUE_SCRIPT's reply for `job` (one atomic step on a single node or Sentinel master).
-    With several partitions each holds its share of `max_queue_len`."""
+def enqueue_call(
+    keys: RedisKeys, job: Job, *, owner: str | None, max_queue_len: int | None
+) -> tuple[list[str], list[str | int]]:
+    """ENQUEUE_SCRIPT's keys and arguments for `job` on a single node or Sentinel master. With
+    several partitions each holds its share of `max_queue_len`."""
     request = job.request
     # Bulk work waits on its own stream, so its backlog neither delays nor 429s interactive jobs.
     script_keys = [keys.job(job.id), keys.queue_stream(request.model, request.priority, job.id)]
@@ -166,6 +178,21 @@ async def _enqueue_on_one_node(
     ]
     for name, value in job.to_redis_hash().items():
         args += [name, value]
+    return script_keys, args
+
+
+async def _enqueue_on_one_node(
+    redis: Redis,
+    keys: RedisKeys,
+    job: Job,
+    *,
+    owner: str | None,
+    max_queue_len: int | None,
+    replicas: ReplicaWait | None,
+) -> tuple[str | bytes, str | bytes]:
+    """ENQUEUE_SCRIPT's reply for `job` (one atomic step on a single node or Sentinel master).
+    With several partitions each holds its share of `max_queue_len`."""
+    script_keys, args = enqueue_call(keys, job, owner=owner, max_queue_len=max_queue_len)
     if replicas is None:
         outcome, value = await run_script(redis, ENQUEUE_SCRIPT, script_keys, args)
         return outcome, value

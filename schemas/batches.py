@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import to_json
 
 BATCH_ID_PREFIX = "batch_"
 FILE_ID_PREFIX = "file-"
@@ -244,4 +245,7 @@ def error_line(
 
 
 def _line(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    # pydantic's encoder writes floats ten times as fast as json.dumps (an embedding line has
+    # hundreds), each as its shortest round-trip digits as json.dumps does (a small one as
+    # 0.00001 where json.dumps writes 1e-05: the same value)
+    return to_json(payload).decode()

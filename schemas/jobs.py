@@ -26,6 +26,7 @@ from schemas.errors import ErrorBody, field_error
 from schemas.pooling import PoolingParams
 from schemas.results import JobResult, as_utc
 from schemas.sampling import SamplingParams
+from schemas.vectors import PACKED_EMBEDDING_FIELD, pack_float32, unpack_float32
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 1_000_000
@@ -263,6 +264,8 @@ _JSON_FIELDS = frozenset({JobField.REQUEST, JobField.RESULT, JobField.ERROR})
 
 def encode_hash_value(value: object) -> str:
     """How one job-hash value is written: the single place that decides the string forms."""
+    if isinstance(value, JobResult) and value.embedding is not None:
+        return _result_json(value)
     if isinstance(value, BaseModel):
         return value.model_dump_json(exclude_none=True)
     if isinstance(value, datetime):
@@ -319,7 +322,7 @@ class Job(BaseModel):
         """Parse a hash read with HGETALL (bytes or str); raises pydantic.ValidationError when a
         field is missing or malformed (a worker treats that as an unparseable job)."""
         values = {
-            name: _loads_or_raw(raw) if name in _JSON_FIELDS else raw
+            name: _decoded(name, raw)
             for name, raw in decode_hash(data).items()
             if name not in _DERIVED_FIELDS
         }
@@ -347,6 +350,35 @@ def as_text(value: str | bytes) -> str:
 def decode_hash(data: Mapping[str, str] | Mapping[bytes, bytes]) -> dict[str, str]:
     """A hash read with HGETALL, with or without `decode_responses`, as text."""
     return {as_text(k): as_text(v) for k, v in data.items()}
+
+
+def _result_json(result: JobResult) -> str:
+    """A result with a vector, the vector packed where float32 holds it (schemas.vectors)."""
+    assert result.embedding is not None
+    packed = pack_float32(result.embedding)
+    if packed is None:
+        return result.model_dump_json(exclude_none=True)
+    rest = result.model_dump_json(exclude_none=True, exclude={"embedding"})
+    # `rest` is a JSON object with fields (choices is never empty): the vector joins before "}"
+    return f'{rest[:-1]},"{PACKED_EMBEDDING_FIELD}":"{packed}"}}'
+
+
+def _decoded(name: str, raw: str) -> object:
+    if name == JobField.RESULT:
+        return _stored_result(raw)
+    return _loads_or_raw(raw) if name in _JSON_FIELDS else raw
+
+
+def _stored_result(raw: str) -> object:
+    """A stored result's JSON, its packed vector unpacked into `embedding`. A packing that does
+    not decode is left under its own name, so validation names the field."""
+    result = _loads_or_raw(raw)
+    if isinstance(result, dict) and isinstance(result.get(PACKED_EMBEDDING_FIELD), str):
+        vector = unpack_float32(result[PACKED_EMBEDDING_FIELD])
+        if vector is not None:
+            del result[PACKED_EMBEDDING_FIELD]
+            result["embedding"] = vector
+    return result
 
 
 def _loads_or_raw(raw: str) -> object:

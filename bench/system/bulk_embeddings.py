@@ -10,7 +10,9 @@ the lines and the worker at 60%, each restarted at once. Times run from the batc
 `completed`; the ratio is the engine's seconds over the batch's. Checks every line is in the
 output exactly once with the engine's vector (cosine distance), and prints the peak RSS of the
 engine alone, the API, the controller and the worker (VmHWM; a killed process's peak counts) and
-Redis' peak memory (it holds the input and output files).
+Redis' peak memory (it holds the input and output files). Undisturbed, it prints the CPU seconds
+each process spent per 1,000 lines (API, controller, worker, Redis) against the engine alone's:
+on a machine with few cores, whatever the others spend comes out of the engine's share.
 """
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ def _engine_alone(texts: list[str], out: str) -> None:
 
     llm = LLM(MODEL)
     llm.embed(texts[:256], use_tqdm=False)  # warm-up, as the worker's start does
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     outputs = llm.embed(texts, use_tqdm=False)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     vectors = torch.tensor([o.outputs.embedding for o in outputs])
-    torch.save({"seconds": seconds, "peak_mb": peak_rss_mb(os.getpid()), "vectors": vectors}, out)
+    peak = peak_rss_mb(os.getpid())
+    torch.save({"seconds": seconds, "cpu": cpu, "peak_mb": peak, "vectors": vectors}, out)
 
 
-def engine_alone(texts: list[str], workdir: Path) -> tuple[float, float, object]:
+def engine_alone(texts: list[str], workdir: Path) -> tuple[float, float, float, object]:
+    """Wall seconds, CPU seconds (all threads), peak RSS (MiB) and vectors of the engine alone."""
     import torch
 
     out = str(workdir / "engine.pt")
@@ -70,7 +74,7 @@ def engine_alone(texts: list[str], workdir: Path) -> tuple[float, float, object]
     if child.exitcode != 0:
         raise RuntimeError(f"the engine-alone process exited with {child.exitcode}")
     result = torch.load(out)
-    return result["seconds"], result["peak_mb"], result["vectors"]
+    return result["seconds"], result["cpu"], result["peak_mb"], result["vectors"]
 
 
 def redis_peak_mb(redis_url: str) -> float:
@@ -123,12 +127,13 @@ def main() -> int:
     print(machine_one_liner(describe_machine()), "|", runtime, flush=True)
     texts = texts_for(args.lines)
     workdir = Path(tempfile.mkdtemp(prefix="inferq-bulk-embeddings-"))
-    engine_s, engine_peak, reference = float("nan"), float("nan"), None
+    engine_s, engine_cpu, engine_peak = float("nan"), float("nan"), float("nan")
+    reference = None
     if not args.skip_engine and args.memory_only is None:
-        engine_s, engine_peak, reference = engine_alone(texts, workdir)
+        engine_s, engine_cpu, engine_peak, reference = engine_alone(texts, workdir)
         rate = args.lines / engine_s
         print(f"engine alone: {args.lines} texts in {engine_s:.1f} s ({rate:.0f}/s), "
-              f"peak RSS {engine_peak:.0f} MiB", flush=True)  # fmt: skip
+              f"{engine_cpu:.1f} CPU s, peak RSS {engine_peak:.0f} MiB", flush=True)  # fmt: skip
     lines = [
         json.dumps(
             {
@@ -147,7 +152,9 @@ def main() -> int:
             print(f"worker ready in {system.wait_ready():.1f} s", flush=True)
             if args.memory_only is not None:
                 return memory_only(system, lines, args.memory_only, redis_url)
+            cpu_before = system.cpu_seconds()
             seconds, batch, notes = system.run_batch(lines, args.kills, ENDPOINT)
+            cpu_spent = system.cpu_seconds()
             output = system.output(batch.get("output_file_id"))
             redis_peak = redis_peak_mb(redis_url)
         finally:
@@ -165,6 +172,12 @@ def main() -> int:
     print(f"\nbatch: {batch['status']} in {seconds:.1f} s ({args.lines / seconds:.0f} lines/s), "
           f"{ratio:.3f}x the engine alone; every line once: {once}; worst cosine distance to "
           f"the engine's vectors: {worst:.2e}; {'; '.join(notes) or 'no kills'}")  # fmt: skip
+    if not args.kills:  # a restarted process's counter starts again: only undisturbed runs add up
+        per_k = 1000 / args.lines
+        shares = ", ".join(
+            f"{name} {(cpu_spent[name] - cpu_before[name]) * per_k:.2f}" for name in cpu_spent
+        )
+        print(f"CPU s per 1,000 lines: engine alone {engine_cpu * per_k:.2f}; batch: {shares}")
     peaks = ", ".join(f"{name} {mb:.0f}" for name, mb in sorted(system.peaks.items()))
     print(f"peak RSS MiB: engine alone {engine_peak:.0f}; {peaks}; redis {redis_peak:.0f}")
     print(f"logs: {workdir}")

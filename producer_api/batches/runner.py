@@ -32,6 +32,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from producer_api import queue
+from producer_api.batches.enqueue_all import enqueue_all
 from producer_api.batches.files import FileStore
 from producer_api.batches.input_lines import InputLines
 from producer_api.batches.lease_holder import holder_token
@@ -157,7 +158,10 @@ class BatchRunner:
             if now_s() >= self.expires_at:
                 await self._stop(EXPIRED_CODE, "the batch expired before this request ran")
                 return await self._finalize(BatchStatus.EXPIRED)
-            await self._fan_out()
+            # up to the backlog's room now, not one chunk a poll: that would cap the batch at
+            # batch_chunk_lines / batch_poll_interval_s lines a second, whatever the workers do
+            while await self._fan_out():
+                pass
             await self._collect_announced()
             if time.monotonic() >= self._next_sweep:
                 await self._sweep()
@@ -229,41 +233,41 @@ class BatchRunner:
         self.outstanding = {int(n): job for n, job in line_jobs.items() if int(n) not in done}
         self.line_of = {job: n for n, job in self.outstanding.items()}
 
-    async def _fan_out(self) -> None:
+    async def _fan_out(self) -> bool:
+        """Enqueue the next chunk of lines, as far as the backlog and in-flight caps leave room;
+        False when there was none (or no line left)."""
         valid = self.input.valid
         if self.submitted >= len(valid):
-            return
+            return False
         room = min(
             self.settings.batch_chunk_lines,
             self.settings.batch_max_in_flight - len(self.outstanding),
         )
         if room <= 0:
-            return
+            return False
         model = self.input.line(valid[self.submitted]).request.model  # type: ignore[union-attr]
         backlog = await queue.queue_length(self.redis, self.keys, model, bulk=True)
         room = min(room, self.settings.batch_max_backlog - backlog)
         if room <= 0:
-            return
+            return False
         chunk = [self.input.line(n) for n in valid[self.submitted : self.submitted + room]]
         refused = await self._refusals(chunk)
         runnable = [line for line in chunk if line.number not in refused]
         on_base = await self._on_base_models(runnable, refused)
         runnable = [line for line in runnable if line.number in on_base]
         deadline = datetime.fromtimestamp(self.expires_at, UTC)
-        results = await asyncio.gather(
-            *(
-                queue.enqueue(
-                    self.redis,
-                    self.keys,
-                    batch_job_request(
-                        on_base[line.number], batch_id=self.batch_id, line=line, deadline=deadline
-                    ),
-                    owner=self.owner,
-                    replicas=self.settings.replica_wait(),
-                )
-                for line in runnable
-            ),
-            return_exceptions=True,
+        requests = [
+            batch_job_request(
+                on_base[line.number], batch_id=self.batch_id, line=line, deadline=deadline
+            )
+            for line in runnable
+        ]
+        results = await enqueue_all(
+            self.redis,
+            self.keys,
+            requests,
+            owner=self.owner,
+            replicas=self.settings.replica_wait(),
         )
         enqueued: dict[int, str] = {}
         for line, result in zip(runnable, results, strict=True):
@@ -286,6 +290,7 @@ class BatchRunner:
         self.input.parsed.update((ln.number, ln) for ln in runnable if ln.number in enqueued)
         self.outstanding.update(enqueued)
         self.line_of.update({job: n for n, job in enqueued.items()})
+        return True
 
     async def _on_base_models(
         self, lines: list[ParsedLine], refused: dict[int, str]
