@@ -36,13 +36,16 @@ def cluster_ok(host: str, port: int) -> bool:
     return isinstance(info, dict) and str(info.get("cluster_state")) == "ok"
 
 
-def start_redis_cluster(system: System, primaries: int, url: str, data_dir: Path) -> str:
-    """Start (or find running) the cluster next to `url`'s port; returns a node's URL."""
+def start_redis_cluster(
+    system: System, primaries: int, url: str, data_dir: Path, replicas: int = 1
+) -> str:
+    """Start (or find running) the cluster next to `url`'s port, `replicas` replicas per
+    primary; returns a node's URL."""
     if primaries < 3:
         raise UpError("--redis-cluster: a Redis Cluster needs at least 3 primaries")
     parts = urlsplit(url)
     host, first = parts.hostname or "127.0.0.1", (parts.port or 6379) + 1
-    ports = list(range(first, first + 2 * primaries))
+    ports = list(range(first, first + (1 + replicas) * primaries))
     node_url = f"redis://{host}:{first}/0"
     if cluster_ok(host, first):
         print(f"inferq up: using the Redis Cluster at {node_url}")
@@ -68,7 +71,7 @@ def start_redis_cluster(system: System, primaries: int, url: str, data_dir: Path
     give_up = time.monotonic() + CLUSTER_READY_S
     if all(fresh):
         _wait(lambda: all(_answers(host, port) for port in ports), give_up, system)
-        _create(host, ports)
+        _create(host, ports, replicas)
     _wait(lambda: cluster_ok(host, first), give_up, system)
     print(f"inferq up: started a Redis Cluster of {primaries} primaries at {node_url}")
     return node_url
@@ -85,12 +88,20 @@ def _answers(host: str, port: int) -> bool:
         return False
 
 
-def _create(host: str, ports: list[int]) -> None:
+def _create(host: str, ports: list[int], replicas: int) -> None:
     cli = shutil.which("redis-cli")
     if cli is None:
         raise UpError("redis-cli not found: install it (it comes with redis-server)")
     nodes = [f"{host}:{port}" for port in ports]
-    command = [cli, "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"]
+    command = [
+        cli,
+        "--cluster",
+        "create",
+        *nodes,
+        "--cluster-replicas",
+        str(replicas),
+        "--cluster-yes",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise UpError(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")

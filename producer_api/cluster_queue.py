@@ -2,7 +2,8 @@
 model's partition stream (another slot) cannot be written by one script. The steps, each atomic
 on one slot, in the order that keeps every guarantee a worker relies on:
 
-1. idempotency key: SET NX (an existing key naming a stored job answers with that job);
+1. idempotency key: SET NX (an existing key naming a stored job answers with that job; one
+   naming a job not stored yet is an enqueue racing this one, whose job is waited for);
 2. backlog: the model's partitions' XLEN summed, against the limit (a soft limit here: two
    enqueues racing at the limit may both pass);
 3. the job hash, queued, with a provisional TTL (CLUSTER_JOB_CREATE_SCRIPT);
@@ -16,6 +17,9 @@ an enqueue cut off between 3 and 4 was never answered, and its hash expires.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from redis.asyncio import Redis
 
 from redis_io.scripts import run_script
@@ -27,6 +31,11 @@ from schemas.redis_scripts import (
     CLUSTER_JOB_ENTRY_SCRIPT,
     EnqueueOutcome,
 )
+
+# How long an enqueue that lost the SET NX on an idempotency key waits for the winner's job
+# hash (written one round trip after its SET): past it, the key names a job that is gone.
+RACING_JOB_WAIT_S = 1.0
+RACING_JOB_POLL_S = 0.01
 
 
 async def cluster_enqueue(
@@ -44,10 +53,10 @@ async def cluster_enqueue(
     if idempotency_key is not None:
         idem = keys.idempotency(idempotency_key, owner)
         if not await redis.set(idem, job.id, nx=True, ex=IDEMPOTENCY_TTL_S):
-            existing = await redis.get(idem)
-            if existing is not None and await redis.exists(keys.job(as_text(existing))):
-                return EnqueueOutcome.EXISTING, as_text(existing)
-            await redis.set(idem, job.id, ex=IDEMPOTENCY_TTL_S)  # it named an expired job
+            existing = await _stored_job_named(redis, keys, idem)
+            if existing is not None:
+                return EnqueueOutcome.EXISTING, existing
+            await redis.set(idem, job.id, ex=IDEMPOTENCY_TTL_S)  # it named a job that is gone
     stream = keys.queue_stream(request.model, request.priority, job.id)
     if max_queue_len:
         streams = (
@@ -60,6 +69,8 @@ async def cluster_enqueue(
                 pipe.xlen(name)
             backlog = sum(await pipe.execute())
         if backlog >= max_queue_len:
+            if idempotency_key is not None and as_text(await redis.get(idem) or "") == job.id:
+                await redis.delete(idem)  # a retry with the key must not wait for this job
             return EnqueueOutcome.FULL, str(backlog)
     fields = [item for pair in job.to_redis_hash().items() for item in pair]
     job_key = keys.job(job.id)
@@ -68,3 +79,18 @@ async def cluster_enqueue(
     await run_script(redis, CLUSTER_JOB_ENTRY_SCRIPT, [job_key], [entry])
     await redis.execute_command("PUBLISH", keys.arrivals_channel(request.model), entry)
     return EnqueueOutcome.CREATED, entry
+
+
+async def _stored_job_named(redis: Redis, keys: RedisKeys, idem: str) -> str | None:
+    """The id of the job the idempotency key names, once that job is stored; None when the key
+    is gone or names a job that did not appear within RACING_JOB_WAIT_S."""
+    give_up = time.monotonic() + RACING_JOB_WAIT_S
+    while True:
+        named = await redis.get(idem)
+        if named is None:
+            return None
+        if await redis.exists(keys.job(as_text(named))):
+            return as_text(named)
+        if time.monotonic() >= give_up:
+            return None
+        await asyncio.sleep(RACING_JOB_POLL_S)

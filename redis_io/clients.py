@@ -15,11 +15,12 @@ Retry-After, the worker's loop treats it as Redis being away (backoff, then carr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import cast
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ClusterDownError, SlotNotCoveredError, TryAgainError
@@ -104,6 +105,17 @@ def master_address(client: Redis) -> tuple[str, int] | None:
 def is_cluster(redis: Redis) -> bool:
     """Whether `redis` is the cluster client `redis_client` gives with `redis_cluster`."""
     return isinstance(redis, RedisCluster)
+
+
+def channels_by_shard(redis: Redis, channels: Iterable[str]) -> list[tuple[ClusterNode, list[str]]]:
+    """Sharded channels grouped by the primary that serves each one's slot now (a cluster
+    client's view; it follows MOVED on its own)."""
+    cluster = cast(RedisCluster, redis)
+    out: dict[str, tuple[ClusterNode, list[str]]] = {}
+    for channel in channels:
+        node = cluster.get_node_from_key(channel)
+        out.setdefault(node.name, (node, []))[1].append(channel)
+    return list(out.values())
 
 
 def pipeline(redis: Redis, *, atomic: bool) -> Pipeline:

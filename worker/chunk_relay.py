@@ -11,13 +11,16 @@ that order makes skipping safe: a reader that subscribed before the look is coun
 the chunks of that pipeline it may have missed are published in the next one (a catch-up);
 a reader that subscribed after the look replays after it, so it finds every chunk XADDed
 before the look in the replay stream. A job nobody has looked at yet publishes (its first
-chunk goes out live without waiting for an answer). On a Redis Cluster every chunk is published
-(SPUBLISH, on the job's own shard): the look would answer for one node only.
+chunk goes out live without waiting for an answer). On a Redis Cluster the channel is sharded
+(SPUBLISH, SSUBSCRIBE on the job's own shard) and the look is `PUBSUB SHARDNUMSUB`, sent to
+each channel's shard: the node that holds the job's replay stream too, so there the look also
+follows the XADDs; sharded channels have no pattern subscribers.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,8 +78,13 @@ def check_chunk_replies(replies: Sequence[Any]) -> None:
 
 @dataclass
 class Listeners:
-    """Which jobs had a subscriber on their channel at the last look."""
+    """Which jobs had a subscriber on their channel at the last look. `look_interval_s`: how
+    long a worker with nothing to write waits between looks for a new subscriber (a flush that
+    writes chunks looks anyway): every look is a round trip to each Redis holding unheard
+    jobs, and an engine stepping every millisecond would otherwise make one a step."""
 
+    look_interval_s: float = 0.0
+    _last_look: float = float("-inf")
     _heard: dict[str, bool] = field(default_factory=dict)
     _channels: dict[str, str] = field(default_factory=dict)  # job -> channel, of jobs looked at
 
@@ -90,6 +98,11 @@ class Listeners:
             del self._heard[job_id]
             self._channels.pop(job_id, None)
 
+    def look_due(self) -> bool:
+        """Whether a flush should go out only to look at unheard jobs now."""
+        due = time.monotonic() - self._last_look >= self.look_interval_s
+        return due and any(not heard for heard in self._heard.values())
+
     def unheard(self) -> dict[str, str]:
         """Jobs (and their channels) nobody listened to at the last look: each flush looks
         again, chunks or not, so a listener that subscribes is noticed within a round."""
@@ -102,6 +115,11 @@ class Listeners:
         """The look, sent after the XADDs of the chunks it is for."""
         return [("PUBSUB NUMSUB", *channels), ("PUBSUB NUMPAT",)]
 
+    @staticmethod
+    def shard_look_command(channels: Sequence[str]) -> Command:
+        """The look on a cluster, one per shard (for the channels that shard holds)."""
+        return ("PUBSUB SHARDNUMSUB", *channels)
+
     def learn(self, job_channels: dict[str, str], replies: Sequence[Any]) -> set[str]:
         """Take the look's replies for `job_channels` (job id -> channel); returns the jobs
         heard now (what they were sent unpublished needs a catch-up). A failed look counts as
@@ -110,10 +128,22 @@ class Listeners:
         if isinstance(numsub, Exception) or isinstance(numpat, Exception):
             error = numsub if isinstance(numsub, Exception) else numpat
             log_event(logger, logging.WARNING, "listener_look_failed", error=error)
-            counts, anyone = {}, True
-        else:
-            counts = {_text(channel): int(count) for channel, count in numsub}
-            anyone = int(numpat) > 0
+            return self._take(job_channels, {}, anyone=True)
+        return self._take(job_channels, _counts(numsub), anyone=int(numpat) > 0)
+
+    def learn_sharded(self, job_channels: dict[str, str], replies: Sequence[Any]) -> set[str]:
+        """`learn` from the shards' SHARDNUMSUB replies (one per shard looked at)."""
+        errors = [reply for reply in replies if isinstance(reply, Exception)]
+        if errors:
+            log_event(logger, logging.WARNING, "listener_look_failed", error=errors[0])
+            return self._take(job_channels, {}, anyone=True)
+        counts: dict[str, int] = {}
+        for reply in replies:
+            counts.update(_counts(reply))
+        return self._take(job_channels, counts, anyone=False)
+
+    def _take(self, job_channels: dict[str, str], counts: dict[str, int], anyone: bool) -> set[str]:
+        self._last_look = time.monotonic()
         heard = set()
         for job_id, channel in job_channels.items():
             self._channels[job_id] = channel
@@ -121,6 +151,14 @@ class Listeners:
             if self._heard[job_id]:
                 heard.add(job_id)
         return heard
+
+
+def _counts(numsub: Sequence[Any]) -> dict[str, int]:
+    """Channel -> subscribers from a NUMSUB reply: pairs, or the flat list a pipeline without
+    the client's reply parsing gives."""
+    if numsub and not isinstance(numsub[0], list | tuple):
+        numsub = list(zip(numsub[::2], numsub[1::2], strict=True))
+    return {_text(channel): int(count) for channel, count in numsub}
 
 
 def _text(value: str | bytes) -> str:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode
 from redis.exceptions import NoScriptError
 
-from redis_io.clients import raise_for_cluster_outage
+from redis_io.clients import channels_by_shard, raise_for_cluster_outage
 from redis_io.replica_wait import fell_short, wait_command
 from redis_io.scripts import evalsha_command, load_command
 from schemas import (
@@ -70,6 +71,8 @@ class _Plan:
     """One flush's commands, in units that each have their reply handler."""
 
     units: list[tuple[list[Command], Reply | None]] = field(default_factory=list)
+    # on a cluster: the node each of some units' commands goes to (unit index -> nodes)
+    targets: dict[int, list[ClusterNode]] = field(default_factory=dict)
     unpublished: dict[str, list[ChunkWrite]] = field(default_factory=dict)  # job -> writes
     channels: dict[str, str] = field(default_factory=dict)  # job with chunks -> its channel
     scripts: set[str] = field(default_factory=set)  # the scripts its EVALSHAs run
@@ -102,8 +105,8 @@ class Outbox:
 
     @property
     def pending(self) -> bool:
-        """Whether a flush has anything to send (a look at unheard jobs counts)."""
-        return bool(self.ops or self._catch_up or self.listeners.unheard())
+        """Whether a flush has anything to send (a look at unheard jobs, once due, counts)."""
+        return bool(self.ops or self._catch_up or self.listeners.look_due())
 
     def keep_only(self, job_ids: set[str]) -> None:
         """Forget what is kept per job for the jobs not in `job_ids` (no longer this worker's)."""
@@ -245,12 +248,16 @@ class Outbox:
         batch, self.ops = self.ops, []
         catch_up, self._catch_up = self._catch_up, []
         self._in_flight = batch
-        plan = self._plan(catch_up, self._with_replica_wait(batch))
+        plan = self._plan(catch_up, self._with_replica_wait(batch), redis)
         try:
             async with redis.pipeline(transaction=False) as pipe:
-                for commands, _ in plan.units:
-                    for command in commands:
-                        pipe.execute_command(*command)
+                for unit, (commands, _) in enumerate(plan.units):
+                    nodes = plan.targets.get(unit)
+                    for i, command in enumerate(commands):
+                        if nodes is None:
+                            pipe.execute_command(*command)
+                        else:
+                            pipe.execute_command(*command, target_nodes=nodes[i])
                 replies = await pipe.execute(raise_on_error=False)
             await raise_for_cluster_outage(redis, replies)
         except BaseException:
@@ -278,7 +285,7 @@ class Outbox:
             self.ops[:0] = plan.retry
         return len(batch)
 
-    def _plan(self, catch_up: list[ChunkWrite], batch: list[_Op]) -> _Plan:
+    def _plan(self, catch_up: list[ChunkWrite], batch: list[_Op], redis: Redis) -> _Plan:
         """The catch-up PUBLISHes, the scripts to load, every op's commands in order, and after
         them the look at who listens to the jobs written (see worker.chunk_relay)."""
         plan = _Plan()
@@ -292,9 +299,7 @@ class Outbox:
         for op in batch:
             if op.chunk is not None:
                 write = op.chunk
-                # on a cluster every chunk goes out live: PUBSUB SHARDNUMSUB answers for one
-                # node only, and a pipeline has no key to route the look by
-                publish = self.keys.cluster or self.listeners.publishes(write.job_id)
+                publish = self.listeners.publishes(write.job_id)
                 if not publish:
                     plan.unpublished.setdefault(write.job_id, []).append(write)
                 plan.channels[write.job_id] = write.channel
@@ -305,13 +310,19 @@ class Outbox:
             else:
                 plan.units.append((op.commands, op.on_reply))
         plan.channels = {**self.listeners.unheard(), **plan.channels}
-        if plan.channels and not self.keys.cluster:
+        if plan.channels and self.keys.cluster:
+            by_shard = channels_by_shard(redis, plan.channels.values())
+            look = [Listeners.shard_look_command(channels) for _, channels in by_shard]
+            plan.targets[len(plan.units)] = [node for node, _ in by_shard]
+            plan.units.append((look, lambda replies: self._learn(plan, replies, sharded=True)))
+        elif plan.channels:
             look = Listeners.look_commands(list(plan.channels.values()))
             plan.units.append((look, lambda replies: self._learn(plan, replies)))
         return plan
 
-    def _learn(self, plan: _Plan, replies: list[Any]) -> None:
-        for job_id in self.listeners.learn(plan.channels, replies):
+    def _learn(self, plan: _Plan, replies: list[Any], *, sharded: bool = False) -> None:
+        learn = self.listeners.learn_sharded if sharded else self.listeners.learn
+        for job_id in learn(plan.channels, replies):
             self._catch_up += plan.unpublished.get(job_id, [])
 
     def _with_replica_wait(self, batch: list[_Op]) -> list[_Op]:

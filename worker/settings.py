@@ -109,7 +109,8 @@ class WorkerSettings(RedisConnectionSettings, EngineSettings):
         500.0,
         ge=0,
         description="a streaming job nobody subscribes to writes its replay stream this often "
-        "instead (0: as if watched); a subscriber is noticed within a round",
+        "instead (0: as if watched); a subscriber is noticed within a round, or "
+        "within chunk_interval_ms when the worker has nothing else to write",
     )
 
     # lifecycle

@@ -30,6 +30,7 @@ from redis_io.clients import redis_client
 from redis_io.memory_check import warn_about_redis_memory
 from schemas import utc_now
 from worker.batch import Batch
+from worker.chunk_relay import Listeners
 from worker.chunking import ChunkPolicy
 from worker.control import REDIS_DOWN
 from worker.engine_api import EngineLike
@@ -69,7 +70,11 @@ class Worker:
         self.intake_redis = self._connect(decode=False)
         self.reader = PriorityReader(self.intake_redis, self.keys, self.model, self.name)
         self.outbox = Outbox(
-            self.keys, self.jobs_stream, self.name, replicas=settings.replica_wait()
+            self.keys,
+            self.jobs_stream,
+            self.name,
+            replicas=settings.replica_wait(),
+            listeners=Listeners(look_interval_s=settings.chunk_interval_ms / 1000),
         )
         self.metrics = WorkerMetrics(self.model)
         self.tracer = ChunkTracer(settings.chunk_trace_path)

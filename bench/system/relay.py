@@ -16,6 +16,20 @@ token; everything Redis did in between counts (enqueues, reads, acks, the bench'
 A setting is `NAME:key=value,...`: worker settings (as `INFERQ_<KEY>`), plus `repo=PATH` to run
 the workers from another checkout (e.g. the main branch, to compare with today's relay in the
 same run). Every client saw every chunk number once and all its tokens, or the run fails.
+
+    python bench/system/relay.py --cluster-primaries 3 ...
+
+also starts a Redis Cluster of that many primaries (no replicas, as the single server has
+none; what `inferq up --redis-cluster-primaries` starts, same persistence) and runs each setting
+on both, in turn: the same jobs, workers and clients. Each primary's CPU and commandstats are
+read from that node. What this models: a Redis fleet's capacity is decided by its busiest
+shard, one core each (Redis executes commands on one thread), so the capacity ratio is
+(the single server's CPU per token) / (the busiest primary's CPU per token): how many times the
+tokens/s the cluster relays before its busiest shard saturates. It is not a wall-clock
+throughput ratio: on a small machine the primaries, workers and clients share the same few
+cores, so the wall-clock tokens/s of each run (printed too) say how busy the machine was, not
+what the cluster could do with a core per shard. What it leaves out: network hops between
+hosts, and the cluster client's extra connections and MOVED handling in the clients.
 """
 
 from __future__ import annotations
@@ -36,13 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: b
 
 from redis.asyncio import Redis
 
-from bench.common.workload import bench_redis
+from bench.common.workload import bench_redis, unpinned
+from bench.system.relay_cluster import Counters, Target, placement, read_counters, start_cluster
 from producer_api.client.redis_client import AsyncRedisClient
 from schemas import JobField, JobStatus, RedisKeys
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "relay-bench"
-KEYS = RedisKeys()
 STARTUP_GAPS = 3  # a job's first gaps include its admission (and a subscriber's first look)
 
 
@@ -69,6 +83,7 @@ class Setting:
 @dataclass
 class Figures:
     setting: str
+    target: str
     tokens: int
     seconds: float
     commands: int
@@ -77,6 +92,15 @@ class Figures:
     steady_gaps_ms: list[float]  # without each job's first STARTUP_GAPS gaps
     chunks_per_job: float
     by_command: dict[str, tuple[int, int]] = field(default_factory=dict)  # calls, µs
+    by_node: dict[str, Counters] = field(default_factory=dict)  # per primary
+    placement: dict[str, str] = field(default_factory=dict)  # per primary: what it holds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def busiest_us_per_token(self) -> float:
+        return max(c.cpu_s for c in self.by_node.values()) / self.tokens * 1e6
 
     def pct(self, q: float, gaps: list[float] | None = None) -> float:
         ordered = sorted(self.gaps_ms if gaps is None else gaps)
@@ -85,7 +109,7 @@ class Figures:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def worker_command(setting: Setting, args: argparse.Namespace, redis_url: str, index: int):
+def worker_command(setting: Setting, args: argparse.Namespace, target: Target, index: int):
     fakes = setting.repo / "tests" / "worker"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(setting.repo), str(fakes)])
@@ -94,27 +118,15 @@ def worker_command(setting: Setting, args: argparse.Namespace, redis_url: str, i
     env.update(
         INFERQ_ENGINE_FACTORY="worker_fakes:build_engine",
         INFERQ_MODEL=MODEL,
-        INFERQ_REDIS_URL=redis_url,
         INFERQ_NAME=f"relay-{setting.name}-{index}",
         INFERQ_MAX_NUM_SEQS=str(seqs),
         INFERQ_NUM_KV_BLOCKS=str(blocks),
         INFERQ_FAKE_STEP_SECONDS=str(args.step_ms / 1000),
         INFERQ_MAX_MODEL_LEN=str(args.prompt_tokens + args.output_len + 16),
     )
+    env.update(target.worker_env())
     env.update(setting.env)
     return [sys.executable, "-m", "cli", "--log-level", "warning", "worker"], env, setting.repo
-
-
-async def redis_counters(redis: Redis) -> tuple[float, dict[str, tuple[int, int]]]:
-    """Redis's CPU seconds so far, and per command (calls, µs spent executing it)."""
-    cpu = await redis.info("cpu")
-    stats = await redis.info("commandstats")
-    calls = {
-        name.removeprefix("cmdstat_"): (int(value["calls"]), int(value["usec"]))
-        for name, value in stats.items()
-        if name not in ("cmdstat_info",)
-    }
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls
 
 
 async def consume(client: AsyncRedisClient, job_id: str, output_len: int) -> list[float]:
@@ -131,13 +143,15 @@ async def consume(client: AsyncRedisClient, job_id: str, output_len: int) -> lis
     return [(b - a) * 1000 for a, b in itertools.pairwise(arrivals)]
 
 
-async def wait_all_done(redis: Redis, job_ids: list[str], timeout_s: float) -> None:
+async def wait_all_done(
+    redis: Redis, keys: RedisKeys, job_ids: list[str], timeout_s: float
+) -> None:
     left = list(job_ids)
     give_up = time.monotonic() + timeout_s
     while left:
         async with redis.pipeline(transaction=False) as pipe:
             for job_id in left:
-                pipe.hget(KEYS.job(job_id), JobField.STATUS)
+                pipe.hget(keys.job(job_id), JobField.STATUS)
             statuses = await pipe.execute()
         left = [j for j, s in zip(left, statuses, strict=True) if s != JobStatus.SUCCEEDED.value]
         if left and time.monotonic() > give_up:
@@ -146,28 +160,31 @@ async def wait_all_done(redis: Redis, job_ids: list[str], timeout_s: float) -> N
             await asyncio.sleep(0.5)
 
 
-async def wait_workers(redis: Redis, setting: Setting, count: int, children) -> None:
-    names = [KEYS.worker(f"relay-{setting.name}-{i}") for i in range(count)]
-    while await redis.exists(*names) < count:
+async def wait_workers(
+    redis: Redis, keys: RedisKeys, setting: Setting, count: int, children
+) -> None:
+    names = [keys.worker(f"relay-{setting.name}-{i}") for i in range(count)]
+    while sum([await redis.exists(name) for name in names]) < count:
         for process, log in children:
             if process.poll() is not None:
                 raise RuntimeError(f"a worker exited while starting; see {log}")
         await asyncio.sleep(0.2)
 
 
-async def run_setting(setting: Setting, args: argparse.Namespace, redis_url: str) -> Figures:
+async def run_setting(setting: Setting, args: argparse.Namespace, target: Target) -> Figures:
     children = []
     for index in range(args.workers):
-        command, env, cwd = worker_command(setting, args, redis_url, index)
+        command, env, cwd = worker_command(setting, args, target, index)
         log = Path(tempfile.mkstemp(prefix=f"relay-{setting.name}-", suffix=".log")[1])
         with log.open("wb") as out:
             process = subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=out)
         children.append((process, log))
-    redis = Redis.from_url(redis_url, decode_responses=True)
+    redis = target.client()
     client = AsyncRedisClient(redis, poll_interval=1.0)
+    keys = client.keys
     try:
-        await wait_workers(redis, setting, args.workers, children)
-        cpu_before, calls_before = await redis_counters(redis)
+        await wait_workers(redis, keys, setting, args.workers, children)
+        before = await read_counters(target)
         started = time.perf_counter()
         job_ids, consumers = [], []
         every = max(1, args.jobs // max(args.live, 1)) if args.live else 0
@@ -184,12 +201,13 @@ async def run_setting(setting: Setting, args: argparse.Namespace, redis_url: str
         per_job = await asyncio.gather(*consumers)
         gaps = [g for gs in per_job for g in gs]
         steady = [g for gs in per_job for g in gs[STARTUP_GAPS:]]
-        await wait_all_done(redis, job_ids, args.timeout_s)
+        await wait_all_done(redis, keys, job_ids, args.timeout_s)
         seconds = time.perf_counter() - started
-        cpu_after, calls_after = await redis_counters(redis)
-        chunks = sum([await redis.xlen(KEYS.out_stream(j)) for j in job_ids[:20]]) / min(
+        after = await read_counters(target)
+        chunks = sum([await redis.xlen(keys.out_stream(j)) for j in job_ids[:20]]) / min(
             20, len(job_ids)
         )
+        held = placement(redis, keys, MODEL, job_ids)
     finally:
         for process, _ in children:
             if process.poll() is None:
@@ -200,21 +218,25 @@ async def run_setting(setting: Setting, args: argparse.Namespace, redis_url: str
             except subprocess.TimeoutExpired:
                 process.kill()
         await redis.aclose()
-    by_command = {
-        name: (calls - calls_before.get(name, (0, 0))[0], usec - calls_before.get(name, (0, 0))[1])
-        for name, (calls, usec) in calls_after.items()
-        if calls != calls_before.get(name, (0, 0))[0]
-    }
+    by_node = {url: after[url].since(before[url]) for url in target.nodes}
+    by_command: dict[str, tuple[int, int]] = {}
+    for counters in by_node.values():
+        for name, (calls, usec) in counters.calls.items():
+            total = by_command.get(name, (0, 0))
+            by_command[name] = (total[0] + calls, total[1] + usec)
     return Figures(
         setting=setting.name,
+        target=target.name,
         tokens=args.jobs * args.output_len,
         seconds=seconds,
-        commands=sum(calls for calls, _ in by_command.values()),
-        cpu_s=cpu_after - cpu_before,
+        commands=sum(c.commands for c in by_node.values()),
+        cpu_s=sum(c.cpu_s for c in by_node.values()),
         gaps_ms=gaps,
         steady_gaps_ms=steady,
         chunks_per_job=chunks,
         by_command=by_command,
+        by_node=by_node,
+        placement=held,
     )
 
 
@@ -227,7 +249,7 @@ def print_table(results: list[Figures]) -> None:
     for r in results:
         per_token_us = r.cpu_s / r.tokens * 1e6
         print(
-            f"| {r.setting} | {r.chunks_per_job:.0f} | {r.commands / r.tokens:.2f} | "
+            f"| {r.setting} on {r.target} | {r.chunks_per_job:.0f} | {r.commands / r.tokens:.2f} | "
             f"{per_token_us:.1f} µs | ~{1e6 / per_token_us:,.0f} tokens/s | "
             f"{r.pct(0.5):.1f} / {r.pct(0.99):.1f} ms | {r.pct(0.99, r.steady_gaps_ms):.1f} ms | "
             f"{r.seconds:.1f} s |"
@@ -239,7 +261,38 @@ def print_table(results: list[Figures]) -> None:
             for name, (calls, usec) in top
         )
         executing = sum(usec for _, usec in r.by_command.values()) / r.tokens
-        print(f"# {r.setting}: per token, {executing:.1f} µs executing commands: {line}")
+        print(f"# {r.setting} on {r.target}: per token, {executing:.1f} µs executing: {line}")
+
+
+def print_cluster_table(results: list[Figures]) -> None:
+    """Each cluster run against the single-server run of the same setting and round before it."""
+    print(
+        "| setting | single: CPU per token (reads per 1k tokens), tokens/s wall | cluster: CPU "
+        "per token per primary (commands per token, reads per 1k tokens) | busiest primary | "
+        "capacity ratio | cluster tokens/s wall |"
+    )
+    print("|---|---|---|---|---|---|")
+    single: dict[str, Figures] = {}
+    for r in results:
+        if not r.placement:
+            single[r.setting] = r
+            continue
+        base = single[r.setting]
+        base_us = base.cpu_s / base.tokens * 1e6
+        base_reads = sum(c.reads for c in base.by_node.values()) / base.tokens * 1000
+        shards = ", ".join(
+            f"{c.cpu_s / r.tokens * 1e6:.2f} µs ({c.commands / r.tokens:.2f}, "
+            f"{c.reads / r.tokens * 1000:.0f})"
+            for c in r.by_node.values()
+        )
+        busiest = r.busiest_us_per_token()
+        print(
+            f"| {r.setting} | {base_us:.2f} µs ({base_reads:.0f}), {base.tokens_per_s:,.0f} | "
+            f"{shards} | "
+            f"{busiest:.2f} µs | {base_us / busiest:.2f}x | {r.tokens_per_s:,.0f} |"
+        )
+        for url, held in r.placement.items():
+            print(f"# {r.setting}: {url} holds {held}")
 
 
 async def run(args: argparse.Namespace) -> list[Figures]:
@@ -247,19 +300,23 @@ async def run(args: argparse.Namespace) -> list[Figures]:
     results = []
     with (
         tempfile.TemporaryDirectory(prefix="relay-bench-") as data,
-        bench_redis(Path(data)) as (
-            _,
-            redis_url,
-        ),
+        bench_redis(Path(data) / "single") as (system, redis_url),
     ):
+        targets = [Target.single(redis_url)]
+        if args.cluster_primaries:
+            with unpinned():
+                cluster = start_cluster(system, args.cluster_primaries, Path(data) / "cluster")
+            targets.append(cluster)
         for _ in range(args.rounds):
             for setting in settings:
-                figures = await run_setting(setting, args, redis_url)
-                print(
-                    f"# {figures.setting}: {figures.cpu_s / figures.tokens * 1e6:.1f} µs/token",
-                    flush=True,
-                )
-                results.append(figures)
+                for target in targets:
+                    figures = await run_setting(setting, args, target)
+                    print(
+                        f"# {figures.setting} on {figures.target}: "
+                        f"{figures.cpu_s / figures.tokens * 1e6:.1f} µs/token",
+                        flush=True,
+                    )
+                    results.append(figures)
     return results
 
 
@@ -277,6 +334,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="run the settings in turn, N times")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument(
+        "--cluster-primaries",
+        type=int,
+        default=0,
+        help="also run each setting on a Redis Cluster of N primaries (N >= 3)",
+    )
+    parser.add_argument(
         "--setting",
         action="append",
         default=None,
@@ -290,6 +353,8 @@ def main() -> None:
         f"(fake engine, step {args.step_ms} ms), {args.live} followed live"
     )
     print_table(results)
+    if args.cluster_primaries:
+        print_cluster_table(results)
 
 
 if __name__ == "__main__":

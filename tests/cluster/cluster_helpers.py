@@ -3,8 +3,11 @@ client must have seen of a job."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from redis.asyncio import Redis
 from worker_fakes import expected_output
+from worker_harness import start_slow_fake_worker, wait_for
 
 from producer_api.client.redis_client import AsyncRedisClient
 from redis_io.clients import redis_client
@@ -68,3 +71,13 @@ async def chunks_at_least(client: AsyncRedisClient, jobs: list[Job], count: int)
         if await client.redis.xlen(client.keys.out_stream(job.id)) < count:
             return False
     return True
+
+
+async def kill_a_worker_once(url: str, started: Callable[[], Awaitable[bool]]) -> None:
+    """Run a slow fake worker ("doomed") on the cluster until `started`, then SIGKILL it."""
+    doomed = start_slow_fake_worker(url, MODEL, "doomed", redis_cluster=True)
+    try:
+        await wait_for(started, 60)
+    finally:
+        doomed.kill()
+        doomed.wait()

@@ -16,6 +16,7 @@ from cluster_helpers import (
     cluster_settings,
     collect,
     enqueue_many,
+    kill_a_worker_once,
 )
 from worker_fakes import FakeEngine
 from worker_harness import running_worker, start_slow_fake_worker, stop_process, wait_for
@@ -33,12 +34,7 @@ async def test_a_killed_workers_jobs_resume_exactly_once(cluster_url):
     async with AsyncRedisClient(cluster_settings(cluster_url)) as client:
         jobs = await enqueue_many(client, 12, max_tokens=40)
         streams = [asyncio.create_task(collect(client, job.id)) for job in jobs]
-        doomed = start_slow_fake_worker(cluster_url, MODEL, "doomed", redis_cluster=True)
-        try:
-            await wait_for(lambda: chunks_at_least(client, jobs, 5), 60)
-        finally:
-            doomed.kill()
-            doomed.wait()
+        await kill_a_worker_once(cluster_url, lambda: chunks_at_least(client, jobs, 5))
         assert not await chunks_at_least(client, jobs, 40)  # killed mid-generation
         async with running_worker(
             cluster_url, FakeEngine(), model=MODEL, name="rescuer", redis_cluster=True

@@ -22,6 +22,7 @@ from producer_api.client.redis_client import AsyncRedisClient
 from producer_api.queue import stream_chunks
 from schemas import JobStatus, TokenChunk
 from schemas.jobs import new_job_id
+from worker.chunk_relay import Listeners
 from worker.publisher import Outbox
 from worker.settings import WorkerSettings
 
@@ -147,3 +148,19 @@ async def test_the_default_relay_coalesces_yet_every_client_gets_every_token_onc
 
 async def _finished(client: AsyncRedisClient, job_id: str) -> bool:
     return (await client.get(job_id)).status is JobStatus.SUCCEEDED
+
+
+async def test_an_outbox_with_nothing_to_write_looks_for_subscribers_once_per_interval(redis_url):
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    outbox = Outbox(KEYS, KEYS.jobs_stream("m"), "w", listeners=Listeners(look_interval_s=0.3))
+    await redis.hset(KEYS.job(JOB), "status", JobStatus.RUNNING.value)
+    outbox.chunk(_chunk(0))
+    await outbox.flush(redis)  # the chunk, then the look: nobody listens
+    assert not outbox.listeners.publishes(JOB)
+    assert not outbox.pending  # no round trip only to look again at once
+    outbox.chunk(_chunk(1))
+    assert outbox.pending  # a chunk goes out (and looks) whenever it is due
+    await outbox.flush(redis)
+    await asyncio.sleep(0.35)
+    assert outbox.pending  # the interval passed: a look alone is due
+    await redis.aclose()
