@@ -328,7 +328,10 @@ class ModelRunner:
         if hidden is None:
             return ModelRunnerOutput()
         screen = self.greedy_screen
-        if screen is not None and batch.all_argmax:
+        head_lora = self.model.lm_head.lora
+        # The screen reads the base head's weight alone: an adapted head's logits differ.
+        adapted_head = head_lora is not None and head_lora.active()
+        if screen is not None and batch.all_argmax and not adapted_head:
             token_ids = screen.argmax(hidden).tolist()
             picks = [TokenPick.single(token_id) for token_id in token_ids]
             entries = [row.entry for row in batch.rows]

@@ -21,8 +21,9 @@ import torch
 from engine.config import EngineConfig
 from engine.lora.adapter import LoRAAdapter, load_adapter
 from engine.lora.batched import LoRASlots, LoRAStep, StepSource
+from engine.lora.embedding import EmbeddingLoRASlots
 from engine.lora.request import LoRAAdapterError, LoRARequest
-from engine.lora.targets import adaptable_layers, num_parts
+from engine.lora.targets import EmbeddingTarget, adaptable_layers, num_parts
 from engine.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class LoRAManager:
         self._device, self._dtype = device, dtype
         self.steps = StepSource()
         self._slots: dict[int, LoRASlots] = {}  # id(base layer) -> its slots
-        for layer in adaptable_layers(model):
+        for layer in [*adaptable_layers(model), model.lm_head]:
             if layer.lora is not None:
                 raise ValueError("a layer already has LoRA slots")
             slots = LoRASlots(
@@ -60,6 +61,19 @@ class LoRAManager:
             )
             layer.lora = slots
             self._slots[id(layer)] = slots
+        self._embedding: EmbeddingLoRASlots | None = None
+        embedding = model.input_embedding()
+        if embedding is not None:
+            self._embedding = EmbeddingLoRASlots(
+                self.max_loras,
+                model.vocab_size,
+                model.hidden_size,
+                self.max_rank,
+                self.steps,
+                device,
+                dtype,
+            )
+            embedding.lora = self._embedding
         # Every adapter asked for (ids are never reused for other weights): where to reload from.
         self._known: dict[int, LoRARequest] = {}
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, host memory
@@ -74,7 +88,8 @@ class LoRAManager:
 
     @property
     def slot_bytes(self) -> int:
-        return sum(slots.nbytes for slots in self._slots.values())
+        embedding = 0 if self._embedding is None else self._embedding.nbytes
+        return embedding + sum(slots.nbytes for slots in self._slots.values())
 
     @property
     def loaded_ids(self) -> list[int]:
@@ -125,8 +140,14 @@ class LoRAManager:
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         for slots in self._slots.values():
             slots.clear(slot)
+        if self._embedding is not None:
+            self._embedding.clear(slot)
         for projection in adapter.projections:
             target = projection.target
+            if isinstance(target, EmbeddingTarget):
+                assert self._embedding is not None  # the adapter was checked against the model
+                self._embedding.write(slot, projection.a, projection.b)
+                continue
             rows = slice(target.start, target.stop)
             first_column = target.part * self.max_rank
             self._slots[id(target.layer)].write(

@@ -4,12 +4,15 @@ PEFT names a decoder layer's projections as the HF checkpoint does (q_proj, k_pr
 o_proj, gate_proj, up_proj, down_proj); the engine fuses [q; k; v] into one qkv layer and
 [gate; up] into one gate_up layer. A target is one base layer and, in a fused layer, the shard
 an HF projection fills (a checkpoint that is fused already, as Phi-3's, names the fused layer).
+Outside the decoder layers PEFT may adapt `lm_head` (a plain linear target) and `embed_tokens`
+(an embedding target: its A is looked up by token id).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
 from engine.models.interface import CausalLM
 
@@ -26,6 +29,8 @@ _PROJECTIONS: dict[str, tuple[str, int | None]] = {
     "down_proj": ("down", None),
 }
 SUPPORTED_TARGETS = tuple(_PROJECTIONS)
+LM_HEAD = "lm_head"
+EMBED_TOKENS = "embed_tokens"
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,29 @@ class Target:
     @property
     def out_features(self) -> int:
         return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class EmbeddingTarget:
+    """The token embedding: lora_embedding_A is [rank, vocab_size], lora_embedding_B
+    [embedding_dim, rank]."""
+
+    layer: VocabEmbedding
+    vocab_size: int
+    embedding_dim: int
+
+
+def lm_head_target(model: CausalLM) -> Target:
+    head = model.lm_head
+    return Target(head, 0, 0, int(head.out_features))
+
+
+def embedding_target(model: CausalLM) -> EmbeddingTarget | None:
+    """None where the model has no plain embedding table to adapt."""
+    embedding = model.input_embedding()
+    if embedding is None:
+        return None
+    return EmbeddingTarget(embedding, model.vocab_size, model.hidden_size)
 
 
 def find_target(model: CausalLM, layer_index: int, projection: str) -> Target | None:
