@@ -122,6 +122,8 @@ def load_adapter(request: LoRARequest, model: CausalLM, max_rank: int) -> LoRAAd
         for part, tensor in (("lora_A", a), ("lora_B", b)):
             if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
                 raise fail(f"bad tensor {where}.{part}: not finite floating-point values")
+        if isinstance(target, Target):
+            a, b = target.local(a, b)
         projections.append(AdaptedProjection(target, a.float(), b.float() * scaling))
     if not projections:
         raise fail(f"{WEIGHTS_FILE} holds no LoRA weights")

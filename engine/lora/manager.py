@@ -11,6 +11,7 @@ of the step needs), and the layers add their LoRA terms for it (engine.lora.batc
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -41,8 +42,6 @@ class LoRAManager:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                 f"({self.max_loras})"
             )
-        if config.tensor_parallel_size > 1:
-            raise NotImplementedError("LoRA adapters are not tensor-parallel yet")
         self.model = model
         self._device, self._dtype = device, dtype
         self.steps = StepSource()
@@ -78,6 +77,9 @@ class LoRAManager:
         self._known: dict[int, LoRARequest] = {}
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, host memory
         self._resident: OrderedDict[int, int] = OrderedDict()  # id -> slot, LRU
+        # Adapters known here since the last take_new_adapters: tensor-parallel executors load
+        # them too, before the step that first uses them.
+        self._unshared: list[LoRARequest] = []
         logger.info(
             "LoRA: %d slots of rank <= %d (%.1f MiB), %d adapters in host memory",
             self.max_loras,
@@ -108,7 +110,22 @@ class LoRAManager:
                 f"{request.lora_path!r}: one id, one adapter"
             )
         self._load(request)
+        if known is None:
+            self._unshared.append(request)
         self._known[request.lora_int_id] = request
+
+    def take_new_adapters(self) -> bytes:
+        """The adapters added since the last call, encoded for add_encoded on another rank."""
+        requests, self._unshared = self._unshared, []
+        if not requests:
+            return b""
+        return json.dumps([[r.lora_name, r.lora_int_id, r.lora_path] for r in requests]).encode()
+
+    def add_encoded(self, encoded: bytes) -> None:
+        """Add the adapters another rank's take_new_adapters encoded."""
+        for name, lora_id, path in json.loads(encoded):
+            self.add(LoRARequest(name, lora_id, path))
+        self._unshared.clear()
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self._loaded.get(request.lora_int_id)

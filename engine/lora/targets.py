@@ -12,8 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
+from engine.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorSlice,
+)
 from engine.models.interface import CausalLM
 
 # HF projection name -> (the engine layer in ProjectionLayout, the shard; None: the whole layer)
@@ -35,21 +43,29 @@ EMBED_TOKENS = "embed_tokens"
 
 @dataclass(frozen=True)
 class Target:
-    """One HF projection of one decoder layer: the rows [start, stop) of `layer`'s output,
-    computed from the `part`-th block of rank columns of the layer's slots (one per shard)."""
+    """One HF projection of one decoder layer (or the lm_head): the rows [start, stop) of
+    `layer`'s output, computed from the `part`-th block of rank columns of the layer's slots
+    (one per shard). Under tensor parallelism a rank keeps `b_rows` of the adapter's lora_B
+    (a column-parallel layer's output rows, concatenated) or `a_columns` of its lora_A (a
+    row-parallel layer's input columns: the ranks' partial terms are summed by the layer's
+    all-reduce)."""
 
     layer: Linear
     part: int
     start: int
     stop: int
+    in_features: int  # of the whole projection, as the adapter holds it
+    out_features: int
+    b_rows: tuple[TensorSlice, ...] = ()  # (): all
+    a_columns: TensorSlice | None = None  # None: all
 
-    @property
-    def in_features(self) -> int:
-        return int(self.layer.in_features)
-
-    @property
-    def out_features(self) -> int:
-        return self.stop - self.start
+    def local(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the adapter's a [rank, in] and b [out, rank]."""
+        if self.a_columns is not None:
+            a = a.narrow(1, self.a_columns.start, self.a_columns.length)
+        if self.b_rows:
+            b = torch.cat([b.narrow(0, rows.start, rows.length) for rows in self.b_rows])
+        return a, b
 
 
 @dataclass(frozen=True)
@@ -64,7 +80,11 @@ class EmbeddingTarget:
 
 def lm_head_target(model: CausalLM) -> Target:
     head = model.lm_head
-    return Target(head, 0, 0, int(head.out_features))
+    hidden = int(head.in_features)
+    if isinstance(head, ParallelLMHead):  # this rank's vocabulary rows (the last padded)
+        rows = head.rows
+        return Target(head, 0, 0, rows.length, hidden, rows.full, b_rows=(rows,))
+    return Target(head, 0, 0, int(head.out_features), hidden, int(head.out_features))
 
 
 def embedding_target(model: CausalLM) -> EmbeddingTarget | None:
@@ -87,13 +107,27 @@ def find_target(model: CausalLM, layer_index: int, projection: str) -> Target | 
     ]
     if base is None:
         return None
-    shard = where[1]
+    shard, hidden, out = where[1], int(base.in_features), int(base.out_features)
+    if isinstance(base, RowParallelLinear):
+        return Target(base, 0, 0, out, base.columns.full, out, a_columns=base.columns)
     if shard is None:
-        return Target(base, 0, 0, base.out_features)
+        if isinstance(base, ColumnParallelLinear):  # a fused checkpoint projection, sharded
+            firsts = [sum(p.full for p in base.parts[:i]) for i in range(len(base.parts))]
+            total = sum(p.full for p in base.parts)
+            rows = tuple(
+                TensorSlice(0, first + p.start, p.length, total)
+                for first, p in zip(firsts, base.parts, strict=True)
+            )
+            return Target(base, 0, 0, out, hidden, total, b_rows=rows)
+        return Target(base, 0, 0, out, hidden, out)
     if not isinstance(base, MergedLinear) or shard >= len(base.shard_sizes):
         return None
     start = base.shard_offset(shard)
-    return Target(base, shard, start, start + base.shard_sizes[shard])
+    stop = start + base.shard_sizes[shard]
+    if isinstance(base, ColumnParallelLinear):
+        part = base.parts[shard]
+        return Target(base, shard, start, stop, hidden, part.full, b_rows=(part,))
+    return Target(base, shard, start, stop, hidden, stop - start)
 
 
 def adaptable_layers(model: CausalLM) -> list[Linear]:
