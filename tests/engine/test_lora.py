@@ -426,3 +426,38 @@ def test_an_adapter_on_the_default_model_matches_peft(
     outputs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[request, None, request])
     base_second = peft_greedy(default_model_path, None, prompts[1:])[0]
     assert_close([tokens_and_logprobs(o) for o in outputs], [expected[0], base_second, expected[1]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_adapters_on_cuda_take_the_triton_kernel_and_match_peft(
+    build: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.lora import segmented
+
+    calls: list[int] = []
+    original = segmented.add_segmented
+
+    def counted(slots, mapping, x, out):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return original(slots, mapping, x, out)
+
+    monkeypatch.setattr(segmented, "add_segmented", counted)
+    base = build("llama")
+    full = make_adapter(base, tmp_path / "full", seed=1, rank=8)
+    small = make_adapter(base, tmp_path / "small", seed=2, rank=2, targets=["v_proj", "up_proj"])
+    prompts = prompts_of(3)
+    requests = [LoRARequest("full", 1, str(full)), LoRARequest("small", 2, str(small)), None]
+    llm = LLM(
+        str(base), device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8
+    )
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
+    assert calls  # the layers' terms went through the kernel
+    expected = [
+        peft_greedy(base, full, prompts[:1])[0],
+        peft_greedy(base, small, prompts[1:2])[0],
+        peft_greedy(base, None, prompts[2:])[0],
+    ]
+    for output, (tokens, logprobs) in zip(outputs, expected, strict=True):
+        got_tokens, got_logprobs = tokens_and_logprobs(output)
+        assert got_tokens == tokens
+        assert got_logprobs == pytest.approx(logprobs, abs=1e-3)
