@@ -22,7 +22,7 @@ from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, cuda_graph_capture
 from engine.distributed import tensor_parallel
-from engine.distributed.step_channel import StepReceiver, StepSender
+from engine.distributed.step_channel import StepMessage, StepReceiver, StepSender
 from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.lora.manager import LoRAManager
 from engine.models.loader import build_model
@@ -300,9 +300,16 @@ class ModelRunner:
                 return self._outputs(self._run_forward(inputs, sched.block_copies), batch)
         # Under tensor parallelism the greedy screen is off: every rank takes part in the logits.
         with tensor_parallel.fatal_step_errors(self.tp_ranks):
-            self.step_sender.send(tensor_parallel.message_of(inputs, sched.block_copies))
-            hidden = self._run_forward(inputs, sched.block_copies)
-            logits = None if hidden is None else self.model.compute_logits(hidden)
+            message = tensor_parallel.message_of(inputs, sched.block_copies)
+            if self.lora is not None:
+                message.new_adapters = self.lora.take_new_adapters()
+                lora_ids = [entry.seq.lora_id for entry in sched.scheduled]
+                if inputs is not None and any(lora_ids):
+                    message.lora_ids = torch.tensor(lora_ids, dtype=torch.int64)
+            self.step_sender.send(message)
+            with self._adapters(sched, inputs):
+                hidden = self._run_forward(inputs, sched.block_copies)
+                logits = None if hidden is None else self.model.compute_logits(hidden)
         return ModelRunnerOutput() if logits is None else pick_tokens(logits, batch, self.sampler)
 
     def _adapters(
@@ -325,9 +332,28 @@ class ModelRunner:
         while (message := receiver.receive()) is not None:
             with torch.inference_mode():
                 inputs = tensor_parallel.inputs_of(message, self.device)
-                hidden = self._run_forward(inputs, message.block_copies)
-                if hidden is not None:
-                    self.model.compute_logits(hidden)
+                with self._followed_adapters(message, inputs):
+                    hidden = self._run_forward(inputs, message.block_copies)
+                    if hidden is not None:
+                        self.model.compute_logits(hidden)
+
+    def _followed_adapters(
+        self, message: StepMessage, inputs: StepInputs | None
+    ) -> contextlib.AbstractContextManager[object]:
+        """The driver's step's adapters on an executor: the same calls as the driver's, in
+        the same order, so every rank puts each adapter in the same slot."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        if message.new_adapters:
+            self.lora.add_encoded(message.new_adapters)
+        if message.lora_ids is None or inputs is None:
+            return contextlib.nullcontext()
+        rows = message.sample_rows
+        return self.lora.step(
+            message.lora_ids.tolist(),
+            inputs.attn_meta.query_lens_cpu,
+            None if rows is None else rows.numpy(),
+        )
 
     def _execute_scoring_prompts(
         self,
@@ -354,7 +380,10 @@ class ModelRunner:
         if hidden is None:
             return ModelRunnerOutput()
         screen = self.greedy_screen
-        if screen is not None and batch.all_argmax:
+        head_lora = self.model.lm_head.lora
+        # The screen reads the base head's weight alone: an adapted head's logits differ.
+        adapted_head = head_lora is not None and head_lora.active()
+        if screen is not None and batch.all_argmax and not adapted_head:
             token_ids = screen.argmax(hidden).tolist()
             picks = [TokenPick.single(token_id) for token_id in token_ids]
             entries = [row.entry for row in batch.rows]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from kernels.activation import silu_and_mul
     from kernels.fused_moe import fused_moe
     from kernels.kv_cache import reshape_and_cache
+    from kernels.lora import lora_shrink_expand
     from kernels.paged_attention import (
         PrefillTiles,
         choose_num_splits,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from kernels.quant_matmul import quant_matmul_triton
     from kernels.reference import (
         fused_moe_ref,
+        lora_shrink_expand_ref,
         quant_matmul_triton_ref,
         reshape_and_cache_ref,
         rms_norm_ref,
@@ -45,6 +47,8 @@ _HOME = {
     "quant_matmul_triton": "kernels.quant_matmul",
     "fused_moe": "kernels.fused_moe",
     "fused_moe_ref": "kernels.reference",
+    "lora_shrink_expand": "kernels.lora",
+    "lora_shrink_expand_ref": "kernels.reference",
     "unified_attention_ref": "kernels.reference",
     "reshape_and_cache_ref": "kernels.reference",
     "rms_norm_ref": "kernels.reference",
@@ -58,6 +62,8 @@ __all__ = [
     "choose_num_splits",
     "fused_moe",
     "fused_moe_ref",
+    "lora_shrink_expand",
+    "lora_shrink_expand_ref",
     "prefill_tiles_for",
     "quant_matmul_triton",
     "quant_matmul_triton_ref",

@@ -180,3 +180,28 @@ def fused_moe_ref(
             down = F.linear(act(gate_up), w2[expert].float(), b2)
             out.index_add_(0, tokens, down * weights[tokens, slot, None].float())
     return out.to(x.dtype)
+
+
+def lora_shrink_expand_ref(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    out: torch.Tensor,
+    order: torch.Tensor,
+    seg_slots: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_lens: torch.Tensor,
+    max_seg_len: int,
+    columns: int,
+) -> torch.Tensor:
+    """out plus each segment's rows' LoRA term (x @ a[slot block].T @ b_t[slot block]), in
+    place: the shrink in float32, rounded to b_t's dtype, the expand in float32."""
+    for slot, start, length in zip(
+        seg_slots.tolist(), seg_starts.tolist(), seg_lens.tolist(), strict=True
+    ):
+        rows = order[start : start + length]
+        block = slice(slot * columns, (slot + 1) * columns)
+        hidden = (x[rows].float() @ a[block].float().T).to(b_t.dtype)
+        term = hidden.float() @ b_t[block].float()
+        out[rows] = (out[rows].float() + term).to(out.dtype)
+    return out

@@ -2,7 +2,9 @@
 
 A fixed header of int64 (what kind of message, and the sizes of the batch) and then, for a
 step, one flat int64 payload holding input ids, positions, slot mapping, query start offsets,
-sequence lengths, block tables, the rows to sample and the copy-on-write block copies. Both go
+sequence lengths, block tables, the rows to sample, the copy-on-write block copies, and where
+LoRA adapters serve: each sequence's adapter id and the adapters the executors must load first
+(their requests as JSON bytes, one int64 per byte: rare and small). Both go
 over the control group (gloo, host memory), so a step costs no pickling and no device sync on
 the executors' side beyond the copies to their device.
 """
@@ -17,7 +19,9 @@ import torch.distributed as dist
 
 from engine.distributed.group import TensorParallel
 
-_HEADER_LEN = 6  # kind, tokens, seqs, max blocks per seq, sample rows (-1: all), block copies
+# kind, tokens, seqs, max blocks per seq, sample rows (-1: all), block copies, whether each
+# sequence's LoRA id follows, bytes of new adapters
+_HEADER_LEN = 8
 
 
 class MessageKind(IntEnum):
@@ -37,6 +41,8 @@ class StepMessage:
     block_tables: torch.Tensor  # [B, max blocks]
     sample_rows: torch.Tensor | None  # None: every row samples
     block_copies: list[tuple[int, int]]
+    lora_ids: torch.Tensor | None = None  # [B] int64, 0 for none; None: no adapter this step
+    new_adapters: bytes = b""  # adapters to load before the step (engine.lora.manager)
 
     @property
     def num_seqs(self) -> int:
@@ -66,6 +72,8 @@ class StepSender:
                 max_blocks,
                 num_sampled,
                 len(message.block_copies),
+                int(message.lora_ids is not None),
+                len(message.new_adapters),
             ],
             dtype=torch.int64,
         )
@@ -84,6 +92,11 @@ class StepSender:
         if message.block_copies:
             copies = torch.tensor(message.block_copies, dtype=torch.int64).reshape(-1)
             payload = torch.cat([payload, copies])
+        if message.lora_ids is not None:
+            payload = torch.cat([payload, _host_int64(message.lora_ids)])
+        if message.new_adapters:
+            adapters = torch.tensor(list(message.new_adapters), dtype=torch.int64)
+            payload = torch.cat([payload, adapters])
         if payload.numel():
             self._broadcast(payload)
 
@@ -106,7 +119,9 @@ class StepReceiver:
         """The next step; None when the driver shuts the replica down."""
         header = torch.empty(_HEADER_LEN, dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.tp.control)
-        kind, num_tokens, num_seqs, max_blocks, num_sampled, num_copies = header.tolist()
+        kind, num_tokens, num_seqs, max_blocks, num_sampled, num_copies, has_lora, adapter_bytes = (
+            header.tolist()
+        )
         if kind == MessageKind.SHUTDOWN:
             return None
         sizes = [
@@ -118,11 +133,15 @@ class StepReceiver:
             num_seqs * max_blocks,
             max(num_sampled, 0),
             2 * num_copies,
+            num_seqs if has_lora else 0,
+            adapter_bytes,
         ]
         payload = torch.empty(sum(sizes), dtype=torch.int64)
         if payload.numel():
             dist.broadcast(payload, src=0, group=self.tp.control)
-        ids, positions, slots, starts, seq_lens, tables, rows, copies = payload.split(sizes)
+        ids, positions, slots, starts, seq_lens, tables, rows, copies, lora_ids, adapters = (
+            payload.split(sizes)
+        )
         return StepMessage(
             input_ids=ids,
             positions=positions,
@@ -132,4 +151,6 @@ class StepReceiver:
             block_tables=tables.view(num_seqs, max_blocks).to(torch.int32),
             sample_rows=None if num_sampled < 0 else rows,
             block_copies=[tuple(pair) for pair in copies.view(-1, 2).tolist()],  # type: ignore[misc]
+            lora_ids=lora_ids if has_lora else None,
+            new_adapters=bytes(adapters.tolist()),
         )

@@ -5,12 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.lora.embedding import EmbeddingLoRASlots
 from engine.quantization.matmul import quantized_embedding
 from engine.quantization.weights import QuantizedWeight
 
 
 class VocabEmbedding(nn.Embedding):
     quantized: QuantizedWeight | None = None
+    # Resident LoRA adapters' terms (engine.lora), added by the model (also past the all-reduce
+    # of a vocabulary-parallel table, and before an embedding multiplier).
+    lora: EmbeddingLoRASlots | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quantized is None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.layers.activation import silu_and_mul
 from engine.lora.batched import LoRASlots
+from engine.lora.segmented import add_lora_terms
 from engine.platforms.cpu.matmul import (
     ATEN,
     MatmulPlan,
@@ -56,7 +57,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x)
-        return out if self.lora is None else self.lora.add_to(x, out)
+        return out if self.lora is None else add_lora_terms(self.lora, x, out)
 
     @property
     def is_quantized(self) -> bool:

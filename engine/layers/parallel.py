@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from engine.distributed.group import TensorParallel
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear, linear
+from engine.lora.segmented import add_lora_terms
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_quantized:
             raise NotImplementedError("quantized weights are not tensor-parallel")
-        out = self.tp.all_reduce(linear(x, self.weight, None, self.plan, self.packed))
+        partial = linear(x, self.weight, None, self.plan, self.packed)
+        if self.lora is not None:  # this rank's input columns' part of the LoRA term too
+            partial = add_lora_terms(self.lora, x, partial)
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 
@@ -165,4 +169,6 @@ class ParallelLMHead(Linear):
         if self.is_quantized:
             raise NotImplementedError("quantized weights are not tensor-parallel")
         local = linear(x, self.weight, None, self.plan, self.packed)
+        if self.lora is not None:
+            local = add_lora_terms(self.lora, x, local)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

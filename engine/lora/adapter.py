@@ -20,7 +20,16 @@ from pathlib import Path
 import torch
 
 from engine.lora.request import LoRAAdapterError, LoRARequest
-from engine.lora.targets import SUPPORTED_TARGETS, Target, find_target
+from engine.lora.targets import (
+    EMBED_TOKENS,
+    LM_HEAD,
+    SUPPORTED_TARGETS,
+    EmbeddingTarget,
+    Target,
+    embedding_target,
+    find_target,
+    lm_head_target,
+)
 from engine.models.interface import CausalLM
 
 CONFIG_FILE = "adapter_config.json"
@@ -29,6 +38,11 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _TENSOR_NAME = re.compile(
     r"(?:^|\.)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+?)\.lora_(?P<ab>[AB])\.weight$"
 )
+_LM_HEAD_NAME = re.compile(r"(?:^|\.)lm_head\.lora_(?P<ab>[AB])\.weight$")
+_EMBEDDING_NAME = re.compile(r"(?:^|\.)embed_tokens\.lora_embedding_(?P<ab>[AB])$")
+# PEFT saves the base table beside an adapted embedding or lm_head (save_embedding_layers).
+_BASE_LAYER_NAME = re.compile(r"(?:^|\.)(?P<module>embed_tokens|lm_head)\.base_layer\.weight$")
+_EXPERT_NAME = re.compile(r"\.(?:experts|shared_expert|block_sparse_moe)\.")
 # Config values PEFT writes that change the math in ways not implemented here.
 _UNSUPPORTED_CONFIG: dict[str, object] = {
     "use_dora": False,
@@ -39,9 +53,10 @@ _UNSUPPORTED_CONFIG: dict[str, object] = {
 
 @dataclass(frozen=True)
 class AdaptedProjection:
-    """One projection's LoRA weights: a [rank, in], b [out, rank] with the scaling folded in."""
+    """One projection's LoRA weights: a [rank, in], b [out, rank] with the scaling folded in
+    (an embedding's: a [rank, vocab], b [hidden, rank])."""
 
-    target: Target
+    target: Target | EmbeddingTarget
     a: torch.Tensor
     b: torch.Tensor
 
@@ -83,31 +98,82 @@ def load_adapter(request: LoRARequest, model: CausalLM, max_rank: int) -> LoRAAd
     tensors = _read_tensors(folder / WEIGHTS_FILE, fail)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        match = _TENSOR_NAME.search(name)
-        if match is None or match["proj"] not in SUPPORTED_TARGETS:
-            raise fail(
-                f"unsupported target {name!r}: only the decoder layers' "
-                f"{', '.join(SUPPORTED_TARGETS)} are adapted"
-            )
-        pairs.setdefault((int(match["layer"]), match["proj"]), {})[match["ab"]] = tensor
+        place = _place_of(name, fail)
+        if place is None:
+            _check_saved_base_layer(model, name, tensor, fail)
+            continue
+        layer, proj, part = place
+        pairs.setdefault((layer, proj), {})[part] = tensor
     projections = []
     for (layer, proj), ab in sorted(pairs.items()):
-        where = f"layers.{layer}.{proj}"
-        target = find_target(model, layer, proj)
+        where = proj if layer < 0 else f"layers.{layer}.{proj}"
+        target = _target_of(model, layer, proj)
         if target is None:
             raise fail(f"unsupported target {where}: the base model has no such dense layer")
         if set(ab) != {"A", "B"}:
             raise fail(f"{where} has lora_{''.join(ab)} without its pair")
         a, b = ab["A"], ab["B"]
-        _check_shape(fail, where, "lora_A", a, (rank, target.in_features))
-        _check_shape(fail, where, "lora_B", b, (target.out_features, rank))
+        if isinstance(target, EmbeddingTarget):
+            a_shape, b_shape = (rank, target.vocab_size), (target.embedding_dim, rank)
+        else:
+            a_shape, b_shape = (rank, target.in_features), (target.out_features, rank)
+        _check_shape(fail, where, "lora_A", a, a_shape)
+        _check_shape(fail, where, "lora_B", b, b_shape)
         for part, tensor in (("lora_A", a), ("lora_B", b)):
             if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
                 raise fail(f"bad tensor {where}.{part}: not finite floating-point values")
+        if isinstance(target, Target):
+            a, b = target.local(a, b)
         projections.append(AdaptedProjection(target, a.float(), b.float() * scaling))
     if not projections:
         raise fail(f"{WEIGHTS_FILE} holds no LoRA weights")
     return LoRAAdapter(request, rank, tuple(projections))
+
+
+def _place_of(name: str, fail: type[LoRAAdapterError]) -> tuple[int, str, str] | None:
+    """(decoder layer, projection, "A" or "B") of a LoRA tensor, layer -1 for lm_head and
+    embed_tokens; None for a saved base table."""
+    if _BASE_LAYER_NAME.search(name):
+        return None
+    if _EXPERT_NAME.search(name):
+        raise fail(
+            f"unsupported target {name!r}: mixture-of-experts experts are not adapted (only "
+            "the attention projections and dense MLPs of such a model)"
+        )
+    match = _TENSOR_NAME.search(name)
+    if match is not None and match["proj"] in SUPPORTED_TARGETS:
+        return int(match["layer"]), match["proj"], match["ab"]
+    for pattern, module in ((_LM_HEAD_NAME, LM_HEAD), (_EMBEDDING_NAME, EMBED_TOKENS)):
+        found = pattern.search(name)
+        if found is not None:
+            return -1, module, found["ab"]
+    raise fail(
+        f"unsupported target {name!r}: only the decoder layers' "
+        f"{', '.join(SUPPORTED_TARGETS)}, {LM_HEAD} and {EMBED_TOKENS} are adapted"
+    )
+
+
+def _target_of(model: CausalLM, layer: int, projection: str) -> Target | EmbeddingTarget | None:
+    if projection == LM_HEAD:
+        return lm_head_target(model)
+    if projection == EMBED_TOKENS:
+        return embedding_target(model)
+    return find_target(model, layer, projection)
+
+
+def _check_saved_base_layer(
+    model: CausalLM, name: str, tensor: torch.Tensor, fail: type[LoRAAdapterError]
+) -> None:
+    """A base table PEFT saved beside the adapter must be the base model's own (an adapter
+    trained with a resized vocabulary changes it: that is not served)."""
+    match = _BASE_LAYER_NAME.search(name)
+    assert match is not None
+    expected = (model.vocab_size, model.hidden_size)
+    if tuple(tensor.shape) != expected:
+        raise fail(
+            f"wrong base shape: {name} is {list(tensor.shape)} but the base model's "
+            f"{match['module']} is {list(expected)} (a resized vocabulary?)"
+        )
 
 
 def _failer(request: LoRARequest) -> type[LoRAAdapterError]:

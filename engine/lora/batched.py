@@ -184,6 +184,10 @@ class LoRASlots:
         return int(self.a.nbytes + self.b_t.nbytes)
 
     @property
+    def step(self) -> LoRAStep:
+        return self._step_of.current
+
+    @property
     def step_active(self) -> bool:
         """Whether any adapter runs in the current step."""
         return self._step_of.current.active

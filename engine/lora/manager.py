@@ -11,6 +11,7 @@ of the step needs), and the layers add their LoRA terms for it (engine.lora.batc
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -21,8 +22,9 @@ import torch
 from engine.config import EngineConfig
 from engine.lora.adapter import LoRAAdapter, load_adapter
 from engine.lora.batched import LoRASlots, LoRAStep, StepSource
+from engine.lora.embedding import EmbeddingLoRASlots
 from engine.lora.request import LoRAAdapterError, LoRARequest
-from engine.lora.targets import adaptable_layers, num_parts
+from engine.lora.targets import EmbeddingTarget, adaptable_layers, num_parts
 from engine.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -40,13 +42,11 @@ class LoRAManager:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                 f"({self.max_loras})"
             )
-        if config.tensor_parallel_size > 1:
-            raise NotImplementedError("LoRA adapters are not tensor-parallel yet")
         self.model = model
         self._device, self._dtype = device, dtype
         self.steps = StepSource()
         self._slots: dict[int, LoRASlots] = {}  # id(base layer) -> its slots
-        for layer in adaptable_layers(model):
+        for layer in [*adaptable_layers(model), model.lm_head]:
             if layer.lora is not None:
                 raise ValueError("a layer already has LoRA slots")
             slots = LoRASlots(
@@ -60,10 +60,26 @@ class LoRAManager:
             )
             layer.lora = slots
             self._slots[id(layer)] = slots
+        self._embedding: EmbeddingLoRASlots | None = None
+        embedding = model.input_embedding()
+        if embedding is not None:
+            self._embedding = EmbeddingLoRASlots(
+                self.max_loras,
+                model.vocab_size,
+                model.hidden_size,
+                self.max_rank,
+                self.steps,
+                device,
+                dtype,
+            )
+            embedding.lora = self._embedding
         # Every adapter asked for (ids are never reused for other weights): where to reload from.
         self._known: dict[int, LoRARequest] = {}
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, host memory
         self._resident: OrderedDict[int, int] = OrderedDict()  # id -> slot, LRU
+        # Adapters known here since the last take_new_adapters: tensor-parallel executors load
+        # them too, before the step that first uses them.
+        self._unshared: list[LoRARequest] = []
         logger.info(
             "LoRA: %d slots of rank <= %d (%.1f MiB), %d adapters in host memory",
             self.max_loras,
@@ -74,7 +90,8 @@ class LoRAManager:
 
     @property
     def slot_bytes(self) -> int:
-        return sum(slots.nbytes for slots in self._slots.values())
+        embedding = 0 if self._embedding is None else self._embedding.nbytes
+        return embedding + sum(slots.nbytes for slots in self._slots.values())
 
     @property
     def loaded_ids(self) -> list[int]:
@@ -98,7 +115,22 @@ class LoRAManager:
                 f"{request.lora_path!r}: one id, one adapter"
             )
         self._load(request)
+        if known is None:
+            self._unshared.append(request)
         self._known[request.lora_int_id] = request
+
+    def take_new_adapters(self) -> bytes:
+        """The adapters added since the last call, encoded for add_encoded on another rank."""
+        requests, self._unshared = self._unshared, []
+        if not requests:
+            return b""
+        return json.dumps([[r.lora_name, r.lora_int_id, r.lora_path] for r in requests]).encode()
+
+    def add_encoded(self, encoded: bytes) -> None:
+        """Add the adapters another rank's take_new_adapters encoded."""
+        for name, lora_id, path in json.loads(encoded):
+            self.add(LoRARequest(name, lora_id, path))
+        self._unshared.clear()
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self._loaded.get(request.lora_int_id)
@@ -130,8 +162,14 @@ class LoRAManager:
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         for slots in self._slots.values():
             slots.clear(slot)
+        if self._embedding is not None:
+            self._embedding.clear(slot)
         for projection in adapter.projections:
             target = projection.target
+            if isinstance(target, EmbeddingTarget):
+                assert self._embedding is not None  # the adapter was checked against the model
+                self._embedding.write(slot, projection.a, projection.b)
+                continue
             rows = slice(target.start, target.stop)
             first_column = target.part * self.max_rank
             self._slots[id(target.layer)].write(

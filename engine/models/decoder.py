@@ -293,6 +293,10 @@ class VariantModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        lora = self.embed_tokens.lora
+        if lora is not None:
+            # Before any multiplier: PEFT scales an adapted embedding's term as the base's.
+            hidden = lora.add_to(input_ids, hidden)
         multiplier = self.variant.embedding_multiplier
         if multiplier == 1.0:
             return hidden
@@ -447,6 +451,9 @@ class VariantForCausalLM(CausalLM):
 
     def projections(self, layer: int) -> ProjectionLayout:
         return layer_projections(self.model.layers[layer])
+
+    def input_embedding(self) -> VocabEmbedding:
+        return self.model.embed_tokens
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.distributed.group import TensorParallel
+from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear, MergedLinear
 
 if TYPE_CHECKING:
@@ -186,6 +187,10 @@ class CausalLM(nn.Module, metaclass=abc.ABCMeta):
 
     @abc.abstractmethod
     def projections(self, layer: int) -> ProjectionLayout: ...
+
+    def input_embedding(self) -> VocabEmbedding | None:
+        """The token embedding table, where the model has one LoRA adapters may target."""
+        return None
 
     @abc.abstractmethod
     def tie_weights(self) -> None:

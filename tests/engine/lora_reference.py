@@ -19,14 +19,25 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
 
 
+# Families tests/engine/conftest.py does not build: transformers class names (config, model).
+_MORE_FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+}
+
+
 def save_tiny(path: Path, kind: str, **overrides: object) -> Path:
-    if kind != "qwen3":
+    if kind not in _MORE_FAMILIES:
         return save_tiny_model(path, kind, **overrides)
     import transformers as tf
 
-    config = tf.Qwen3Config(**{**TINY_SIZES, **overrides})
+    config_name, model_name = _MORE_FAMILIES[kind]
+    config = getattr(tf, config_name)(**{**TINY_SIZES, **overrides})
     torch.manual_seed(0)
-    model = tf.Qwen3ForCausalLM(config).float().eval()
+    model = getattr(tf, model_name)(config).float().eval()
     _randomize(model, 0)
     model.save_pretrained(path)
     return path

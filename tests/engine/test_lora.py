@@ -45,14 +45,20 @@ def test_adapters_match_peft_alone_and_mixed_with_the_base(
     attention = make_adapter(
         base, tmp_path / "attn", seed=2, rank=4, targets=["q_proj", "v_proj", "o_proj"]
     )
-    prompts = prompts_of(3)
+    _two_adapters_and_the_base_in_one_batch_match_peft(base, full, attention, prompts_of(3))
+
+
+def _two_adapters_and_the_base_in_one_batch_match_peft(
+    base: Path, first: Path, second: Path, prompts: list[list[int]]
+) -> None:
     expected = {
         None: peft_greedy(base, None, prompts),
-        1: peft_greedy(base, full, prompts),
-        2: peft_greedy(base, attention, prompts),
+        1: peft_greedy(base, first, prompts),
+        2: peft_greedy(base, second, prompts),
     }
-    assert expected[1] != expected[None]  # the adapter changes what the model says
-    requests = {1: LoRARequest("full", 1, str(full)), 2: LoRARequest("attn", 2, str(attention))}
+    # Each adapter changes what the model says.
+    assert expected[1] != expected[None] and expected[2] != expected[None]
+    requests = {1: LoRARequest("first", 1, str(first)), 2: LoRARequest("second", 2, str(second))}
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
     # Every prompt under every adapter and the base, all in one batch.
     order = [None, 1, 2] * len(prompts)
@@ -62,6 +68,68 @@ def test_adapters_match_peft_alone_and_mixed_with_the_base(
     for index, output in enumerate(outputs):
         assert output.outputs[0].finish_reason == "length", output.outputs[0].stop_reason
         assert_close([tokens_and_logprobs(output)], [expected[order[index]][index // 3]])
+
+
+FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's checkpoint names
+
+
+@pytest.mark.parametrize(
+    "kind, overrides, targets",
+    [
+        ("mistral", {}, None),
+        ("gemma2", {"sliding_window": 8}, None),
+        ("gemma3", {"sliding_window": 8}, None),
+        ("phi3", {"pad_token_id": 0}, FUSED_TARGETS),
+        ("olmo2", {}, None),
+        ("granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5}, None),
+        ("smollm3", {"pad_token_id": 0}, None),
+    ],
+    ids=["mistral", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3"],
+)
+def test_adapters_match_peft_on_every_dense_family(
+    build: Callable[..., Path],
+    tmp_path: Path,
+    kind: str,
+    overrides: dict[str, object],
+    targets: list[str] | None,
+) -> None:
+    base = build(kind, **overrides)
+    adapter = make_adapter(base, tmp_path / "a", seed=1, rank=8, targets=targets)
+    prompts = prompts_of(2)
+    expected = peft_greedy(base, adapter, prompts)
+    base_expected = peft_greedy(base, None, prompts[:1])
+    assert expected != peft_greedy(base, None, prompts)  # the adapter changes what it says
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8)
+    request = LoRARequest("a", 1, str(adapter))
+    outputs = llm.generate(
+        [*prompts, prompts[0]], GREEDY, use_tqdm=False, lora_request=[request, request, None]
+    )
+    assert_close([tokens_and_logprobs(o) for o in outputs], [*expected, *base_expected])
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("llama", {}),
+        ("qwen2", {"tie_word_embeddings": True}),
+        ("gemma3", {}),
+        ("granite", {"embedding_multiplier": 2.0}),
+    ],
+    ids=["llama", "qwen2-tied", "gemma3-scaled-embedding", "granite-embedding-multiplier"],
+)
+def test_embedding_and_lm_head_adapters_match_peft(
+    build: Callable[..., Path], tmp_path: Path, kind: str, overrides: dict[str, object]
+) -> None:
+    base = build(kind, **overrides)
+    outer = make_adapter(
+        base, tmp_path / "outer", seed=1, rank=4, targets=["embed_tokens", "lm_head"]
+    )
+    tensors = load_file(str(outer / "adapter_model.safetensors"))
+    assert any("lora_embedding_A" in name for name in tensors)  # as PEFT writes them
+    both = make_adapter(
+        base, tmp_path / "both", seed=2, rank=8, targets=["embed_tokens", "q_proj", "down_proj"]
+    )
+    _two_adapters_and_the_base_in_one_batch_match_peft(base, outer, both, prompts_of(2))
 
 
 def test_rslora_scaling_matches_peft(build: Callable[..., Path], tmp_path: Path) -> None:
@@ -136,8 +204,17 @@ def _poison(config: dict, tensors: dict) -> None:  # type: ignore[type-arg]
     tensors[name] = torch.full_like(tensors[name], float("nan"))
 
 
-def _add_embedding(config: dict, tensors: dict) -> None:  # type: ignore[type-arg]
+def _add_embedding_a_alone(config: dict, tensors: dict) -> None:  # type: ignore[type-arg]
     tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.zeros(8, 256)
+
+
+def _add_expert(config: dict, tensors: dict) -> None:  # type: ignore[type-arg]
+    name = "base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight"
+    tensors[name] = torch.zeros(8, 64)
+
+
+def _save_whole_modules(config: dict, tensors: dict) -> None:  # type: ignore[type-arg]
+    config["modules_to_save"] = ["lm_head"]
 
 
 def test_a_bad_adapter_fails_only_its_own_request(
@@ -151,7 +228,11 @@ def test_a_bad_adapter_fails_only_its_own_request(
         "wrong base shape": make_adapter(other_base, tmp_path / "other", seed=2),
         "exceeds max_lora_rank": make_adapter(base, tmp_path / "big", seed=3, rank=16),
         "bad tensor": _broken(good, tmp_path / "nan", _poison),
-        "unsupported target": _broken(good, tmp_path / "embed", _add_embedding),
+        "embed_tokens has lora_A without its pair": _broken(
+            good, tmp_path / "a", _add_embedding_a_alone
+        ),
+        "mixture-of-experts experts are not adapted": _broken(good, tmp_path / "moe", _add_expert),
+        "modules_to_save": _broken(good, tmp_path / "save", _save_whole_modules),
     }
     bad = [LoRARequest(f"bad{i}", 10 + i, str(path)) for i, path in enumerate(cases.values())]
     prompts = prompts_of(2)
@@ -354,3 +435,38 @@ def test_an_adapter_on_the_default_model_matches_peft(
     outputs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[request, None, request])
     base_second = peft_greedy(default_model_path, None, prompts[1:])[0]
     assert_close([tokens_and_logprobs(o) for o in outputs], [expected[0], base_second, expected[1]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_adapters_on_cuda_take_the_triton_kernel_and_match_peft(
+    build: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.lora import segmented
+
+    calls: list[int] = []
+    original = segmented.add_segmented
+
+    def counted(slots, mapping, x, out):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return original(slots, mapping, x, out)
+
+    monkeypatch.setattr(segmented, "add_segmented", counted)
+    base = build("llama")
+    full = make_adapter(base, tmp_path / "full", seed=1, rank=8)
+    small = make_adapter(base, tmp_path / "small", seed=2, rank=2, targets=["v_proj", "up_proj"])
+    prompts = prompts_of(3)
+    requests = [LoRARequest("full", 1, str(full)), LoRARequest("small", 2, str(small)), None]
+    llm = LLM(
+        str(base), device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8
+    )
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)
+    assert calls  # the layers' terms went through the kernel
+    expected = [
+        peft_greedy(base, full, prompts[:1])[0],
+        peft_greedy(base, small, prompts[1:2])[0],
+        peft_greedy(base, None, prompts[2:])[0],
+    ]
+    for output, (tokens, logprobs) in zip(outputs, expected, strict=True):
+        got_tokens, got_logprobs = tokens_and_logprobs(output)
+        assert got_tokens == tokens
+        assert got_logprobs == pytest.approx(logprobs, abs=1e-3)

@@ -96,6 +96,41 @@ def _quant_matmul(
     _compile(_quant_matmul_kernel, signature, constants, tiles.num_warps, tiles.num_stages)
 
 
+def _lora(dtype: str, columns: int, in_features: int, out_features: int) -> None:
+    from kernels._launch import next_pow2
+    from kernels.lora import (
+        _BLOCK_K,
+        _BLOCK_M,
+        _MAX_BLOCK_N,
+        _lora_expand_kernel,
+        _lora_shrink_kernel,
+    )
+
+    segments = dict.fromkeys(["order_ptr", "seg_slot_ptr", "seg_start_ptr", "seg_len_ptr"], "*i32")
+    segments["order_ptr"] = "*i64"
+    precision = "ieee" if dtype == "fp32" else None
+    shrink = {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "hidden_ptr": "*fp32", **segments}
+    shrink |= dict.fromkeys(["K", "columns", "stride_xm", "stride_a", "stride_h"], "i32")
+    _compile(
+        _lora_shrink_kernel,
+        shrink,
+        dict(BLOCK_M=_BLOCK_M, BLOCK_N=min(_MAX_BLOCK_N, max(16, next_pow2(columns))),
+             BLOCK_K=min(_BLOCK_K, max(16, next_pow2(in_features))), DOT_UPCAST=False,
+             DOT_PRECISION=precision),
+        num_warps=4,
+    )  # fmt: skip
+    expand = {"hidden_ptr": "*fp32", "b_t_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", **segments}
+    expand |= dict.fromkeys(["N", "columns", "stride_h", "stride_b", "stride_om"], "i32")
+    _compile(
+        _lora_expand_kernel,
+        expand,
+        dict(BLOCK_M=_BLOCK_M, BLOCK_N=min(_MAX_BLOCK_N, max(16, next_pow2(out_features))),
+             BLOCK_K=min(_BLOCK_K, max(16, next_pow2(columns))), DOT_UPCAST=False,
+             DOT_PRECISION=precision),
+        num_warps=4,
+    )  # fmt: skip
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile")
@@ -180,6 +215,10 @@ def main() -> None:
     _quant_matmul("bf16", 4, 512, 4096, 4096)  # per-channel
     _quant_matmul("bf16", 4, 1, 96, 96)  # per-channel, ragged last K tile
     _quant_matmul("bf16", 8, 512, 80, 80)
+    for dtype in ("bf16", "fp16", "fp32"):  # the batched LoRA term
+        _lora(dtype, 3 * 16, 4096, 6144)  # a fused [q; k; v] layer, rank 16
+    _lora("bf16", 8, 576, 192)  # rank 8 on SmolLM2 shapes
+    _lora("bf16", 64, 14336, 4096)  # rank 64 down_proj
     print("all kernels compiled for sm_90")
 
 
