@@ -33,7 +33,7 @@ from engine.models.checkpoint import (
 )
 from engine.models.interface import CausalLM, ExpertTarget
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
-from engine.quantization.methods import quantize_at_load
+from engine.quantization.methods import checkpoint_method, quantize_at_load
 from engine.quantization.registry import method_class
 from engine.quantization.weights import QuantizedWeight, concat_rows
 
@@ -79,8 +79,9 @@ def build_model(
             raise ValueError(
                 'load_format="auto" needs a model folder; use "dummy" for random weights'
             )
-        if method is not None and method.source is not WeightSource.QUANTIZE_AT_LOAD:
+        if method is not None and method.reads_checkpoint_of(checkpoint_method(model_path)):
             load_weights(model, method.open_checkpoint(model_path), method)
+            method = None  # the checkpoint's quantized tensors are the weights
         else:
             load_weights(model, SafetensorsCheckpoint(model_path))
     else:

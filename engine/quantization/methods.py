@@ -55,14 +55,13 @@ def resolve_method(
     if requested is None:
         if stored is None:
             return None
-        if (
-            stored not in QUANTIZATION_SCHEMES
-            or method_class(stored).source is not WeightSource.QUANTIZED_CHECKPOINT
+        if stored not in QUANTIZATION_SCHEMES or not method_class(stored).reads_checkpoint_of(
+            stored
         ):
             raise QuantizationError(
                 f"{model_path} is quantized with {stored!r}, which inferq does not read; "
                 "supported checkpoint formats: "
-                + _schemes_where(lambda m: m.source is WeightSource.QUANTIZED_CHECKPOINT)
+                + _schemes_where(lambda m: m.reads_checkpoint_of("any"))
             )
         logger.info("checkpoint %s is %s-quantized: loading it as such", model_path, stored)
         requested = stored
@@ -72,7 +71,11 @@ def resolve_method(
             f"quantization={requested!r} needs a {requested} checkpoint, but {model_path}/"
             f"config.json names {f'quant_method {stored!r}' if stored else 'no quantization'}"
         )
-    if method.source is not WeightSource.QUANTIZED_CHECKPOINT and stored is not None:
+    if (
+        method.source is not WeightSource.QUANTIZED_CHECKPOINT
+        and stored is not None
+        and not (method.reads_checkpoints and stored == requested)
+    ):
         raise QuantizationError(
             f"quantization={requested!r} needs a full-precision checkpoint, but {model_path} is "
             f"already {stored}-quantized; use quantization={stored!r}"
