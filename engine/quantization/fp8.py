@@ -17,7 +17,7 @@ import torch
 
 from engine.quantization.base import WeightSource
 from engine.quantization.fp8_checkpoint import Fp8Checkpoint
-from engine.quantization.fp8_matmul import fp8_kernel
+from engine.quantization.fp8_matmul import Fp8Kernel, fp8_kernel
 from engine.quantization.weight_linear import QuantizedWeightLinear
 from engine.quantization.weights import quantize_fp8
 
@@ -41,8 +41,26 @@ class Fp8Linear(QuantizedWeightLinear):
         config = json.loads((model_path / "config.json").read_text())
         return Fp8Checkpoint(model_path, config["quantization_config"])
 
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if _reads_plain_weight(layer, x.device, x.dtype):
+            return layer.plain(x, layer.plan.plain())
+        return super().apply(layer, x)
+
+    def native_spec(self, layer: Linear, rows: int) -> NativeLinear | None:
+        if _reads_plain_weight(layer, layer.weight.device, layer.weight.dtype):
+            return layer.plain_native_spec(layer.plan.plain(), rows)
+        return super().native_spec(layer, rows)
+
     def weight_native_spec(self, layer: Linear) -> NativeLinear | None:
         return None  # no C++ kernel multiplies fp8: the Python forward runs
+
+
+def _reads_plain_weight(layer: Linear, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a layer that keeps its full-precision weight anyway (an lm_head tied to the
+    embedding) computes every call from it: where the measured kernel is the weight-only upcast,
+    upcasting the fp8 copy only adds work to reading a weight already in memory."""
+    kept = layer.weight.device.type != "meta"
+    return kept and fp8_kernel(device, dtype) is Fp8Kernel.UPCAST
 
 
 class CompressedTensorsLinear(Fp8Linear):
