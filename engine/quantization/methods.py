@@ -21,6 +21,7 @@ from engine.layers.linear import Linear, shared_parameter_ids
 from engine.layers.moe import BiasedExperts, FusedExperts
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
 from engine.quantization.errors import QuantizationError
+from engine.quantization.fp8 import Fp8Linear
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.int8 import Int8Linear
 from engine.quantization.registry import QUANTIZATION_SCHEMES, method_class
@@ -129,11 +130,11 @@ def quantize_at_load(
 def quantize_experts(
     name: str, experts: FusedExperts, method: type[QuantizedLinearMethod], group_size: int
 ) -> None:
-    """Each expert's projections in the scheme (weight-only integer schemes: int8, int4)."""
-    if not issubclass(method, (Int8Linear, Int4Linear)):
+    """Each expert's projections in the scheme (int8, int4, fp8)."""
+    if not issubclass(method, (Int8Linear, Int4Linear, Fp8Linear)):
         raise QuantizationError(
             f"{method.__name__} does not quantize mixture-of-experts weights; "
-            "for a MoE model use quantization='int8' or 'int4'"
+            "for a MoE model use quantization='int8', 'int4' or 'fp8'"
         )
 
     def each(param: str, stacked: torch.Tensor) -> list[QuantizedWeight]:

@@ -242,6 +242,7 @@ def write_fp8_checkpoint(
     block: tuple[int, int] = (128, 128),
     input_scale: float = 0.05,
     num_layers: int | None = None,
+    linears: re.Pattern[str] = _LINEAR,
 ) -> WrittenCheckpoint:
     """An fp8 folder quantized from the fp32 folder `source`, as the published exporters lay it
     out; `layout` is one of:
@@ -254,6 +255,7 @@ def write_fp8_checkpoint(
       `input_scale` [1] of `input_scale`.
 
     References are q * scale in fp32 with the scale each element's block, channel or tensor has.
+    `linears`: the names of the 2-D weights to quantize (default: attention and MLP projections).
     """
     layouts = {
         "fp8-block": _fp8_block_config(block),
@@ -263,7 +265,7 @@ def write_fp8_checkpoint(
     config = layouts[layout]
     written = WrittenCheckpoint(destination, config)
     tensors: dict[str, torch.Tensor] = {}
-    for name, weight in _linears_keeping_the_rest(source, num_layers, tensors):
+    for name, weight in _linears_keeping_the_rest(source, num_layers, tensors, linears):
         prefix = name.removesuffix(".weight")
         w = weight.float()
         if layout == "fp8-block":
@@ -288,12 +290,16 @@ def write_fp8_checkpoint(
 
 
 def _linears_keeping_the_rest(
-    source: Path, num_layers: int | None, kept: dict[str, torch.Tensor]
+    source: Path,
+    num_layers: int | None,
+    kept: dict[str, torch.Tensor],
+    pattern: re.Pattern[str] = _LINEAR,
 ) -> list[tuple[str, torch.Tensor]]:
-    """The attention and MLP linears of `source`; every other tensor goes into `kept` as fp16."""
+    """The 2-D weights of `source` that `pattern` names; every other tensor goes into `kept`
+    as fp16."""
     linears = []
     for name, weight in _source_tensors(source, num_layers):
-        if _LINEAR.match(name):
+        if pattern.match(name) and weight.dim() == 2:
             linears.append((name, weight))
         else:
             kept[name] = weight.half()
