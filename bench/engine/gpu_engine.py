@@ -48,6 +48,17 @@ class EngineBenchConfig:
     enforce_eager: bool = False
     seed: int = 0
     device: str = "cuda"  # "cpu" only for smoke tests: the numbers mean nothing there
+    quantization: str | None = None  # "fp8": the dummy bf16 weights quantized at load
+
+    @property
+    def weights_label(self) -> str:
+        return "bf16 dummy weights" if self.quantization is None else (
+            f"{self.quantization} weights (quantized at load from bf16 dummy weights)"
+        )  # fmt: skip
+
+    @property
+    def bytes_per_param(self) -> int:
+        return 1 if self.quantization == "fp8" else 2
 
 
 def write_model_dir(cfg: EngineBenchConfig) -> Path:
@@ -111,6 +122,7 @@ def make_llm(cfg: EngineBenchConfig):
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         enforce_eager=cfg.enforce_eager,
+        quantization=cfg.quantization,
     )
 
 
@@ -128,7 +140,7 @@ def _timed_generate(
 def bench_decode(cfg: EngineBenchConfig, llm) -> str:
     """Batch-1 ms/token = (time for N tokens - time for 1 token) / (N - 1): prefill cancels out."""
     counts = llama_param_counts(cfg.model_config)
-    weight_bytes = counts.streamed_bytes_per_token(bytes_per_param=2)
+    weight_bytes = counts.streamed_bytes_per_token(bytes_per_param=cfg.bytes_per_param)
     # 2 GiB swamps launch overhead on a GPU; 16 MiB keeps a CPU smoke test quick.
     copy_bytes = 2 << 30 if _is_cuda(cfg.device) else 16 << 20
     bandwidth = measure_copy_bandwidth(copy_bytes, cfg.device)
@@ -153,7 +165,7 @@ def bench_decode(cfg: EngineBenchConfig, llm) -> str:
         "decode ms/token", "floor ÷ measured", "effective TB/s",
     ]  # fmt: skip
     return (
-        f"Batch-1 decode, bf16 dummy weights, prompt {cfg.decode_prompt_len}, {n} new tokens "
+        f"Batch-1 decode, {cfg.weights_label}, prompt {cfg.decode_prompt_len}, {n} new tokens "
         "(ms/token excludes prefill). Floor = weight bytes ÷ measured device copy bandwidth.\n\n"
         + markdown_table(headers, rows)
     )
@@ -186,7 +198,7 @@ def bench_throughput(cfg: EngineBenchConfig, llm, hf_rates: dict | None) -> str:
     ]  # fmt: skip
     return (
         f"Offline throughput: {cfg.input_len} random token ids in / {cfg.output_len} out, "
-        f"ignore_eos, greedy, bf16 dummy weights. Compute roofline = peak {cfg.peak_flops:.3g} "
+        f"ignore_eos, greedy, {cfg.weights_label}. Compute roofline = peak {cfg.peak_flops:.3g} "
         f"FLOP/s ÷ (2 x {counts.matmul / 1e9:.2f} B matmul params) = {roofline:.0f} tok/s "
         "(attention FLOPs not counted).\n\n" + markdown_table(headers, rows)
     )

@@ -3,13 +3,12 @@
     python bench/engine/quantization.py --json quant.json
     inferq bench quantization --variants none int8 int4 gguf --rounds 2
 
-For each variant (full precision "none", int8, int4, gguf): single-stream decode ms/token (128
-prompt tokens, 128 new), mixed-workload throughput (64 requests, 32-256 prompt tokens, 16-128
-output, greedy, ignore_eos), weight bytes, peak RSS, and perplexity on the tests' text (the
-opening of Coriolanus). Each variant runs in a child process of its own, so its peak RSS is its
-own (it includes the 1 GiB KV cache); the rounds alternate between variants and figures are
-medians over rounds. Ratios are
-against the full-precision variant of the same run.
+For each variant (full precision "none", int8, w8a8, int4, fp8, gguf): single-stream decode
+ms/token (128 prompt tokens, 128 new), mixed-workload throughput (64 requests, 32-256 prompt
+tokens, 16-128 output, greedy, ignore_eos), weight bytes, peak RSS, and perplexity on the tests'
+text (the opening of Coriolanus). Each variant runs in a child process of its own, so its peak
+RSS is its own (it includes the 1 GiB KV cache); the rounds alternate between variants and
+figures are medians over rounds. Ratios are against the full-precision variant of the same run.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from bench.engine.throughput import engine_decode_ms, timed_generate, warm_up
 from schemas.defaults import DEFAULT_MODEL
 
 TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "coriolanus_act1.txt"
-VARIANTS = ("none", "int8", "w8a8", "int4", "gguf")
+VARIANTS = ("none", "int8", "w8a8", "int4", "fp8", "gguf")
 COLUMNS = (
     ("decode_ms_per_token", "decode ms/tok"),
     ("output_tok_s", "output tok/s"),

@@ -8,18 +8,21 @@
     only torch + triton. (b) batch-1 decode ms/token of a dummy-weight Llama-3-8B through
     `engine.LLM` vs the weight-bandwidth floor. (c) offline throughput of the same model vs
     transformers' generate and the compute roofline. (d) the GPU's idle share of decode steps.
-    (b), (c) and (d) need the engine's deps.
+    (e) batch-1 decode and offline throughput of the same model with fp8 weights (quantized at
+    load; w8a8-fp8 through torch._scaled_mm where it measures faster), against (b) and (c).
+    (b) to (e) need the engine's deps.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import platform
 import sys
 import tempfile
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,7 +36,7 @@ from bench.common.gpu_report import (
 )
 
 logger = logging.getLogger("bench.gpu")
-PARTS = ("a", "b", "c", "d")
+PARTS = ("a", "b", "c", "d", "e")
 C = TypeVar("C")
 
 
@@ -43,8 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--parts",
-        default="a,b,c,d",
-        help="comma list of a (attention), b (decode), c (throughput), d (step overhead)",
+        default="a,b,c,d,e",
+        help="comma list of a (attention), b (decode), c (throughput), d (step overhead), "
+        "e (fp8 decode and throughput)",
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="append the results as a markdown section"
@@ -80,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--enforce-eager", action="store_true")
     engine.add_argument(
         "--step-batches", default="1,64,256", help="(d) sequences per decode-heavy run"
+    )
+    engine.add_argument(
+        "--fp8-prompts",
+        type=int,
+        default=None,
+        help="(e) prompts of the fp8 throughput run (default: --num-prompts, the same workload)",
     )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument(
@@ -178,7 +188,29 @@ def _run_engine(args: argparse.Namespace, parts: list[str]) -> list[tuple[str, s
             if "d" in parts:
                 overhead = gpu_engine.bench_step_overhead(cfg, llm, args.step_batches)
                 blocks.append((f"(d) time outside the GPU per step{label}", overhead))
+        if "e" in parts:
+            # One engine at a time: the bf16 one's KV cache takes most of the memory.
+            import torch
+
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+            blocks += _run_fp8(cfg, args)
         return blocks
+
+
+def _run_fp8(cfg: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
+    from bench.engine import gpu_engine
+
+    prompts = args.num_prompts if args.fp8_prompts is None else args.fp8_prompts
+    fp8 = replace(cfg, quantization="fp8", num_prompts=prompts)
+    logger.info("building the engine with fp8 weights")
+    llm = gpu_engine.make_llm(fp8)
+    llm.engine.set_async_scheduling("async" in args.modes)
+    return [
+        ("(e) fp8 weights: batch-1 decode", gpu_engine.bench_decode(fp8, llm)),
+        ("(e) fp8 weights: offline throughput", gpu_engine.bench_throughput(fp8, llm, None)),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = []
     if "a" in args.parts:
         blocks += _run_attention(args)
-    engine_parts = [p for p in args.parts if p in ("b", "c", "d")]
+    engine_parts = [p for p in args.parts if p in ("b", "c", "d", "e")]
     if engine_parts:
         try:
             import engine  # noqa: F401  (pydantic and the rest of the engine's deps)

@@ -4,10 +4,10 @@ mixture of routed experts plus shared experts (engine.layers.moe.grouped) whose 
 by sigmoid and picks its top-k among the best expert groups with a correction bias (noaux_tc);
 the first layers have a dense gated MLP.
 
-Refused at load, by name: tensor parallelism, fp8 block-quantized checkpoints (the released
-weights; dequantize them to bf16 first), another router (topk_method, scoring_func), MoE
-layers other than every layer past the dense ones (moe_layer_freq), and the generic fields
-engine.models.config_checks refuses. The multi-token-prediction layers a checkpoint may hold
+The released fp8 block-quantized weights load as the fp8 scheme (engine.quantization.fp8),
+experts included. Refused at load, by name: tensor parallelism, another router (topk_method,
+scoring_func), MoE layers other than every layer past the dense ones (moe_layer_freq), and the
+generic fields engine.models.config_checks refuses. The multi-token-prediction layers a checkpoint may hold
 past num_hidden_layers are not read, as transformers does not read them.
 """
 
@@ -73,15 +73,6 @@ def check_config(hf_config: PretrainedConfig, tp: TensorParallel | None) -> None
     if tp is not None:
         raise NotImplementedError("DeepSeek models (latent attention) are not tensor-parallel yet")
     refuse_unsupported(hf_config)
-    quantization = getattr(hf_config, "quantization_config", None) or {}
-    if not isinstance(quantization, dict):
-        quantization = quantization.to_dict()
-    if quantization.get("quant_method") == "fp8":
-        raise UnsupportedConfigError(
-            f"quantization_config.quant_method='fp8' (weight_block_size="
-            f"{quantization.get('weight_block_size')}) is not supported: fp8 block-quantized "
-            "DeepSeek checkpoints need dequantizing to bf16 first"
-        )
     refuse_fields(hf_config, {"moe_layer_freq": (1,)})
 
 

@@ -33,7 +33,7 @@ from engine.models.checkpoint import (
 )
 from engine.models.interface import CausalLM, ExpertTarget
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
-from engine.quantization.methods import quantize_at_load
+from engine.quantization.methods import checkpoint_method, quantize_at_load
 from engine.quantization.registry import method_class
 from engine.quantization.weights import QuantizedWeight, concat_rows
 
@@ -79,8 +79,9 @@ def build_model(
             raise ValueError(
                 'load_format="auto" needs a model folder; use "dummy" for random weights'
             )
-        if method is not None and method.source is not WeightSource.QUANTIZE_AT_LOAD:
+        if method is not None and method.reads_checkpoint_of(checkpoint_method(model_path)):
             load_weights(model, method.open_checkpoint(model_path), method)
+            method = None  # the checkpoint's quantized tensors are the weights
         else:
             load_weights(model, SafetensorsCheckpoint(model_path))
     else:
@@ -114,6 +115,8 @@ def load_weights(
         checkpoint.quantized_names() if isinstance(checkpoint, QuantizedCheckpoint) else set()
     )
     quantized: dict[str, dict[int, QuantizedWeight]] = {}
+    # FusedExperts module -> (param, expert, shard) -> that projection's quantized weight.
+    quantized_experts: dict[str, dict[tuple[str, int, int], QuantizedWeight]] = {}
     tied = model.tie_word_embeddings
     filled: dict[str, set[int]] = {name: set() for name in params}
     with torch.no_grad():
@@ -127,8 +130,11 @@ def load_weights(
             expert = mapping.expert_target(name)
             if expert is not None:
                 if name in quantized_names:
-                    raise WeightLoadError(f"{name}: quantized expert weights are not read yet")
-                slot = _read_expert(model, checkpoint, name, expert)
+                    slot = _read_quantized_expert(
+                        model, checkpoint, name, expert, quantized_experts
+                    )
+                else:
+                    slot = _read_expert(model, checkpoint, name, expert)
                 filled[expert.param].add(slot)
                 continue
             target, shard = mapping.target_of(name)
@@ -187,6 +193,52 @@ def load_weights(
     for target, shards in quantized.items():
         weight = concat_rows([shards[i] for i in sorted(shards)])
         _use_quantized(model, target, weight, tied, method)
+    for module_name, pieces in quantized_experts.items():
+        _use_quantized_experts(model, module_name, pieces)
+
+
+def _read_quantized_expert(
+    model: CausalLM,
+    checkpoint: Checkpoint,
+    name: str,
+    target: ExpertTarget,
+    pieces: dict[str, dict[tuple[str, int, int], QuantizedWeight]],
+) -> int:
+    """Keep one expert's quantized projection for its module; returns the slot it fills."""
+    module_name, param = target.param.rsplit(".", 1)
+    module = model.get_submodule(module_name)
+    if not isinstance(module, FusedExperts) or not 0 <= target.expert < module.num_experts:
+        raise WeightLoadError(f"checkpoint tensor {name} has no expert slot in the model")
+    if module.checkpoint_slice(param) is not None:
+        raise WeightLoadError(f"{name}: quantized experts are not tensor-parallel")
+    weight = checkpoint.read_quantized(name)  # type: ignore[union-attr]
+    shape = tuple(module.expert_slot(param, target.expert, target.shard).shape)
+    if weight.shape != shape:
+        raise WeightLoadError(f"{name}: checkpoint shape {weight.shape} != {shape}")
+    shard = target.shard or 0
+    pieces.setdefault(module_name, {})[(param, target.expert, shard)] = weight
+    return target.expert * (module.slots(param) // module.num_experts) + shard
+
+
+def _use_quantized_experts(
+    model: CausalLM, module_name: str, pieces: dict[tuple[str, int, int], QuantizedWeight]
+) -> None:
+    """Every expert's projections of one FusedExperts, stacked as its kernels read them."""
+    module = model.get_submodule(module_name)
+    assert isinstance(module, FusedExperts)
+    w13_shards = module.slots("w13") // module.num_experts
+    expected = {("w13", e, s) for e in range(module.num_experts) for s in range(w13_shards)}
+    expected |= {("w2", e, 0) for e in range(module.num_experts)}
+    if set(pieces) != expected:
+        missing = sorted(expected - set(pieces))[:3]
+        raise WeightLoadError(
+            f"{module_name}: some expert projections are quantized and others not, e.g. {missing}"
+        )
+    w13 = [
+        concat_rows([pieces[("w13", e, s)] for s in range(w13_shards)])
+        for e in range(module.num_experts)
+    ]
+    module.use_quantized(w13, [pieces[("w2", e, 0)] for e in range(module.num_experts)])
 
 
 def _read_expert(model: CausalLM, checkpoint: Checkpoint, name: str, target: ExpertTarget) -> int:

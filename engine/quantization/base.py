@@ -63,6 +63,8 @@ class QuantizedLinearMethod(LinearMethod):
     (QUANTIZE_AT_LOAD) or `open_checkpoint` and `from_checkpoint` (the other sources)."""
 
     source: ClassVar[WeightSource]
+    # A QUANTIZE_AT_LOAD scheme that also reads checkpoints whose config names it (fp8).
+    reads_checkpoints: ClassVar[bool] = False
     runs_on_cpu: ClassVar[bool] = True
     # The activation dtypes it computes in; None: any.
     activation_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = ACTIVATION_DTYPES
@@ -86,6 +88,14 @@ class QuantizedLinearMethod(LinearMethod):
         """The layer `name`'s full-precision weight [out, in] in this scheme (a scheme may give
         some layers, such as the lm_head, another method)."""
         raise QuantizationError(f"{cls.__name__} reads quantized checkpoints; it does not quantize")
+
+    @classmethod
+    def reads_checkpoint_of(cls, stored: str | None) -> bool:
+        """Whether the model loads from the checkpoint's own quantized tensors, for a checkpoint
+        whose config names `stored` (None: not quantized)."""
+        return cls.source is not WeightSource.QUANTIZE_AT_LOAD or (
+            cls.reads_checkpoints and stored is not None
+        )
 
     @classmethod
     def open_checkpoint(cls, model_path: Path) -> QuantizedCheckpoint:

@@ -1,4 +1,5 @@
-"""x @ W.T for a quantized W: the C++ kernels on the CPU, a Triton dequantize-GEMM on CUDA.
+"""x @ W.T for a quantized W: the C++ kernels on the CPU, a Triton dequantize-GEMM on CUDA
+(fp8 weights: engine.quantization.fp8_matmul).
 
 Both compute in full precision from the integer codes (no activation quantization), so a
 quantized model gives the numbers of its dequantized full-precision twin up to summation order.
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.platforms.cpu.matmul import SMALL_ROWS
-from engine.quantization.weights import FP8, FP8_MAX, QuantizedWeight, dequantize
+from engine.quantization.fp8_matmul import fp8_kernel, fp8_linear
+from engine.quantization.weights import QuantizedWeight, dequantize
 from kernels import quant_ops
 from kernels.cpu_ops import cpu_kernels_available
 
@@ -33,7 +35,7 @@ def quantized_linear(
     """x [..., in] @ dequantize(weight).T + bias, in x's dtype. onednn_tiles: on the CPU, calls
     of many rows multiply dequantized tiles through oneDNN (else torch's default GEMM)."""
     if weight.is_fp8:
-        return fp8_linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, fp8_kernel(x.device, x.dtype))
     if weight.int8_activations and x.numel() > SMALL_ROWS * weight.in_features:
         return int8_activation_linear(x, weight, bias)
     if x.device.type == "cpu" and x.numel() and cpu_kernels_available():
@@ -80,25 +82,6 @@ def int8_activation_linear(
     if bias is not None:
         out.add_(bias.float())
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.out_features)
-
-
-def fp8_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x @ W.T in float8: each row of x scaled into fp8's range on the fly, one scale per row
-    and per output channel, accumulated by torch._scaled_mm in higher precision."""
-    rows = x.reshape(-1, weight.in_features)
-    row_scales = (rows.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
-    quantized_rows = (rows.float() / row_scales).to(FP8)
-    out = torch._scaled_mm(
-        quantized_rows,
-        weight.data.t(),
-        scale_a=row_scales.contiguous(),
-        scale_b=weight.scales.reshape(1, -1).float().contiguous(),
-        bias=bias,
-        out_dtype=x.dtype,
-    )
-    return out.reshape(*x.shape[:-1], weight.out_features)
 
 
 def quantized_embedding(ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -21,6 +21,7 @@ from engine.layers.linear import Linear, shared_parameter_ids
 from engine.layers.moe import BiasedExperts, FusedExperts
 from engine.quantization.base import QuantizedLinearMethod, WeightSource
 from engine.quantization.errors import QuantizationError
+from engine.quantization.fp8 import Fp8Linear
 from engine.quantization.int4 import Int4Linear
 from engine.quantization.int8 import Int8Linear
 from engine.quantization.registry import QUANTIZATION_SCHEMES, method_class
@@ -55,14 +56,13 @@ def resolve_method(
     if requested is None:
         if stored is None:
             return None
-        if (
-            stored not in QUANTIZATION_SCHEMES
-            or method_class(stored).source is not WeightSource.QUANTIZED_CHECKPOINT
+        if stored not in QUANTIZATION_SCHEMES or not method_class(stored).reads_checkpoint_of(
+            stored
         ):
             raise QuantizationError(
                 f"{model_path} is quantized with {stored!r}, which inferq does not read; "
                 "supported checkpoint formats: "
-                + _schemes_where(lambda m: m.source is WeightSource.QUANTIZED_CHECKPOINT)
+                + _schemes_where(lambda m: m.reads_checkpoint_of("any"))
             )
         logger.info("checkpoint %s is %s-quantized: loading it as such", model_path, stored)
         requested = stored
@@ -72,7 +72,11 @@ def resolve_method(
             f"quantization={requested!r} needs a {requested} checkpoint, but {model_path}/"
             f"config.json names {f'quant_method {stored!r}' if stored else 'no quantization'}"
         )
-    if method.source is not WeightSource.QUANTIZED_CHECKPOINT and stored is not None:
+    if (
+        method.source is not WeightSource.QUANTIZED_CHECKPOINT
+        and stored is not None
+        and not (method.reads_checkpoints and stored == requested)
+    ):
         raise QuantizationError(
             f"quantization={requested!r} needs a full-precision checkpoint, but {model_path} is "
             f"already {stored}-quantized; use quantization={stored!r}"
@@ -126,11 +130,11 @@ def quantize_at_load(
 def quantize_experts(
     name: str, experts: FusedExperts, method: type[QuantizedLinearMethod], group_size: int
 ) -> None:
-    """Each expert's projections in the scheme (weight-only integer schemes: int8, int4)."""
-    if not issubclass(method, (Int8Linear, Int4Linear)):
+    """Each expert's projections in the scheme (int8, int4, fp8)."""
+    if not issubclass(method, (Int8Linear, Int4Linear, Fp8Linear)):
         raise QuantizationError(
             f"{method.__name__} does not quantize mixture-of-experts weights; "
-            "for a MoE model use quantization='int8' or 'int4'"
+            "for a MoE model use quantization='int8', 'int4' or 'fp8'"
         )
 
     def each(param: str, stacked: torch.Tensor) -> list[QuantizedWeight]:

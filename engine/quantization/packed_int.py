@@ -29,14 +29,13 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors import safe_open
 
 from engine.quantization.base import WeightSource
 from engine.quantization.errors import QuantizationFormatError
+from engine.quantization.safetensors_folder import QuantizedSafetensorsFolder
 from engine.quantization.weight_linear import QuantizedWeightLinear
-from engine.quantization.weights import Q4_BLOCK, QuantizedWeight, dequantize, pack_int4
+from engine.quantization.weights import Q4_BLOCK, QuantizedWeight, pack_int4
 
-_SAFETENSORS_INDEX = "model.safetensors.index.json"
 _PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 # AWQ word nibble k holds output 8c + _AWQ_PACK_ORDER[k]; reading nibbles in the inverse order
 # gives the outputs in natural order.
@@ -89,7 +88,7 @@ class PackedIntFormat:
         raise QuantizationFormatError(f"quant_method {method!r} is not GPTQ or AWQ")
 
 
-class PackedIntCheckpoint:
+class PackedIntCheckpoint(QuantizedSafetensorsFolder):
     """A GPTQ or AWQ safetensors folder, read like a checkpoint under the loader's names.
 
     Each quantized linear appears as `<prefix>.weight` (in `quantized_names()`, read with
@@ -98,13 +97,8 @@ class PackedIntCheckpoint:
     """
 
     def __init__(self, folder: Path, quantization_config: dict[str, object]) -> None:
-        self.folder = folder
+        super().__init__(folder)
         self.format = PackedIntFormat.from_config(quantization_config)
-        self._files: dict[str, Path] = {}
-        for file in _safetensors_files(folder):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    self._files[name] = file
         self._prefixes = {
             name.removesuffix(".qweight") for name in self._files if name.endswith(".qweight")
         }
@@ -119,9 +113,6 @@ class PackedIntCheckpoint:
                 names.append(f"{prefix}.weight")
         return names
 
-    def quantized_names(self) -> set[str]:
-        return {f"{prefix}.weight" for prefix in self._prefixes}
-
     def shape(self, name: str) -> tuple[int, ...]:
         prefix = name.removesuffix(".weight")
         if prefix not in self._prefixes:
@@ -130,13 +121,6 @@ class PackedIntCheckpoint:
         if self.format.method == "gptq":
             return (columns, rows * 32 // self.format.bits)
         return (columns * 32 // self.format.bits, rows)
-
-    def read_into(self, name: str, destination: torch.Tensor) -> None:
-        """Copy a tensor into destination; a quantized linear arrives dequantized."""
-        if name in self.quantized_names():
-            destination.copy_(dequantize(self.read_quantized(name)))
-        else:
-            destination.copy_(self._tensor(name))
 
     def read_quantized(self, name: str) -> QuantizedWeight:
         prefix = name.removesuffix(".weight")
@@ -205,14 +189,6 @@ class PackedIntCheckpoint:
             )
         return tensor
 
-    def _tensor(self, name: str) -> torch.Tensor:
-        with safe_open(str(self._files[name]), framework="pt") as f:
-            return f.get_tensor(name)
-
-    def _slice_shape(self, name: str) -> list[int]:
-        with safe_open(str(self._files[name]), framework="pt") as f:
-            return list(f.get_slice(name).get_shape())
-
 
 class PackedIntLinear(QuantizedWeightLinear):
     """The gptq and awq schemes: a checkpoint whose config.json's quantization_config names
@@ -224,18 +200,6 @@ class PackedIntLinear(QuantizedWeightLinear):
     def open_checkpoint(cls, model_path: Path) -> PackedIntCheckpoint:
         config = json.loads((model_path / "config.json").read_text())
         return PackedIntCheckpoint(model_path, config["quantization_config"])
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / _SAFETENSORS_INDEX
-    if index.exists():
-        return sorted(
-            {folder / file for file in json.loads(index.read_text())["weight_map"].values()}
-        )
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
-    return files
 
 
 def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:

@@ -45,7 +45,17 @@ QUANTIZATION_SCHEMES: dict[str, Scheme] = {
     ),
     "gptq": Scheme("engine.quantization.packed_int:PackedIntLinear", "a GPTQ checkpoint"),
     "awq": Scheme("engine.quantization.packed_int:PackedIntLinear", "an AWQ checkpoint"),
-    "fp8": Scheme("engine.quantization.fp8:Fp8Linear", "CUDA only"),
+    "fp8": Scheme(
+        "engine.quantization.fp8:Fp8Linear",
+        "float8_e4m3fn weights per output channel, quantized at load, or an fp8 checkpoint "
+        "(weight_block_size blocks); w8a8-fp8 (torch._scaled_mm, dynamic per-token activation "
+        "scales) where a load-time measurement finds it runs and is faster, else weight-only",
+    ),
+    "compressed-tensors": Scheme(
+        "engine.quantization.fp8:CompressedTensorsLinear",
+        "an llm-compressor checkpoint of float8 weights (per tensor, channel or block; static or "
+        "dynamic input scales), run as fp8",
+    ),
 }
 
 

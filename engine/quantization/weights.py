@@ -14,8 +14,12 @@ consecutive inputs sharing one scale (and, for 4 bits, one minimum):
   GPTQ's zero point) become a minimum: `scale * (q - z) = q * scale + (-z * scale)`.
 - `scales` (and `mins`) float16 [out, in // group_size]: half the bytes of fp32 where they are a
   fifth of a 4-bit weight's bytes, and exactly what GGUF, GPTQ and AWQ store.
-- fp8 (CUDA): `data` float8_e4m3fn [out, in] and `scales` float32 [out, 1], one per output
-  channel; the weight is `q * scale`, `bits` 8. The activations are scaled per row at run time.
+- fp8: `data` float8_e4m3fn [out, in] and `scales` float32 [out, in // group_size]; the weight
+  is `q * scale`, `bits` 8. Quantized at load: one scale per output channel. Read from fp8
+  checkpoints: per tensor and per channel become one scale per row; 128x128 blocks become
+  groups of inputs with each block's scale repeated over its rows. `input_scale` (float32 [1]):
+  a checkpoint's static activation scale (else activations are scaled per row at run time,
+  where the kernel quantizes them; engine.quantization.fp8_matmul).
 - `int8_activations` (8 bits, one group per row): calls with many rows quantize the activations
   to int8 per row too and multiply integers (W8A8); see engine.quantization.matmul.
 - `input_order`: GPTQ's act-order checkpoints group inputs out of order; the loader sorts the
@@ -46,6 +50,7 @@ class QuantizedWeight:
     mins: torch.Tensor | None = None
     input_order: torch.Tensor | None = None
     int8_activations: bool = False
+    input_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         groups = self.in_features // self.group_size
@@ -78,7 +83,7 @@ class QuantizedWeight:
         return (self.out_features, self.in_features)
 
     def tensors(self) -> list[torch.Tensor]:
-        parts = (self.data, self.scales, self.mins, self.input_order)
+        parts = (self.data, self.scales, self.mins, self.input_order, self.input_scale)
         return [part for part in parts if part is not None]
 
     def nbytes(self) -> int:
@@ -91,6 +96,7 @@ class QuantizedWeight:
         return replace(
             self, data=self.data.to(device), scales=self.scales.to(device),
             mins=move(self.mins), input_order=move(self.input_order),
+            input_scale=move(self.input_scale),
         )  # fmt: skip
 
     def select_rows(self, start: int, stop: int) -> QuantizedWeight:
@@ -167,7 +173,11 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
                 f"{first.bits} bits in groups of {first.group_size} and "
                 f"{part.bits} bits in groups of {part.group_size}"
             )
-        if part.in_features != first.in_features or (part.mins is None) != (first.mins is None):
+        if (
+            part.in_features != first.in_features
+            or (part.mins is None) != (first.mins is None)
+            or part.data.dtype != first.data.dtype
+        ):
             raise ValueError("the projections of one fused layer have different layouts")
         same_order = (part.input_order is None and first.input_order is None) or (
             part.input_order is not None
@@ -181,6 +191,9 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
                 "must agree"
             )
     mins = None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None])
+    # The parts read one input: its static fp8 scale must cover every part's (the largest).
+    input_scales = [p.input_scale.reshape(1) for p in parts if p.input_scale is not None]
+    input_scale = torch.cat(input_scales).amax().reshape(1) if input_scales else None
     return QuantizedWeight(
         first.bits,
         sum(p.out_features for p in parts),
@@ -190,6 +203,7 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         torch.cat([p.scales for p in parts]),
         mins,
         first.input_order,
+        input_scale=input_scale,
     )
 
 

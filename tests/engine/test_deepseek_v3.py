@@ -198,7 +198,6 @@ def test_grouped_routing_equals_transformers_router() -> None:
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "fp8"),
         ({"topk_method": "greedy"}, "topk_method='greedy'"),
         ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
         ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
@@ -243,7 +242,7 @@ def test_weight_only_int8_quantizes_the_latent_projections_and_the_experts(tmp_p
 
 def test_the_released_config_builds_with_a_576_feature_cache_row() -> None:
     """DeepSeek-V3's released sizes (transformers' defaults) and its config.json's rope and
-    router fields, on the meta device; its fp8 quantization_config is what gets refused."""
+    router fields and its fp8 quantization_config, on the meta device."""
     from transformers import DeepseekV3Config
 
     released = dict(
@@ -267,8 +266,48 @@ def test_the_released_config_builds_with_a_576_feature_cache_row() -> None:
     assert (spec.planes, spec.num_kv_heads, spec.head_dim) == (1, 1, 512 + 64)
     assert spec.bytes_per_block == 61 * 16 * 576 * 2
     fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    with pytest.raises(UnsupportedConfigError, match="quant_method='fp8'"):
-        meta_model(DeepseekV3Config(**released, quantization_config=fp8), TorchAttentionBackend())
+    meta_model(DeepseekV3Config(**released, quantization_config=fp8), TorchAttentionBackend())
+
+
+def test_an_fp8_block_checkpoint_loads_experts_included(tmp_path: Path) -> None:
+    """The released layout (fp8 weights, weight_scale_inv per 128x128 block, the router and
+    lm_head unquantized) on a tiny config: the model its weights describe, greedy and logprobs."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from schemas.sampling import SamplingParams
+    from tests.quantization.checkpoints import write_fp8_checkpoint
+
+    source = _save(tmp_path / "full")
+    every_projection = re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")
+    written = write_fp8_checkpoint(
+        source, tmp_path / "fp8", layout="fp8-block", linears=every_projection
+    )
+    assert any(".experts." in name for name in written.references)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    tensors = {
+        name: tensor.float()
+        for name, tensor in load_file(written.folder / "model.safetensors").items()
+        if not name.endswith("_scale_inv") and tensor.dtype != torch.float8_e4m3fn
+    }
+    save_file({**tensors, **written.references}, reference / "model.safetensors")
+    config = json.loads((written.folder / "config.json").read_text())
+    del config["quantization_config"]
+    (reference / "config.json").write_text(json.dumps(config))
+    fp8 = LLM(str(written.folder), dtype="float32")
+    assert fp8.engine.quantization == "fp8"
+    assert fp8.engine.runner.model.model.layers[1].mlp.experts.quantized is not None
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    prompts = _prompts()[:2]
+    got = fp8.generate(prompts, params, use_tqdm=False)
+    want = LLM(str(reference), dtype="float32").generate(prompts, params, use_tqdm=False)
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        ours_lp = torch.tensor([step.logprob for step in ours.outputs[0].logprobs])
+        theirs_lp = torch.tensor([step.logprob for step in theirs.outputs[0].logprobs])
+        torch.testing.assert_close(ours_lp, theirs_lp, rtol=0, atol=1e-4)
 
 
 def test_forked_samples_copy_the_latent_blocks_they_write(deepseek_dir: Path) -> None:

@@ -24,7 +24,7 @@ def test_parse_args_lists_and_shapes():
     assert args.decode_batches == [1, 8]
     assert args.prefill_shapes == [PrefillShape(2, 256), PrefillShape(1, 512, 4096)]
     assert args.prefill_shapes[1].seq_len == 4608
-    assert gpu.parse_args([]).parts == ["a", "b", "c", "d"]
+    assert gpu.parse_args([]).parts == ["a", "b", "c", "d", "e"]  # every part, fp8 too
 
 
 @pytest.mark.parametrize(
@@ -177,3 +177,32 @@ def test_engine_bench_parts_run_on_cpu_with_a_tiny_llama(tmp_path, caplog):
     assert overhead_rows[0][0] == "sequences" and [r[0] for r in overhead_rows[1:3]] == ["1", "3"]
     assert all(int(r[1]) >= 4 for r in overhead_rows[1:3])  # a step per new token at least
     assert "Top kernels at 3 sequences" in overhead
+
+
+def test_fp8_engine_bench_part_runs_on_cpu_with_a_tiny_llama(tmp_path):
+    """Part (e): the same model with fp8 weights, decode and throughput tables that say so."""
+    import dataclasses
+    import math
+
+    from bench.engine import gpu_engine
+
+    tiny = {
+        **LLAMA3_8B_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+        "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    cfg = gpu_engine.EngineBenchConfig(
+        model_config=tiny, model_dir=tmp_path / "tiny-llama", decode_prompt_len=8,
+        decode_tokens=4, num_prompts=4, input_len=16, output_len=4, max_num_seqs=8,
+        max_num_batched_tokens=256, device="cpu",
+    )  # fmt: skip
+    fp8 = dataclasses.replace(cfg, quantization="fp8")
+    llm = gpu_engine.make_llm(fp8)
+    assert llm.engine.quantization == "fp8"
+    decode = gpu_engine.bench_decode(fp8, llm)
+    throughput = gpu_engine.bench_throughput(fp8, llm, None)
+    assert "fp8 weights" in decode and "fp8 weights" in throughput
+    full_bytes = float(_table_rows(gpu_engine.bench_decode(cfg, gpu_engine.make_llm(cfg)))[1][1])
+    decode_row = _table_rows(decode)[1]
+    assert float(decode_row[1]) <= full_bytes  # a byte a weight, not two
+    assert all(math.isfinite(float(v)) and float(v) > 0 for v in decode_row[3:])

@@ -228,3 +228,116 @@ def _write_folder(
         )
         if file.is_file() and copied:  # tokenizer, chat template, generation config
             shutil.copy2(file, destination / file.name)
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def write_fp8_checkpoint(
+    source: Path,
+    destination: Path,
+    *,
+    layout: str,
+    block: tuple[int, int] = (128, 128),
+    input_scale: float = 0.05,
+    num_layers: int | None = None,
+    linears: re.Pattern[str] = _LINEAR,
+) -> WrittenCheckpoint:
+    """An fp8 folder quantized from the fp32 folder `source`, as the published exporters lay it
+    out; `layout` is one of:
+
+    - "fp8-block": transformers' FineGrainedFP8 / DeepSeek-V3: quant_method "fp8",
+      `weight_block_size` `block`, `weight_scale_inv` float32 [ceil(out/bo), ceil(in/bi)].
+    - "ct-channel": compressed-tensors "float-quantized", per-channel `weight_scale` [out, 1],
+      dynamic per-token input activations (no input_scale).
+    - "ct-tensor-static": compressed-tensors, per-tensor `weight_scale` [1] and a static
+      `input_scale` [1] of `input_scale`.
+
+    References are q * scale in fp32 with the scale each element's block, channel or tensor has.
+    `linears`: the names of the 2-D weights to quantize (default: attention and MLP projections).
+    """
+    layouts = {
+        "fp8-block": _fp8_block_config(block),
+        "ct-channel": _compressed_tensors_config("channel", dynamic=True),
+        "ct-tensor-static": _compressed_tensors_config("tensor", dynamic=False),
+    }
+    config = layouts[layout]
+    written = WrittenCheckpoint(destination, config)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, weight in _linears_keeping_the_rest(source, num_layers, tensors, linears):
+        prefix = name.removesuffix(".weight")
+        w = weight.float()
+        if layout == "fp8-block":
+            scale = _block_scales(w, block)
+            per_element = scale.repeat_interleave(block[0], 0)[: w.shape[0]]
+            per_element = per_element.repeat_interleave(block[1], 1)[:, : w.shape[1]]
+            tensors[f"{prefix}.weight_scale_inv"] = scale
+        elif layout == "ct-channel":
+            scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+            per_element = scale.expand_as(w)
+            tensors[f"{prefix}.weight_scale"] = scale
+        else:
+            scale = (w.abs().amax() / FP8_MAX).clamp(min=1e-12).reshape(1)
+            per_element = scale.expand_as(w)
+            tensors[f"{prefix}.weight_scale"] = scale
+            tensors[f"{prefix}.input_scale"] = torch.tensor([input_scale])
+        q = (w / per_element).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        tensors[name] = q
+        written.references[name] = q.float() * per_element
+    _write_folder(source, destination, tensors, config, num_layers)
+    return written
+
+
+def _linears_keeping_the_rest(
+    source: Path,
+    num_layers: int | None,
+    kept: dict[str, torch.Tensor],
+    pattern: re.Pattern[str] = _LINEAR,
+) -> list[tuple[str, torch.Tensor]]:
+    """The 2-D weights of `source` that `pattern` names; every other tensor goes into `kept`
+    as fp16."""
+    linears = []
+    for name, weight in _source_tensors(source, num_layers):
+        if pattern.match(name) and weight.dim() == 2:
+            linears.append((name, weight))
+        else:
+            kept[name] = weight.half()
+    return linears
+
+
+def _block_scales(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """One scale per block of w, partial blocks at the ends: amax / 448, float32."""
+    rows, inputs = block
+    out_features, in_features = w.shape
+    padded = torch.zeros(-(-out_features // rows) * rows, -(-in_features // inputs) * inputs)
+    padded[:out_features, :in_features] = w.abs()
+    blocks = padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // inputs, inputs)
+    return (blocks.amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+
+
+def _fp8_block_config(block: tuple[int, int]) -> dict[str, object]:
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": ["lm_head"],
+    }
+
+
+def _compressed_tensors_config(weight_strategy: str, *, dynamic: bool) -> dict[str, object]:
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": dynamic}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**weights, "strategy": weight_strategy},
+                "input_activations": {**activations, "strategy": "token" if dynamic else "tensor"},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
