@@ -24,7 +24,7 @@ def test_parse_args_lists_and_shapes():
     assert args.decode_batches == [1, 8]
     assert args.prefill_shapes == [PrefillShape(2, 256), PrefillShape(1, 512, 4096)]
     assert args.prefill_shapes[1].seq_len == 4608
-    assert gpu.parse_args([]).parts == ["a", "b", "c", "d"]
+    assert gpu.parse_args([]).parts == ["a", "b", "c", "d", "e"]
 
 
 @pytest.mark.parametrize(
