@@ -3,7 +3,9 @@
 #   bash scripts/gpu_check.sh tests            # kernel tests and the CUDA engine tests
 #   bash scripts/gpu_check.sh bench [FLAGS]    # bench/suites/gpu.py FLAGS, results appended to $OUT/gpu.md
 #   bash scripts/gpu_check.sh all [FLAGS]      # both in one go: the tests' summary and the bench
-#                                              # (sync and async scheduling) in $OUT/gpu.md
+#                                              # (sync and async scheduling, the chosen prefill
+#                                              # path vs SDPA, piecewise graphs on and off) in
+#                                              # $OUT/gpu.md
 # Wheels in .whl/ (packages the machine lacks, e.g. pydantic) are installed to /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +23,8 @@ run_tests() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not slow" \
     tests/kernels tests/engine/test_cuda_path.py tests/engine/test_sampler.py \
-    tests/engine/test_async_scheduling.py "$@" 2>&1 |
+    tests/engine/test_async_scheduling.py tests/engine/test_cuda_piecewise.py \
+    tests/engine/test_piecewise_graphs.py tests/engine/test_prefill_select.py "$@" 2>&1 |
     tee "$OUT/pytest.log"
 }
 run_bench() {

@@ -1,6 +1,7 @@
 """Part (a) of bench/suites/gpu.py: unified_attention vs SDPA on pre-gathered K/V.
 
-Imports only torch, triton and kernels (no engine, no pydantic).
+Imports only torch, triton and kernels (no engine, no pydantic), except `bench_chosen_prefill`,
+which asks the engine's attention backend for the prefill path it picks on this GPU.
 """
 
 from __future__ import annotations
@@ -8,11 +9,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from bench.common.gpu_report import PrefillShape, attention_flops, markdown_table
+
+if TYPE_CHECKING:
+    from engine.attention.triton_backend import TritonAttentionBackend
 
 logger = logging.getLogger("bench.gpu")
 
@@ -213,3 +218,68 @@ def bench_prefill(cfg: AttentionBenchConfig) -> str:
         f"Prefill, bf16, {cfg.num_q_heads}/{cfg.num_kv_heads} heads, D={cfg.head_dim}, causal "
         "(shape = sequences x new tokens [+ cached context]).\n\n" + markdown_table(headers, rows)
     )
+
+
+CHOSEN_PREFILL_SHAPES = "1x2048,1x4096,1x8192,1x4096+4096"
+
+
+def bench_chosen_prefill(cfg: AttentionBenchConfig, shapes: list[PrefillShape]) -> str:
+    """The prefill path the engine measures fastest at start-up, through its attention backend
+    (the paged gather included), against SDPA's flash path on pre-gathered dense K/V."""
+    from engine.attention.cuda_prefill import choose_cuda_prefill
+    from engine.attention.torch_plan import PrefillShape as HeadShape
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    dtype = torch.bfloat16
+    heads = HeadShape(dtype, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
+    choice = choose_cuda_prefill(heads)
+    label = "SDPA per sequence" if choice.sdpa else f"triton {choice.tiles or 'default tiles'}"
+    backend = TritonAttentionBackend(choose_prefill=lambda _: choice)
+    rows = []
+    for shape in shapes:
+        if _bytes_needed(cfg, shape.batch, shape.seq_len) > cfg.max_gib * 2**30:
+            logger.info("chosen prefill %s skipped: over --max-gib", shape.label)
+            continue
+        rows.append(_chosen_prefill_row(cfg, shape, backend))
+        _release_memory()  # the case's tensors died with the row's frame
+    headers = [
+        "shape", "chosen ms", "triton default ms", "SDPA ms", "chosen ÷ SDPA (goal <= 1.2)",
+        "max abs err", "SDPA mode",
+    ]  # fmt: skip
+    return (
+        f"Prefill through the engine's chosen path ({label}), bf16, {cfg.num_q_heads}/"
+        f"{cfg.num_kv_heads} heads, D={cfg.head_dim}, block {cfg.block_size} (shuffled).\n\n"
+        + markdown_table(headers, rows)
+    )
+
+
+def _chosen_prefill_row(
+    cfg: AttentionBenchConfig, shape: PrefillShape, backend: TritonAttentionBackend
+) -> list:
+    from engine.attention.base import AttentionMetadata
+
+    scale = cfg.head_dim**-0.5
+    case = _make_case(cfg, shape.batch, shape.query_len, shape.seq_len)
+    tokens, device = case.q_flat.shape[0], case.q_flat.device
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
+        query_start_loc=case.query_start_loc,
+        seq_lens=case.seq_lens,
+        block_tables=case.block_tables,
+        max_query_len=case.max_query_len,
+        max_seq_len=case.max_seq_len,
+        query_lens_cpu=[shape.query_len] * shape.batch,
+        seq_lens_cpu=[shape.seq_len] * shape.batch,
+    )
+    kv = torch.zeros(tokens, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device=device)
+
+    def chosen() -> torch.Tensor:
+        return backend.forward(case.q_flat, kv, kv, case.k_cache, case.v_cache, meta, scale)
+
+    default = _triton_fn(case, scale, None)
+    sdpa, sdpa_note = _sdpa_fn(case, scale)
+    error = _max_abs_error(chosen(), sdpa())
+    chosen_ms, default_ms = _time_ms(chosen, cfg), _time_ms(default, cfg)
+    sdpa_ms = _time_ms(sdpa, cfg)
+    logger.info("chosen prefill %s: %.3f ms, sdpa %.3f ms", shape.label, chosen_ms, sdpa_ms)
+    return [shape.label, chosen_ms, default_ms, sdpa_ms, chosen_ms / sdpa_ms, error, sdpa_note]

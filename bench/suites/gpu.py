@@ -8,9 +8,10 @@
     only torch + triton. (b) batch-1 decode ms/token of a dummy-weight Llama-3-8B through
     `engine.LLM` vs the weight-bandwidth floor. (c) offline throughput of the same model vs
     transformers' generate and the compute roofline. (d) the GPU's idle share of decode steps.
-    (e) batch-1 decode and offline throughput of the same model with fp8 weights (quantized at
-    load; w8a8-fp8 through torch._scaled_mm where it measures faster), against (b) and (c).
-    (b) to (e) need the engine's deps.
+    (e) steps mixing a prefill with decodes, piecewise CUDA graphs on and off. (f) batch-1
+    decode and offline throughput of the same model with fp8 weights (quantized at load;
+    w8a8-fp8 through torch._scaled_mm where it measures faster), against (b) and (c). (b)-(f)
+    and (a)'s table of the engine's chosen prefill path need the engine's deps.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,7 +38,7 @@ from bench.common.gpu_report import (
 )
 
 logger = logging.getLogger("bench.gpu")
-PARTS = ("a", "b", "c", "d", "e")
+PARTS = ("a", "b", "c", "d", "e", "f")
 C = TypeVar("C")
 
 
@@ -46,9 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--parts",
-        default="a,b,c,d,e",
+        default="a,b,c,d,e,f",
         help="comma list of a (attention), b (decode), c (throughput), d (step overhead), "
-        "e (fp8 decode and throughput)",
+        "e (steps with prefills, piecewise graphs on and off), f (fp8 decode and throughput)",
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="append the results as a markdown section"
@@ -146,8 +148,24 @@ def config_from_flags(config: type[C], args: argparse.Namespace, **given: Any) -
     return config(**{**from_flags, **given})
 
 
+def _guarded(title: str, part: Callable[[], str]) -> str:
+    """A part's table, or the error that stopped it: one failing part must not cost a GPU
+    loan the other parts' figures."""
+    try:
+        return part()
+    except Exception as error:
+        logger.exception("%s failed", title)
+        return f"Failed: `{type(error).__name__}: {error}` (traceback in the log)."
+
+
 def _run_attention(args: argparse.Namespace) -> list[tuple[str, str]]:
-    from bench.micro.gpu_attention import AttentionBenchConfig, bench_decode, bench_prefill
+    from bench.micro.gpu_attention import (
+        CHOSEN_PREFILL_SHAPES,
+        AttentionBenchConfig,
+        bench_chosen_prefill,
+        bench_decode,
+        bench_prefill,
+    )
 
     cfg = config_from_flags(AttentionBenchConfig, args)
     blocks = []
@@ -155,6 +173,14 @@ def _run_attention(args: argparse.Namespace) -> list[tuple[str, str]]:
         blocks.append(("(a) attention kernel: decode", bench_decode(cfg)))
     if cfg.prefill_shapes:
         blocks.append(("(a) attention kernel: prefill", bench_prefill(cfg)))
+    try:
+        import engine  # noqa: F401  (pydantic and the rest of the engine's deps)
+    except ImportError as error:
+        logger.info("chosen prefill path skipped: %s", error)
+    else:
+        shapes = parse_prefill_shapes(CHOSEN_PREFILL_SHAPES)
+        title = "(a) prefill: chosen path vs SDPA"
+        blocks.append((title, _guarded(title, lambda: bench_chosen_prefill(cfg, shapes))))
     return blocks
 
 
@@ -189,13 +215,23 @@ def _run_engine(args: argparse.Namespace, parts: list[str]) -> list[tuple[str, s
                 overhead = gpu_engine.bench_step_overhead(cfg, llm, args.step_batches)
                 blocks.append((f"(d) time outside the GPU per step{label}", overhead))
         if "e" in parts:
+            from bench.engine.gpu_piecewise import bench_piecewise
+
+            llm.engine.set_async_scheduling(False)
+            title = "(e) steps with prefills: piecewise graphs"
+            blocks.append((title, _guarded(title, lambda: bench_piecewise(cfg, llm))))
+        if "f" in parts:
             # One engine at a time: the bf16 one's KV cache takes most of the memory.
             import torch
 
             del llm
             gc.collect()
             torch.cuda.empty_cache()
-            blocks += _run_fp8(cfg, args)
+            try:
+                blocks += _run_fp8(cfg, args)
+            except Exception as error:  # one failing part must not cost the others' figures
+                logger.exception("(f) fp8 weights failed")
+                blocks.append(("(f) fp8 weights", f"Failed: `{type(error).__name__}: {error}`."))
         return blocks
 
 
@@ -208,8 +244,8 @@ def _run_fp8(cfg: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
     llm = gpu_engine.make_llm(fp8)
     llm.engine.set_async_scheduling("async" in args.modes)
     return [
-        ("(e) fp8 weights: batch-1 decode", gpu_engine.bench_decode(fp8, llm)),
-        ("(e) fp8 weights: offline throughput", gpu_engine.bench_throughput(fp8, llm, None)),
+        ("(f) fp8 weights: batch-1 decode", gpu_engine.bench_decode(fp8, llm)),
+        ("(f) fp8 weights: offline throughput", gpu_engine.bench_throughput(fp8, llm, None)),
     ]
 
 
@@ -234,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = []
     if "a" in args.parts:
         blocks += _run_attention(args)
-    engine_parts = [p for p in args.parts if p in ("b", "c", "d", "e")]
+    engine_parts = [p for p in args.parts if p in ("b", "c", "d", "e", "f")]
     if engine_parts:
         try:
             import engine  # noqa: F401  (pydantic and the rest of the engine's deps)

@@ -37,7 +37,11 @@ STEPS = (((0, 2048),), ((1024, 1024),))
 
 
 def choose_cuda_prefill(shape: PrefillShape) -> PrefillChoice:
-    """The fastest path at `shape` on this GPU (measured now or read back)."""
+    """The fastest path at `shape` on this GPU (measured now or read back). float32 keeps the
+    kernel's defaults unmeasured: SDPA has no flash path for it, it is the dtype of checks
+    rather than of serving, and each measurement compiles every tile configuration."""
+    if shape.dtype == torch.float32:
+        return PrefillChoice()
     device = torch.device("cuda", torch.cuda.current_device())
     key = machine_key(
         gpu=torch.cuda.get_device_name(device),

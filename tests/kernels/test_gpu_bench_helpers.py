@@ -24,7 +24,7 @@ def test_parse_args_lists_and_shapes():
     assert args.decode_batches == [1, 8]
     assert args.prefill_shapes == [PrefillShape(2, 256), PrefillShape(1, 512, 4096)]
     assert args.prefill_shapes[1].seq_len == 4608
-    assert gpu.parse_args([]).parts == ["a", "b", "c", "d", "e"]  # every part, fp8 too
+    assert gpu.parse_args([]).parts == ["a", "b", "c", "d", "e", "f"]  # every part, fp8 too
 
 
 @pytest.mark.parametrize(
@@ -180,7 +180,7 @@ def test_engine_bench_parts_run_on_cpu_with_a_tiny_llama(tmp_path, caplog):
 
 
 def test_fp8_engine_bench_part_runs_on_cpu_with_a_tiny_llama(tmp_path):
-    """Part (e): the same model with fp8 weights, decode and throughput tables that say so."""
+    """Part (f): the same model with fp8 weights, decode and throughput tables that say so."""
     import dataclasses
     import math
 
