@@ -256,14 +256,16 @@ def lora_add(
     x: torch.Tensor,
     a: torch.Tensor,
     b_t: torch.Tensor,
+    spans: torch.Tensor,
     order: torch.Tensor,
     slots: torch.Tensor,
     starts: torch.Tensor,
 ) -> torch.Tensor:
     """out [T, width] plus each adapted row's LoRA term, in place: order [n] the adapted rows
     sorted by slot, slots[s]'s rows order[starts[s]:starts[s + 1]]; a [slots, columns, in] and
-    b_t [slots, columns, width] every slot's stacks (engine.lora.batched)."""
-    return torch.ops.inferq_cpu.lora_add(out, x, a, b_t, order, slots, starts)
+    b_t [slots, columns, width] every slot's stacks, spans [slots, columns, 2] int64 the
+    outputs [lo, hi) each slot's column reaches (b_t is zero elsewhere; engine.lora.batched)."""
+    return torch.ops.inferq_cpu.lora_add(out, x, a, b_t, spans, order, slots, starts)
 
 
 @dataclass(frozen=True)
@@ -314,8 +316,8 @@ def decode_layers(
     norm_weights: input and post-attention norm per layer; linear_tensors / linear_ints: the
     qkv, o, gate_up and down projections of each layer (`NativeLinear.tensors()` / `.ints()`
     apiece); windows: each layer's sliding window (0: full attention). LoRA adapters in the
-    step: lora_tensors the slot stacks (a, b_t) of each of those linears (None, None: not
-    adapted), lora_rows the adapted rows' order, slots and starts as `lora_add` takes them;
+    step: lora_tensors the slot stacks and spans (a, b_t, spans as `lora_add` takes them) of
+    each of those linears (three None: not adapted), lora_rows the adapted rows' order, slots and starts as `lora_add` takes them;
     None: no adapter runs."""
     return torch.ops.inferq_cpu.decode_layers(
         hidden,

@@ -176,6 +176,9 @@ class LoRASlots:
         self.num_slots = num_slots
         self.a = torch.zeros(num_slots * columns, in_features, device=device, dtype=dtype)
         self.b_t = torch.zeros(num_slots * columns, out_features, device=device, dtype=dtype)
+        # The outputs [lo, hi) each slot's column reaches (b_t is zero elsewhere: a fused
+        # layer's shards take their own columns), for the C++ kernel to skip the rest.
+        self.spans = torch.zeros(num_slots * columns, 2, dtype=torch.int64, device=device)
         self.targeted = [False] * num_slots  # whether the slot's adapter adapts this layer
         self._step_of = step_of
 
@@ -202,6 +205,7 @@ class LoRASlots:
     def clear(self, slot: int) -> None:
         self.a[self._columns(slot)].zero_()
         self.b_t[self._columns(slot)].zero_()
+        self.spans[self._columns(slot)].zero_()
         self.targeted[slot] = False
 
     def write(
@@ -213,6 +217,7 @@ class LoRASlots:
         )
         self.a[columns].copy_(a)
         self.b_t[columns, rows].copy_(b.T)
+        self.spans[columns] = torch.tensor([rows.start, rows.stop], dtype=torch.int64)
         self.targeted[slot] = True
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,6 +226,10 @@ class LoRASlots:
             self.a.view(self.num_slots, self.columns, -1),
             self.b_t.view(self.num_slots, self.columns, -1),
         )
+
+    def native_stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacks and spans [slots, columns, 2] as the C++ kernel takes them."""
+        return (*self.stacks(), self.spans.view(self.num_slots, self.columns, 2))
 
     def padded_terms(self, x: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
         """The LoRA terms [slots * longest, out] of the padded block's rows (zero on padding);
@@ -248,9 +257,9 @@ class LoRASlots:
             return out
         mapping = step.for_rows(x.shape[0])
         if _NATIVE_TERMS and x.device.type == "cpu" and cpu_ops.cpu_kernels_available():
-            a, b_t = self.stacks()
+            a, b_t, spans = self.native_stacks()
             return cpu_ops.lora_add(
-                out, x, a, b_t, mapping.order, mapping.segment_slots, mapping.segment_starts
+                out, x, a, b_t, spans, mapping.order, mapping.segment_slots, mapping.segment_starts
             )
         if mapping.padded is not None:
             return out.index_add_(0, mapping.padded.rows, self.padded_terms(x, mapping.padded))

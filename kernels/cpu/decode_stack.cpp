@@ -22,9 +22,9 @@
 //                which applies SiLU-and-mul itself (only as a gate_up projection)
 // each with an optional input order (GPTQ act-order) and bias.
 //
-// LoRA adapters (engine/lora/batched.py) arrive as two optional tensors per linear, its slot
-// stacks a [slots, columns, in] and b_t [slots, columns, out], and the step's adapted rows
-// sorted by slot (order, slots, starts). Each adapted linear adds its terms through
+// LoRA adapters (engine/lora/batched.py) arrive as each linear's slot stacks a [slots, columns,
+// in], b_t [slots, columns, out] and their spans (three optional tensors, see
+// inferq_cpu::lora_add), and the step's adapted rows sorted by slot (order, slots, starts). Each adapted linear adds its terms through
 // inferq_cpu::lora_add, as the Python forward does; an adapted gate_up packed for the gated
 // kernel is projected, de-interleaved, adapted and activated apart, as in Python.
 #include <ATen/ATen.h>
@@ -82,16 +82,16 @@ struct LoRARows {
   at::Tensor order, slots, starts;
 };
 
-// One linear's slot stacks; a undefined: no LoRA on this linear.
+// One linear's slot stacks and their columns' output spans; a undefined: no LoRA here.
 struct LoRAStacks {
-  at::Tensor a, b_t;
+  at::Tensor a, b_t, spans;
 };
 
 at::Tensor add_lora(at::Tensor out, const at::Tensor& x, const LoRAStacks& lora,
                     const LoRARows& rows) {
   static const c10::OperatorHandle lora_add = find_op("inferq_cpu::lora_add");
   if (!lora.a.defined()) return out;
-  return call_op(lora_add, {out, x, lora.a, lora.b_t, rows.order, rows.slots, rows.starts});
+  return call_op(lora_add, {out, x, lora.a, lora.b_t, lora.spans, rows.order, rows.slots, rows.starts});
 }
 
 // quant_gemm_min_rows: from this many rows on, quant_matmul runs its dequantized-tile GEMM.
@@ -181,15 +181,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   std::vector<LoRAStacks> loras;
   LoRARows rows;
   if (adapted) {
-    TORCH_CHECK(static_cast<int64_t>(lora_tensors.size()) == 2 * num_layers * kLinearsPerLayer,
-                "LoRA: two stacks (a, b_t) per linear, or none");
+    TORCH_CHECK(static_cast<int64_t>(lora_tensors.size()) == 3 * num_layers * kLinearsPerLayer,
+                "LoRA: the stacks a, b_t and spans of every linear, or none");
     TORCH_CHECK(lora_rows.size() == 3, "LoRA: the rows' order, slots and starts");
     auto get = [](const c10::List<std::optional<at::Tensor>>& list, size_t i) {
       const std::optional<at::Tensor> t = list.get(i);
       return t.has_value() ? *t : at::Tensor();
     };
     for (int64_t i = 0; i < num_layers * kLinearsPerLayer; ++i) {
-      loras.push_back(LoRAStacks{get(lora_tensors, 2 * i), get(lora_tensors, 2 * i + 1)});
+      loras.push_back(LoRAStacks{get(lora_tensors, 3 * i), get(lora_tensors, 3 * i + 1),
+                                 get(lora_tensors, 3 * i + 2)});
     }
     rows = LoRARows{lora_rows[0], lora_rows[1], lora_rows[2]};
   }

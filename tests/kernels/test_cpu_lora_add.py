@@ -28,7 +28,14 @@ def test_each_adapted_row_gets_its_own_slots_term_and_the_others_keep_the_base(d
     present, counts = torch.unique_consecutive(row_slots[order], return_counts=True)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
 
-    out = cpu_ops.lora_add(base.clone(), x, a, b_t, order, present, starts)
+    # Slot 1's columns are two parts of a fused layer: each reaches only its own outputs.
+    spans = torch.tensor([0, width], dtype=torch.int64).repeat(slots, columns, 1)
+    spans[1, : columns // 2] = torch.tensor([0, 200])
+    spans[1, columns // 2 :] = torch.tensor([200, width])
+    b_t[1, : columns // 2, 200:] = 0
+    b_t[1, columns // 2 :, :200] = 0
+
+    out = cpu_ops.lora_add(base.clone(), x, a, b_t, spans, order, present, starts)
 
     expected = base.double().clone()
     for row, slot in enumerate(row_slots.tolist()):

@@ -106,7 +106,11 @@ class CpuDecodeStack(nn.Module):
             for projection in layer.projections:
                 lora = projection.lora
                 # A layer no adapter of the step targets computes as the base, as in Python.
-                stacks += lora.stacks() if lora is not None and lora.active() else (None, None)
+                stacks += (
+                    lora.native_stacks()
+                    if lora is not None and lora.active()
+                    else (None, None, None)
+                )
         return _AdapterArgs(stacks, [mapping.order, mapping.segment_slots, mapping.segment_starts])
 
     def prepare(self) -> None:
