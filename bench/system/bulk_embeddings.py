@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: bench.*, engine, ...
 
 from bench.common.machine import describe_machine, machine_one_liner
-from bench.common.workload import bench_redis, tune_cpu_runtime
+from bench.common.workload import bench_redis, tune_cpu_runtime, unpinned
 from bench.system.batch_kills import System, peak_rss_mb
 
 MODEL = "all-MiniLM-L6-v2"
@@ -69,7 +69,8 @@ def engine_alone(texts: list[str], workdir: Path) -> tuple[float, float, float, 
 
     out = str(workdir / "engine.pt")
     child = multiprocessing.get_context("spawn").Process(target=_engine_alone, args=(texts, out))
-    child.start()
+    with unpinned():  # else the child inherits this process's one-core mask
+        child.start()
     child.join()
     if child.exitcode != 0:
         raise RuntimeError(f"the engine-alone process exited with {child.exitcode}")
