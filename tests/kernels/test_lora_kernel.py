@@ -111,7 +111,7 @@ def test_engine_layer_terms_through_the_kernel_equal_the_cpu_path(
             slots.write(slot, part * max_rank, rows, a * 0.3, b * 0.3)
     token_slots = np.array([0, 0, 0, -1, 2, 2, -1, 0, 2], dtype=np.int64)
     sample_rows = np.array([2, 3, 5, 8])
-    steps.current = LoRAStep.of(token_slots, sample_rows, 3, device, torch.float32)
+    steps.current = LoRAStep.of(token_slots, sample_rows, device, torch.float32)
     for rows in (len(token_slots), len(sample_rows)):
         x = _randn(rows, in_features, seed=rows, dtype=torch.float32, device=device)
         base = _randn(rows, out_features, seed=rows + 1, dtype=torch.float32, device=device)
