@@ -114,6 +114,8 @@ def channels_by_shard(redis: Redis, channels: Iterable[str]) -> list[tuple[Clust
     out: dict[str, tuple[ClusterNode, list[str]]] = {}
     for channel in channels:
         node = cluster.get_node_from_key(channel)
+        if node is None:  # a slot map with a hole: the same error a command on that slot gets
+            raise SlotNotCoveredError(f"no cluster node serves the slot of {channel!r}")
         out.setdefault(node.name, (node, []))[1].append(channel)
     return list(out.values())
 
