@@ -175,7 +175,7 @@ local taken = {j = {}, b = {}}
 local count = 0
 for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')) do
   if count >= tonumber(ARGV[3]) then break end
-  local kind, entry, adapter, owner = string.match(member, '^([jb])|([^|]+)|([^|]+)|(.*)$')
+  local kind, entry, adapter, owner = string.match(member, '^([jb])|([^|]+)|([^|]+)|(.*)')  -- (.*) runs to the member's end
   if not kind then
     redis.call('ZREM', KEYS[1], member)
   elseif wanted[adapter] and owner ~= ARGV[2] then

@@ -43,17 +43,31 @@ REDIS_WORDS = frozenset(
         "PUBLISH",
         "SET",
         "STREAMS",
+        "TIME",
         "XACK",
         "XADD",
+        "XCLAIM",
         "XDEL",
         "XLEN",
+        "XPENDING",
         "XREADGROUP",
+        "ZADD",
+        "ZRANGEBYSCORE",
+        "ZREM",
+        "ZREMRANGEBYSCORE",
     }
 )
 # Literals that are Lua or Redis syntax, not names of the protocol: empty string, ARGV flags,
 # XADD's auto id and approximate trim, XREADGROUP's never-delivered id, a gmatch pattern, a Lua
-# type name, and the text of Redis's refusal of a repeated stream id.
-SYNTAX = frozenset({"", "0", "1", "*", "~", ">", "%S+", "table", "equal or smaller"})
+# type name, the text of Redis's refusal of a repeated stream id, sorted-set score bounds, and
+# the pattern that splits a LoRA offer ("kind|entry|adapter|owner").
+SYNTAX = frozenset(
+    {
+        *("", "0", "1", "*", "~", ">", "%S+", "table", "equal or smaller"),
+        *("-inf", "+inf", "("),
+        "^([jb])|([^|]+)|([^|]+)|(.*)",
+    }
+)
 PROTOCOL_NAMES = frozenset(
     {
         *(field.value for field in JobField),
