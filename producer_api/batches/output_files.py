@@ -31,22 +31,31 @@ async def write_lines_file(
     filename: str,
     created_at: int,
     ttl_s: int,
+    last_line: int | None,
     count: Callable[[str], bool] | None = None,
 ) -> WrittenFile:
-    """Write the lines of the hash `key`, in line order, as the file `file_id` (none when the
-    hash is empty); `count`: the lines counted as they go by."""
-    numbers = sorted(int(n) for n in await redis.hkeys(key))
-    written = WrittenFile(len(numbers))
+    """Write the lines of the hash `key` (fields: line numbers 1 to `last_line`), in line
+        order, as the file `file_id` (none when the hash is empty); `count`: the lines counted as
+        they go by. Read by ranges of line numbers: no reply lists every line. `last_line` None
+    (the input file is gone): found by scanning the hash."""
+    written = WrittenFile(0)
+    if last_line is None:
+        last_line = 0
+        async for number, _ in redis.hscan_iter(key):
+            last_line = max(last_line, int(number))
 
     async def parts() -> AsyncIterator[bytes]:
-        for start in range(0, len(numbers), CHUNK_LINES):
-            texts = await redis.hmget(key, numbers[start : start + CHUNK_LINES])
-            present = [text for text in texts if text is not None]
+        for start in range(1, last_line + 1, CHUNK_LINES):
+            numbers = range(start, min(start + CHUNK_LINES, last_line + 1))
+            present = [text for text in await redis.hmget(key, list(numbers)) if text is not None]
+            if not present:
+                continue
+            written.lines += len(present)
             if count is not None:
                 written.counted += sum(1 for text in present if count(text))
             yield "".join(text + "\n" for text in present).encode()
 
-    if numbers:
+    if await redis.hlen(key):
         await files.save_parts(
             owner=owner,
             filename=filename,

@@ -221,17 +221,31 @@ class BatchRunner:
         return True
 
     async def _load_progress(self) -> None:
-        """Where an earlier run stopped: lines enqueued, and which of them are collected."""
+        """Where an earlier run stopped: lines enqueued, and the jobs not yet collected (a line
+        leaves `batch_lines` with its output, so this reads the lines in flight, not the file)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hget(self.keys.batch(self.batch_id), BatchField.SUBMITTED)
             pipe.hgetall(self.keys.batch_lines(self.batch_id))
-            pipe.hkeys(self.keys.batch_outputs(self.batch_id))
-            pipe.hkeys(self.keys.batch_errors(self.batch_id))
-            submitted, line_jobs, out, err = await pipe.execute()
+            submitted, line_jobs = await pipe.execute()
         self.submitted = int(submitted or 0)
-        done = {int(n) for n in (*out, *err)}
-        self.outstanding = {int(n): job for n, job in line_jobs.items() if int(n) not in done}
+        pending = {int(n): job for n, job in line_jobs.items()}
+        written = await self._written(list(pending))
+        if written:  # collected by a run that kept them here
+            await self.redis.hdel(self.keys.batch_lines(self.batch_id), *written)
+        self.outstanding = {n: job for n, job in pending.items() if n not in written}
         self.line_of = {job: n for n, job in self.outstanding.items()}
+
+    async def _written(self, numbers: list[int]) -> set[int]:
+        """Those of the line `numbers` with an output or error line already."""
+        written: set[int] = set()
+        for start in range(0, len(numbers), _COLLECT_CHUNK):
+            part = numbers[start : start + _COLLECT_CHUNK]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hmget(self.keys.batch_outputs(self.batch_id), part)
+                pipe.hmget(self.keys.batch_errors(self.batch_id), part)
+                out, err = await pipe.execute()
+            written.update(n for n, o, e in zip(part, out, err, strict=True) if o or e)
+        return written
 
     async def _fan_out(self) -> bool:
         """Enqueue the next chunk of lines, as far as the backlog and in-flight caps leave room;
@@ -377,11 +391,12 @@ class BatchRunner:
                 continue
             succeeded, text = line_of_result(line, Job.from_redis_hash(data))
             (out if succeeded else err)[number] = text
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with pipeline(self.redis, atomic=True) as pipe:
             if out:
                 pipe.hset(self.keys.batch_outputs(self.batch_id), mapping=out)
             if err:
                 pipe.hset(self.keys.batch_errors(self.batch_id), mapping=err)
+            pipe.hdel(self.keys.batch_lines(self.batch_id), *(n for n, _ in ended))
             await pipe.execute()
         for number, job_id in ended:
             self.outstanding.pop(number, None)
@@ -482,6 +497,7 @@ class BatchRunner:
             filename=f"{self.batch_id}_{kind}.jsonl",
             created_at=now_s(),
             ttl_s=self.settings.batch_retention_s,
+            last_line=len(self.input.raw_lines) or None,
             count=count,
         )
 
