@@ -89,7 +89,7 @@ class Batch:
         # every step, and coalescing adds at most the interval to a client's wait)
         self._last_collected: float | None = None
         # jobs joined the engine this turn: their start and first-step marker must reach Redis
-        # before the step (see worker.crashes); the worker sends the outbox first and clears it
+        # before the step (see worker.crashes); the worker sends those ops first and clears it
         self.first_step_unsent = False
         self._first_step: list[str] = []  # jobs whose first step in this start is the next one
         self._marked = False  # the outbox holds a first-step marker to delete after the step
@@ -141,14 +141,15 @@ class Batch:
             if held.job.request.is_past_deadline(now):
                 self._aborts.setdefault(held.job_id, AbortReason.DEADLINE)
         self._apply_aborts()
-        self._rejoin_parked()
-        if not self._bisect and not self._parked():
-            self._admit_ready()
-        if self._first_step:
-            self.outbox.mark_first_step(self._first_step)
-            self._first_step = []
-            self._marked = True
-            self.first_step_unsent = True
+        with self.outbox.ahead():  # sent before the step; the last step's results beside it
+            self._rejoin_parked()
+            if not self._bisect and not self._parked():
+                self._admit_ready()
+            if self._first_step:
+                self.outbox.mark_first_step(self._first_step)
+                self._first_step = []
+                self._marked = True
+                self.first_step_unsent = True
 
     def _parked(self) -> list[HeldJob]:
         return [h for h in self.held.values() if not h.in_engine]
@@ -381,7 +382,8 @@ class Batch:
     ) -> None:
         """Queue the chunks due after a step, and the results of the jobs it finished."""
         if self._marked:
-            self.outbox.clear_first_step()
+            with self.outbox.ahead():  # before the next step's marker, which it must not delete
+                self.outbox.clear_first_step()
             self._marked = False
         if error is not None:
             self._step_failed(error)
@@ -398,7 +400,9 @@ class Batch:
                 continue
             absorb(held, delta, made)
             if not held.progressed and (delta.token_ids or delta.finish_reason):
-                self._mark_progress(held)
+                # a job that ends in this step needs no mark: its result goes out in the
+                # same flush and ends the start (a pooling job always does)
+                self._mark_progress(held, stored=delta.output is None)
             if delta.token_ids and held.first_token_at is None and not held.resumed:
                 held.first_token_at = wall
             touched[held.job_id] = held
@@ -423,11 +427,13 @@ class Batch:
         self.tracer.flush()
         self._step_passed()
 
-    def _mark_progress(self, held: HeldJob) -> None:
+    def _mark_progress(self, held: HeldJob, *, stored: bool = True) -> None:
         """Record that this start got past the job's first step: if the worker dies now, the
         job rode along (worker.crashes). Running -> running, so a job that ended meanwhile
-        is left alone."""
+        is left alone. `stored=False` notes it here only."""
         held.progressed = True
+        if not stored:
+            return
         self.outbox.transition(
             held.job_id, JobStatus.RUNNING, {JobField.RUN_STATE: RunState.PROGRESSED}
         )

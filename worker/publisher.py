@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,7 @@ class _Op:
     acks_stream: str = ""  # the stream of that entry (ids repeat across a model's partitions)
     job_id: str | None = None  # the job whose chunk or status this op writes
     script: str | None = None  # the script its EVALSHA runs
+    ahead: bool = False  # queued to go before the engine's next step (see Outbox.ahead)
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Outbox:
     scripts_loaded: set[str] = field(default_factory=set)  # scripts Redis has, as we know
     _catch_up: list[ChunkWrite] = field(default_factory=list)  # to PUBLISH at the next flush
     _in_flight: list[_Op] = field(default_factory=list)
+    _ahead: bool = False  # ops queued now are marked `ahead`
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -117,6 +120,21 @@ class Outbox:
         """Jobs with a chunk or status change queued or on its way."""
         return {op.job_id for op in (*self._in_flight, *self.ops) if op.job_id}
 
+    @contextmanager
+    def ahead(self) -> Iterator[None]:
+        """Ops queued inside go out with `flush(ahead_only=True)`, before the ones queued
+        earlier outside: what must be stored before the engine's next step (starts, the
+        first-step marker) need not wait for the last step's results to be written first."""
+        self._ahead = True
+        try:
+            yield
+        finally:
+            self._ahead = False
+
+    def _queue(self, op: _Op) -> None:
+        op.ahead = self._ahead
+        self.ops.append(op)
+
     # ------------------------------------------------------------------ what can be queued
 
     def chunk(self, chunk: TokenChunk, *, set_ttl: bool = True) -> None:
@@ -131,7 +149,7 @@ class Outbox:
             payload=chunk.to_json(),
             set_ttl=set_ttl,
         )
-        self.ops.append(_Op(chunk=write, job_id=chunk.job_id))
+        self._queue(_Op(chunk=write, job_id=chunk.job_id))
 
     def transition(
         self,
@@ -156,25 +174,25 @@ class Outbox:
             # a cluster pipeline sends each command to its key's node, and SCRIPT LOAD has no
             # key to route by: the script goes whole
             command: Command = ("EVAL", script, len(script_keys), *script_keys, *args)
-            self.ops.append(_Op([command], handle, job_id=job_id))
+            self._queue(_Op([command], handle, job_id=job_id))
         else:
             command = evalsha_command(script, script_keys, args)
-            self.ops.append(_Op([command], handle, job_id=job_id, script=script))
+            self._queue(_Op([command], handle, job_id=job_id, script=script))
 
     def mark_first_step(self, job_ids: list[str]) -> None:
         """Add jobs to this worker's first-step marker (see worker.crashes)."""
         key = self.keys.first_step(self.worker_name)
-        self.ops.append(_Op([("SADD", key, *job_ids), ("EXPIRE", key, FIRST_STEP_TTL_S)]))
+        self._queue(_Op([("SADD", key, *job_ids), ("EXPIRE", key, FIRST_STEP_TTL_S)]))
 
     def clear_first_step(self) -> None:
         """The step that the marker named is over."""
-        self.ops.append(_Op([("DEL", self.keys.first_step(self.worker_name))]))
+        self._queue(_Op([("DEL", self.keys.first_step(self.worker_name))]))
 
     def ack(self, entry_id: str, stream: str | None = None) -> None:
         """Done with a jobs-stream entry: XACK then XDEL (XLEN is the backlog). `stream`: the
         stream the entry came from when it is not the jobs stream (the bulk stream)."""
         stream = stream or self.jobs_stream
-        self.ops.append(
+        self._queue(
             _Op(
                 [
                     ("XACK", stream, self.keys.group, entry_id),
@@ -203,7 +221,7 @@ class Outbox:
         """Tell the batch's controller that this job ended (after its final status, in the same
         pipeline). Best effort: the controller still reads unannounced jobs, rarely."""
         key = self.keys.batch_ended(batch_id)
-        self.ops.append(_Op([("RPUSH", key, job_id), ("EXPIRE", key, BATCH_ENDED_TTL_S)]))
+        self._queue(_Op([("RPUSH", key, job_id), ("EXPIRE", key, BATCH_ENDED_TTL_S)]))
 
     def fail(
         self,
@@ -236,19 +254,27 @@ class Outbox:
         }
         flat = [item for pair in values.items() for item in pair]
         stream = self.keys.dead_letters(model)
-        self.ops.append(_Op([("XADD", stream, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*", *flat)]))
+        self._queue(_Op([("XADD", stream, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*", *flat)]))
 
     # ------------------------------------------------------------------ sending
 
-    async def flush(self, redis: Redis) -> int:
-        """Send everything queued in one pipeline; returns how many ops went out. On a
-        connection error the ops stay queued (in order) and the error propagates."""
-        if not self.pending:
+    async def flush(self, redis: Redis, *, ahead_only: bool = False) -> int:
+        """Send everything queued (`ahead_only`: the ops queued `ahead`) in one pipeline;
+        returns how many ops went out. On a connection error the ops stay queued (in order,
+        those sent ahead first) and the error propagates."""
+        if ahead_only:
+            batch = [op for op in self.ops if op.ahead]
+            if not batch:
+                return 0
+            self.ops = [op for op in self.ops if not op.ahead]
+            catch_up: list[ChunkWrite] = []
+        elif not self.pending:
             return 0
-        batch, self.ops = self.ops, []
-        catch_up, self._catch_up = self._catch_up, []
+        else:
+            batch, self.ops = self.ops, []
+            catch_up, self._catch_up = self._catch_up, []
         self._in_flight = batch
-        plan = self._plan(catch_up, self._with_replica_wait(batch), redis)
+        plan = self._plan(catch_up, self._with_replica_wait(batch), redis, look=not ahead_only)
         try:
             async with redis.pipeline(transaction=False) as pipe:
                 for unit, (commands, _) in enumerate(plan.units):
@@ -285,7 +311,9 @@ class Outbox:
             self.ops[:0] = plan.retry
         return len(batch)
 
-    def _plan(self, catch_up: list[ChunkWrite], batch: list[_Op], redis: Redis) -> _Plan:
+    def _plan(
+        self, catch_up: list[ChunkWrite], batch: list[_Op], redis: Redis, *, look: bool = True
+    ) -> _Plan:
         """The catch-up PUBLISHes, the scripts to load, every op's commands in order, and after
         them the look at who listens to the jobs written (see worker.chunk_relay)."""
         plan = _Plan()
@@ -309,7 +337,8 @@ class Outbox:
                 plan.units.append((op.commands, _retry_on_noscript(op, plan.retry)))
             else:
                 plan.units.append((op.commands, op.on_reply))
-        plan.channels = {**self.listeners.unheard(), **plan.channels}
+        if look:
+            plan.channels = {**self.listeners.unheard(), **plan.channels}
         if plan.channels and self.keys.cluster:
             by_shard = channels_by_shard(redis, plan.channels.values())
             look = [Listeners.shard_look_command(channels) for _, channels in by_shard]

@@ -142,7 +142,8 @@ class RedisRounds:
         if not self.backoff.ready():
             return
         try:
-            await self.flush()
+            # only what the step needs stored: the last step's results go out beside it
+            await self.outbox.flush(self.redis, ahead_only=True)
         except Exception as exc:
             await self.failed(exc)
 

@@ -69,3 +69,26 @@ async def test_chunk_text_arrives_byte_for_byte_and_only_asked_ttls_are_set(redi
         live.append(message["data"])
     assert live == [chunk.to_json() for chunk in chunks]
     await pubsub.aclose()
+
+
+async def test_what_the_next_step_needs_goes_out_alone_and_the_rest_follows_in_order(redis_url):
+    """The first-step marker and the newcomers' starts are stored before the step without
+    waiting for the last step's results, which the next flush still writes."""
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    outbox = Outbox(KEYS, KEYS.jobs_stream("m"), "w")
+    marker = KEYS.first_step("w")
+    await redis.sadd(marker, "job_old")
+    outbox.chunk(TokenChunk(job_id="job_old", index=0, text="done", token_ids=[1]))
+    with outbox.ahead():
+        outbox.clear_first_step()
+    outbox.chunk(TokenChunk(job_id="job_old", index=1, text="!", token_ids=[2]))
+    with outbox.ahead():
+        outbox.mark_first_step(["job_new"])
+    assert await outbox.flush(redis, ahead_only=True) == 2
+    assert await redis.smembers(marker) == {"job_new"}  # cleared, then marked: not deleted
+    assert await replay_chunks(redis, "job_old") == []
+    assert await outbox.flush(redis, ahead_only=True) == 0
+    assert await outbox.flush(redis) == 2
+    assert [c.index for _, c in await replay_chunks(redis, "job_old")] == [0, 1]
+    assert await redis.smembers(marker) == {"job_new"}
+    await redis.aclose()
