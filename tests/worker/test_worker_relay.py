@@ -96,6 +96,7 @@ async def test_a_client_that_subscribes_between_writes_streams_every_chunk_once(
 
 async def test_transitions_go_by_evalsha_and_survive_a_script_flush(redis_url):
     redis = Redis.from_url(redis_url, decode_responses=True)
+    await redis.config_resetstat()  # the server is shared: count this test's commands alone
     outbox = Outbox(KEYS, KEYS.jobs_stream("m"), "w")
     await redis.hset(KEYS.job("job_s"), "status", JobStatus.QUEUED.value)
     done: list[tuple[bool, JobStatus | None]] = []
