@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: b
 
 from bench.common.machine import describe_machine, machine_one_liner
 from bench.common.workload import bench_redis, free_port, tune_cpu_runtime, unpinned
+from engine.platforms.cpu.runtime import untuned_env
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
@@ -128,12 +129,15 @@ class System:
         self.worker = self.start_worker()
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], tuned: bool = False) -> subprocess.Popen[bytes]:
+        """A child as production starts it: only the worker runs under the tuned CPU runtime
+        (it re-executes itself so); the API and the controller get the plain allocator."""
         self.starts[name] += 1
         log = (self.workdir / f"{name}-{self.starts[name]}.log").open("w")
+        env = self.env if tuned else untuned_env(self.env)
         with unpinned():
             return subprocess.Popen(
-                [sys.executable, *args], cwd=REPO, env=self.env, stdout=log, stderr=log
+                [sys.executable, *args], cwd=REPO, env=env, stdout=log, stderr=log
             )
 
     def start_controller(self) -> subprocess.Popen[bytes]:
@@ -141,7 +145,7 @@ class System:
 
     def start_worker(self) -> subprocess.Popen[bytes]:
         args = ["-m", "cli", "--log-level", "info", "worker", "--model", self.model]
-        return self._spawn("worker", args)
+        return self._spawn("worker", args, tuned=True)
 
     def wait_ready(self, timeout: float = 600) -> float:
         started = time.monotonic()

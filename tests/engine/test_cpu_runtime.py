@@ -16,9 +16,11 @@ from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.platforms.cpu.runtime import (
     EVENT_LOOP_NICENESS,
     EVENT_LOOP_SPIN_COUNT,
+    cpu_runtime_env,
     find_allocator,
     lower_event_loop_priority,
     move_to_last_core,
+    untuned_env,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,6 +143,20 @@ from engine.platforms.cpu.runtime import reexec_with_cpu_runtime
 reexec_with_cpu_runtime(2, bind_threads=True, event_loop=True)
 print(json.dumps({"spin": os.environ.get("GOMP_SPINCOUNT"), "bind": os.environ.get("OMP_PROC_BIND")}))
 """
+
+
+def test_children_a_benchmark_runs_untuned_get_the_plain_allocator_back(monkeypatch) -> None:
+    """A benchmark's API and controller run as in production: the tuned allocator never
+    returns freed pages, which would show in their memory as growth that is not theirs."""
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    tuned = cpu_runtime_env(2, bind_threads=True, event_loop=True)
+    untuned = untuned_env({**tuned, "INFERQ_REDIS_URL": "redis://x"})
+    assert untuned["INFERQ_REDIS_URL"] == "redis://x"
+    for key in ("MALLOC_CONF", "OMP_PROC_BIND", "GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE"):
+        assert key not in untuned
+    allocator = find_allocator()
+    assert allocator is None or allocator not in untuned.get("LD_PRELOAD", "")
 
 
 def test_a_worker_process_gets_a_short_openmp_spin(tmp_path: Path) -> None:

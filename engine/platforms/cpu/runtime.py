@@ -86,6 +86,32 @@ def cpu_runtime_env(
     return env
 
 
+# What cpu_runtime_env adds beside LD_PRELOAD's allocator and the thread count.
+_TUNING_KEYS = (
+    TUNED_MARKER,
+    "MALLOC_CONF",
+    "THP_MEM_ALLOC_ENABLE",
+    "OMP_PROC_BIND",
+    "OMP_PLACES",
+    "KMP_AFFINITY",
+    "GOMP_SPINCOUNT",
+)
+
+
+def untuned_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the tuning a benchmark process re-executed under: for the children that
+    run without it in production (the API, the batch controller), so that their memory is
+    measured as it would be there (the tuned allocator never returns freed pages)."""
+    untuned = {key: value for key, value in env.items() if key not in _TUNING_KEYS}
+    allocator = find_allocator()
+    if allocator and "LD_PRELOAD" in untuned:
+        kept = [path for path in untuned["LD_PRELOAD"].split() if path != allocator]
+        untuned["LD_PRELOAD"] = " ".join(kept)
+        if not kept:
+            del untuned["LD_PRELOAD"]
+    return untuned
+
+
 def reexec_with_cpu_runtime(
     threads: int | None, bind_threads: bool, event_loop: bool = False
 ) -> None:
