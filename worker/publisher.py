@@ -341,12 +341,12 @@ class Outbox:
             plan.channels = {**self.listeners.unheard(), **plan.channels}
         if plan.channels and self.keys.cluster:
             by_shard = channels_by_shard(redis, plan.channels.values())
-            look = [Listeners.shard_look_command(channels) for _, channels in by_shard]
+            looks = [Listeners.shard_look_command(channels) for _, channels in by_shard]
             plan.targets[len(plan.units)] = [node for node, _ in by_shard]
-            plan.units.append((look, lambda replies: self._learn(plan, replies, sharded=True)))
+            plan.units.append((looks, lambda replies: self._learn(plan, replies, sharded=True)))
         elif plan.channels:
-            look = Listeners.look_commands(list(plan.channels.values()))
-            plan.units.append((look, lambda replies: self._learn(plan, replies)))
+            looks = Listeners.look_commands(list(plan.channels.values()))
+            plan.units.append((looks, lambda replies: self._learn(plan, replies)))
         return plan
 
     def _learn(self, plan: _Plan, replies: list[Any], *, sharded: bool = False) -> None:
