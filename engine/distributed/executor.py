@@ -17,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from engine.config import EngineConfig
 from engine.distributed.step_channel import StepReceiver
 from engine.model_runner import ModelRunner
@@ -38,6 +40,8 @@ def run_executor(config: EngineConfig, model_path: Path | None = None) -> int:
     receiver = StepReceiver(runner.tp)
     logger.info("executor rank %d ready", runner.tp.rank)
     runner.follow_driver(receiver)
+    dist.barrier(group=runner.tp.control)  # the driver's shutdown waits for it (see there)
+    dist.destroy_process_group()
     logger.info("executor rank %d stopped", runner.tp.rank)
     return 0
 

@@ -104,6 +104,9 @@ class StepSender:
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         header[0] = MessageKind.SHUTDOWN
         self._broadcast(header)
+        # Every rank past its last collective before any tears its group down: a rank that
+        # exits while a peer still talks to it can abort that peer in gloo's teardown.
+        dist.barrier(group=self.tp.control)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0, group=self.tp.control)
