@@ -42,13 +42,29 @@ def _free(port: int) -> bool:
     return True
 
 
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out to outgoing connections (Linux's default otherwise)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _cluster_port() -> int:
-    """A free port whose cluster-bus twin (port + 10000) is free too, so at most 55535."""
+    """A free port whose cluster-bus twin (port + 10000) is free too. Both lie below the
+    ephemeral range where the machine allows: a port checked free there can be taken by any
+    outgoing connection before the node binds it (the bus port most of all)."""
+    high = _ephemeral_start() - 10001
+    low, high = (11000, high) if high > 12000 else (20000, 55535)
     for _ in range(1000):
-        port = random.randint(20000, 55535)
+        port = random.randint(low, high)
         if _free(port) and _free(port + 10000):
             return port
     raise RuntimeError("no free port pair for a cluster node")
+
+
+def _port_taken(error: RuntimeError) -> bool:
+    return "Address already in use" in str(error)
 
 
 class RedisClusterProcesses:
@@ -77,7 +93,7 @@ class RedisClusterProcesses:
 
     def start(self) -> None:
         for node in self.nodes:
-            node.start()
+            self._start_node(node)
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
         create = subprocess.run(
             ["redis-cli", "--cluster", "create", *addresses,
@@ -89,6 +105,20 @@ class RedisClusterProcesses:
                 f"redis-cli --cluster create failed:\n{create.stdout}{create.stderr}"
             )
         self.wait_ready()
+
+    @staticmethod
+    def _start_node(node: RedisServer, attempts: int = 5) -> None:
+        """Start a node that has not joined the cluster yet, on another port pair when another
+        process took its port (or bus port) since it was checked free."""
+        for attempt in range(attempts):
+            try:
+                node.start()
+                return
+            except RuntimeError as exc:
+                if not _port_taken(exc) or attempt == attempts - 1:
+                    raise
+                (node.data_dir / "nodes.conf").unlink(missing_ok=True)  # written before the bind
+                node.port = _cluster_port()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until every live node says the cluster is ok and every slot has a live primary."""
