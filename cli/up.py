@@ -34,6 +34,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cli.addresses import LOOPBACK_HOSTS, api_base_url, redacted
 from cli.flags import same_setting
+from cli.up_cluster import start_redis_cluster
 from cli.up_redis import default_data_dir, start_redis
 from cli.up_system import STOP_TIMEOUT_S, System, UpError, port_free, wait_listening, wait_ready
 from producer_api.grpc.settings import GrpcSettings
@@ -196,8 +197,6 @@ def run_up(settings: UpSettings, args: argparse.Namespace) -> int:
         start_redis(system, settings.redis_url, data_dir)
         cluster_url = None
         if settings.redis_cluster_primaries:
-            from cli.up_cluster import start_redis_cluster  # it builds on this module
-
             cluster_url = start_redis_cluster(
                 system, settings.redis_cluster_primaries, settings.redis_url, data_dir
             )
