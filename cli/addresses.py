@@ -5,6 +5,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit, urlunsplit
 
 _ANY_ADDRESS = ("0.0.0.0", "::", "")
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
 def api_base_url(host: str, port: int) -> str:

@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 
 import redis
 
-from cli.up import System, UpError, port_free, redis_server_args
+from cli.up_redis import redis_server_args
+from cli.up_system import System, UpError, port_free
 
 CLUSTER_READY_S = 60.0
 NODE_TIMEOUT_MS = 5000

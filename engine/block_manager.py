@@ -1,4 +1,5 @@
-"""Paged KV-cache block accounting: reference counts, an LRU free queue and the prefix cache.
+"""Paged KV-cache block accounting: reference counts, an LRU free queue and the prefix cache
+(the blocks, their counts and the queue themselves: engine.block_pool).
 
 A sequence's block table maps its token positions to fixed-size blocks of the KV cache
 (position p lives in block_table[p // block_size] at offset p % block_size). Blocks are shared
@@ -27,9 +28,7 @@ it holds.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
-
+from engine.block_pool import BlockPool
 from engine.sequence import Sequence
 
 BlockCopy = tuple[int, int]  # (src block, dst block): copy the KV data before the step runs
@@ -45,74 +44,15 @@ class NoFreeBlocksError(RuntimeError):
     """allocate_slots was called without can_allocate room; the caller must preempt first."""
 
 
-@dataclass(slots=True)
-class _Block:
-    block_id: int
-    ref_count: int = 0
-    # Set while the block is registered in the prefix cache; kept to verify hits.
-    hash: int | None = None
-    parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class BlockManager:
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        enable_prefix_caching: bool = True,
-        kv_window: int | None = None,
-    ):
-        """kv_window: where every layer attends over a sliding window, the largest window (a
-        running sequence then gives back the blocks before it); None: keep every block."""
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError("num_blocks and block_size must be positive")
-        if kv_window is not None and kv_window <= 0:
-            raise ValueError(f"kv_window must be positive (got {kv_window})")
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.kv_window = kv_window
-        self._blocks = [_Block(i) for i in range(num_blocks)]
-        # Ref-count-0 blocks; allocation pops the head (least recently freed).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
-        # Prefix-cache statistics in tokens, counted when a prompt is allocated.
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+class BlockManager(BlockPool):
+    """Sequences' block tables over the pool (engine.block_pool): prefix hits, allocation with
+    copy-on-write, giving back blocks outside the window, trims and forks."""
 
-    # ---- sizes -------------------------------------------------------------------------
-
-    @property
-    def num_total_blocks(self) -> int:
-        return len(self._blocks)
-
-    @property
-    def token_capacity(self) -> int:
-        """Tokens the whole cache holds: the longest sequence that can ever run."""
-        return len(self._blocks) * self.block_size
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks nobody references, cached-but-evictable ones included."""
-        return len(self._free)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - len(self._free) / len(self._blocks)
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )
+    # ---- sequence sizes ----------------------------------------------------------------
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
@@ -149,22 +89,6 @@ class BlockManager:
     def held_blocks(self, seq: Sequence) -> int:
         """Blocks seq's table still holds (FREED entries left out)."""
         return sum(1 for block_id in seq.block_table if block_id != FREED)
-
-    # ---- introspection (tests, metrics) ----------------------------------------------------
-
-    def ref_count(self, block_id: int) -> int:
-        return self._blocks[block_id].ref_count
-
-    def is_cached(self, block_id: int) -> bool:
-        return self._blocks[block_id].hash is not None
-
-    def cached_tokens(self, block_id: int) -> tuple[int, ...] | None:
-        """The token ids a registered block was cached under, None if it is not registered."""
-        return self._blocks[block_id].token_ids
-
-    def free_block_ids(self) -> list[int]:
-        """The free queue from head (evicted next) to tail; O(num free blocks)."""
-        return list(self._free)
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -283,38 +207,7 @@ class BlockManager:
             self._cached[block.hash] = block.block_id
         seq.num_registered_blocks = num_full
 
-    def _uncache(self, block: _Block) -> None:
-        if block.hash is None:
-            return
-        if self._cached.get(block.hash) == block.block_id:
-            del self._cached[block.hash]
-        block.hash = block.parent_hash = block.token_ids = None
-
     # ---- allocation ------------------------------------------------------------------------
-
-    def _take(self, block_id: int) -> None:
-        """Reference a block that holds content we want (a prefix hit)."""
-        block = self._blocks[block_id]
-        if block.ref_count == 0:
-            del self._free[block_id]
-        block.ref_count += 1
-
-    def _take_free(self) -> int:
-        """Pop the least recently freed block for new content; its old hash is dropped."""
-        block_id, _ = self._free.popitem(last=False)
-        block = self._blocks[block_id]
-        self._uncache(block)
-        block.ref_count = 1
-        return block_id
-
-    def _release(self, block_id: int) -> None:
-        block = self._blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self._free[block_id] = None
-            if block.hash is None:
-                # Nothing reusable inside: evict it before any cached block.
-                self._free.move_to_end(block_id, last=False)
 
     def num_blocks_needed(
         self, seq: Sequence, num_new_tokens: int, prefix_hits: list[int] | None = None

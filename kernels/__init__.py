@@ -15,12 +15,8 @@ if TYPE_CHECKING:
     from kernels.fused_moe import fused_moe
     from kernels.kv_cache import reshape_and_cache
     from kernels.lora import lora_shrink_expand
-    from kernels.paged_attention import (
-        PrefillTiles,
-        choose_num_splits,
-        prefill_tiles_for,
-        unified_attention,
-    )
+    from kernels.paged_attention import unified_attention
+    from kernels.paged_attention_tiles import PrefillTiles, choose_num_splits, prefill_tiles_for
     from kernels.quant_matmul import quant_matmul_triton
     from kernels.reference import (
         fused_moe_ref,
@@ -37,9 +33,9 @@ if TYPE_CHECKING:
 
 _HOME = {
     "unified_attention": "kernels.paged_attention",
-    "choose_num_splits": "kernels.paged_attention",
-    "PrefillTiles": "kernels.paged_attention",
-    "prefill_tiles_for": "kernels.paged_attention",
+    "choose_num_splits": "kernels.paged_attention_tiles",
+    "PrefillTiles": "kernels.paged_attention_tiles",
+    "prefill_tiles_for": "kernels.paged_attention_tiles",
     "reshape_and_cache": "kernels.kv_cache",
     "rms_norm": "kernels.rms_norm",
     "rotary_embedding": "kernels.rotary",

@@ -17,7 +17,7 @@ from engine.platforms.cpu.runtime import describe_cpu_runtime, reexec_with_cpu_r
 from schemas.defaults import DEFAULT_MODEL
 
 if TYPE_CHECKING:
-    from cli.up import System
+    from cli.up_system import System
     from engine import LLM
 
 
@@ -223,7 +223,8 @@ def unpinned() -> Iterator[None]:
 def bench_redis(data_dir: Path) -> Iterator[tuple[System, str]]:
     """A fresh redis-server on a free port with its data in `data_dir`, and the cli.up System
     it runs in: children spawned on it stop with it, newest first, when the block ends."""
-    from cli.up import System, start_redis
+    from cli.up_redis import start_redis
+    from cli.up_system import System
 
     system = System()
     try:

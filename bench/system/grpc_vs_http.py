@@ -239,7 +239,7 @@ async def run(args: argparse.Namespace, http_url: str, grpc_address: str, model:
 
 def start_system(system, redis_url: str, args: argparse.Namespace) -> tuple[str, str, str]:
     """The HTTP API, the gRPC API and a worker on `redis_url`; their addresses and the model."""
-    from cli.up import wait_listening, wait_ready
+    from cli.up_system import wait_listening, wait_ready
 
     env = {**os.environ, "INFERQ_REDIS_URL": redis_url, "INFERQ_AUTH_DISABLED": "1"}
     env.pop("INFERQ_API_KEYS", None)

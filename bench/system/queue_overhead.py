@@ -46,7 +46,7 @@ from bench.common.workload import (
     workload_series,
 )
 from bench.engine.throughput import timed_generate
-from cli.up import Child, System
+from cli.up_system import Child, System
 
 REPO = Path(__file__).resolve().parents[2]
 

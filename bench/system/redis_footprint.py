@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: b
 
 from bench.common.workload import bench_redis
 from bench.system.queue_overhead import WorkerOptions, start_worker, wait_ready
-from cli.up import System
+from cli.up_system import System
 from schemas.defaults import DEFAULT_MODEL
 
 # MEMORY STATS entries that are not the keys' (they do count against maxmemory: leave room).

@@ -12,8 +12,8 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from cli.up import System, port_free
 from cli.up_cluster import start_redis_cluster
+from cli.up_system import System, port_free
 from redis_io.clients import redis_client
 from schemas import RedisKeys
 from schemas.redis_connection import RedisConnectionSettings

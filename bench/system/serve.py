@@ -199,7 +199,7 @@ async def run_http(
 def serving_system(model: str, data_dir: Path, worker_flags: list[str]) -> Iterator[str]:
     """redis-server + API + worker as children (cli.up does the spawning), stopped when the
     block ends; yields the API's URL once it is ready."""
-    from cli.up import wait_ready
+    from cli.up_system import wait_ready
 
     with bench_redis(data_dir) as (system, redis_url):
         port = free_port()

@@ -26,7 +26,7 @@ from engine.attention.prefill_select import (
 )
 from engine.attention.torch_plan import PrefillShape
 from engine.platforms.cpu.machine_cache import cached, machine_key
-from kernels.paged_attention import PrefillTiles, prefill_tiles_for
+from kernels.paged_attention_tiles import PrefillTiles, prefill_tiles_for
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kernels.paged_attention import PrefillTiles
+    from kernels.paged_attention_tiles import PrefillTiles
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 
-from cli import up
+from cli import up, up_redis, up_system
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -75,7 +75,7 @@ def test_no_auth_only_on_loopback(monkeypatch):
     monkeypatch.delenv("INFERQ_AUTH_DISABLED", raising=False)
     env, auth_off = up.api_environment(up.UpSettings(host="127.0.0.1"))
     assert auth_off and env["INFERQ_AUTH_DISABLED"] == "1"
-    with pytest.raises(up.UpError, match="INFERQ_API_KEYS"):
+    with pytest.raises(up_system.UpError, match="INFERQ_API_KEYS"):
         up.api_environment(up.UpSettings(host="0.0.0.0"))
     monkeypatch.setenv("INFERQ_API_KEYS", '{"me": "secret"}')
     env, auth_off = up.api_environment(up.UpSettings(host="0.0.0.0"))
@@ -94,8 +94,8 @@ def test_banner_shows_a_working_curl_and_warns_without_auth():
 
 
 def test_existing_redis_is_used_not_started(redis_url):
-    system = up.System()
-    assert up.start_redis(system, redis_url, Path("/nonexistent")) is None
+    system = up_system.System()
+    assert up_redis.start_redis(system, redis_url, Path("/nonexistent")) is None
     assert system.children == []
 
 

@@ -11,7 +11,7 @@ import pytest
 from redis import Redis
 from redis.cluster import RedisCluster
 
-from cli import up
+from cli import up, up_system
 from cli.up_cluster import start_redis_cluster
 
 
@@ -20,7 +20,8 @@ def _free_pair_base() -> int:
     for base in range(21000, 40000, 97):
         ports = range(base + 1, base + 7)
         if all(
-            up.port_free("127.0.0.1", p) and up.port_free("127.0.0.1", p + 10000) for p in ports
+            up_system.port_free("127.0.0.1", p) and up_system.port_free("127.0.0.1", p + 10000)
+            for p in ports
         ):
             return base
     raise RuntimeError("no free ports")
@@ -30,7 +31,7 @@ def _free_pair_base() -> int:
 def test_a_cluster_of_three_primaries_starts_and_every_process_is_pointed_at_it(tmp_path: Path):
     base = _free_pair_base()
     url = f"redis://127.0.0.1:{base}/0"
-    system = up.System()
+    system = up_system.System()
     try:
         node_url = start_redis_cluster(system, 3, url, tmp_path)
         assert node_url == f"redis://127.0.0.1:{base + 1}/0"
@@ -45,7 +46,7 @@ def test_a_cluster_of_three_primaries_starts_and_every_process_is_pointed_at_it(
         finally:
             client.close()
         # found running: nothing more is started
-        assert start_redis_cluster(up.System(), 3, url, tmp_path) == node_url
+        assert start_redis_cluster(up_system.System(), 3, url, tmp_path) == node_url
         settings = up.UpSettings(redis_url=url, redis_cluster_primaries=3)
         env, _ = up.api_environment(settings, node_url)
         assert env["INFERQ_REDIS_URL"] == node_url and env["INFERQ_REDIS_CLUSTER"] == "true"
@@ -57,5 +58,5 @@ def test_a_cluster_of_three_primaries_starts_and_every_process_is_pointed_at_it(
 
 
 def test_fewer_than_three_primaries_is_refused():
-    with pytest.raises(up.UpError, match="at least 3"):
-        start_redis_cluster(up.System(), 2, "redis://127.0.0.1:7000/0", Path("/nonexistent"))
+    with pytest.raises(up_system.UpError, match="at least 3"):
+        start_redis_cluster(up_system.System(), 2, "redis://127.0.0.1:7000/0", Path("/nonexistent"))

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 
-from cli import up
+from cli import up_redis, up_system
 from cli.main import build_parser, configure_logging
 from producer_api.batches.controller import QuietResumeCron
 from schemas import RedisKeys
@@ -72,10 +72,10 @@ def test_resume_cron_runs_are_logged_only_at_debug():
 
 def test_stacks_on_different_redis_ports_keep_their_data_apart(monkeypatch, tmp_path):
     monkeypatch.setenv("INFERQ_HOME", str(tmp_path))
-    default = up.default_data_dir("redis://127.0.0.1:6379/0")
+    default = up_redis.default_data_dir("redis://127.0.0.1:6379/0")
     assert default == tmp_path / "redis"  # where it always was
-    assert up.default_data_dir("redis://127.0.0.1/0") == default
-    other = up.default_data_dir("redis://127.0.0.1:6400/0")
+    assert up_redis.default_data_dir("redis://127.0.0.1/0") == default
+    other = up_redis.default_data_dir("redis://127.0.0.1:6400/0")
     assert other == tmp_path / "redis-6400"
 
 
@@ -103,8 +103,8 @@ while True:
 """
 
 
-def _draining_system(tmp_path: Path, grace_s: float) -> up.System:
-    system = up.System()
+def _draining_system(tmp_path: Path, grace_s: float) -> up_system.System:
+    system = up_system.System()
     ready = tmp_path / "handler-installed"
     child = system.spawn(
         "worker",

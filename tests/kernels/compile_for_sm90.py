@@ -50,7 +50,8 @@ def _attention(
     softcap: bool = False,
     sinks: bool = False,
 ) -> None:
-    from kernels.paged_attention import _launch_shape, _unified_attention_kernel, padded_head_dim
+    from kernels.paged_attention import _unified_attention_kernel
+    from kernels.paged_attention_tiles import _launch_shape, padded_head_dim
 
     head_dim_pad = padded_head_dim(head_dim)
     shape = _launch_shape(queries_per_kv, 64 if prefill else 1, head_dim_pad)
