@@ -5,7 +5,10 @@ finalize. Every step is idempotent, so a run killed at any point is simply run a
 - a line whose prompt the model's workers would refuse (producer_api.prompt_check) goes to the
   error file instead of the queue;
 - a line's job is enqueued with the idempotency key `{batch_id}:{line}`: enqueueing it again
-  returns the same job, never a second one;
+  returns the same job, never a second one; embedding lines run in groups, one job of several
+  inputs each, formed the same way by every run and keyed by their first line
+  (producer_api.batches.groups); a group whose job fails runs its lines again one job each, so
+  one bad input fails its line alone;
 - a finished line is written to `:out` / `:err` keyed by its line number: writing it twice
   leaves one line;
 - output files get ids derived from the batch id: finalizing twice overwrites the same file.
@@ -34,9 +37,17 @@ from redis.asyncio import Redis
 from producer_api import queue
 from producer_api.batches.enqueue_all import enqueue_all
 from producer_api.batches.files import FileStore
+from producer_api.batches.groups import (
+    LineGroup,
+    carried_lines,
+    group_output_lines,
+    group_request,
+    groups_of,
+)
 from producer_api.batches.input_lines import InputLines
 from producer_api.batches.lease_holder import holder_token
 from producer_api.batches.lines import (
+    EMBEDDINGS,
     ParsedLine,
     batch_job_request,
     line_not_run,
@@ -62,6 +73,7 @@ from schemas import (
     Job,
     JobField,
     JobRequest,
+    JobStatus,
     RedisKeys,
 )
 from schemas.batches import BATCH_ID_PREFIX
@@ -75,6 +87,8 @@ NOT_RUN_CODES = (CANCELLED_CODE, EXPIRED_CODE)
 _COLLECT_CHUNK = 500
 _ERROR_WRITE_CHUNK = 1000  # error lines written per round trip while validating or stopping
 _FAILURE_DETAILS = 10  # invalid lines named in a failed batch's errors
+# a group's job ended so (or succeeded without a vector per line): its lines run again alone
+_RETRIED_GROUP_STATUSES = frozenset({JobStatus.FAILED, JobStatus.SUCCEEDED})
 
 
 class Lease:
@@ -123,7 +137,8 @@ class BatchRunner:
         self.tokenizers = tokenizers or TokenizerCache()
         self.files = FileStore(redis, keys)
         self.outstanding: dict[int, str] = {}  # line number -> job id, not yet collected
-        self.line_of: dict[str, int] = {}  # job id -> line number, of the outstanding jobs
+        self.lines_of: dict[str, list[int]] = {}  # job id -> its line numbers, outstanding jobs
+        self.group_lines = 1  # embedding lines per job, as the batch fixed it
         self._next_sweep = 0.0  # monotonic time every outstanding job's status is read next
         self.input = InputLines([], "", settings.default_max_tokens)
         self.submitted = 0  # valid lines fanned out (an index into `input.valid`)
@@ -149,6 +164,7 @@ class BatchRunner:
                 return True
         else:
             self.input.skip(json.loads(invalid))
+        await self._load_group_size()
         await self._load_progress()
         while True:
             status = await self.redis.hget(self.keys.batch(self.batch_id), BatchField.STATUS)
@@ -220,6 +236,16 @@ class BatchRunner:
         log.info("batch %s: %d lines, %d invalid", self.batch_id, total, len(invalid))
         return True
 
+    async def _load_group_size(self) -> None:
+        """How many embedding lines make one job: fixed by the batch's first run (a later run
+        with other settings forms the same groups)."""
+        if self.input.endpoint != EMBEDDINGS:
+            return
+        key = self.keys.batch(self.batch_id)
+        size = min(self.settings.batch_embedding_group_lines, self.settings.batch_max_in_flight)
+        await self.redis.hsetnx(key, BatchField.GROUP_LINES, str(size))
+        self.group_lines = int(await self.redis.hget(key, BatchField.GROUP_LINES) or 1)
+
     async def _load_progress(self) -> None:
         """Where an earlier run stopped: lines enqueued, and the jobs not yet collected (a line
         leaves `batch_lines` with its output, so this reads the lines in flight, not the file)."""
@@ -233,7 +259,9 @@ class BatchRunner:
         if written:  # collected by a run that kept them here
             await self.redis.hdel(self.keys.batch_lines(self.batch_id), *written)
         self.outstanding = {n: job for n, job in pending.items() if n not in written}
-        self.line_of = {job: n for n, job in self.outstanding.items()}
+        self.lines_of = {}
+        for number, job in sorted(self.outstanding.items()):
+            self.lines_of.setdefault(job, []).append(number)
 
     async def _written(self, numbers: list[int]) -> set[int]:
         """Those of the line `numbers` with an output or error line already."""
@@ -261,50 +289,116 @@ class BatchRunner:
             return False
         model = self.input.line(valid[self.submitted]).request.model  # type: ignore[union-attr]
         backlog = await queue.queue_length(self.redis, self.keys, model, bulk=True)
-        room = min(room, self.settings.batch_max_backlog - backlog)
+        room = min(room, (self.settings.batch_max_backlog - backlog) * self.group_lines)
         if room <= 0:
             return False
-        chunk = [self.input.line(n) for n in valid[self.submitted : self.submitted + room]]
+        end = self._chunk_end(room)
+        if end == self.submitted:
+            return False
+        chunk = [self.input.line(n) for n in valid[self.submitted : end]]
         refused = await self._refusals(chunk)
         runnable = [line for line in chunk if line.number not in refused]
         on_base = await self._on_base_models(runnable, refused)
-        runnable = [line for line in runnable if line.number in on_base]
-        deadline = datetime.fromtimestamp(self.expires_at, UTC)
-        requests = [
-            batch_job_request(
-                on_base[line.number], batch_id=self.batch_id, line=line, deadline=deadline
-            )
-            for line in runnable
-        ]
-        results = await enqueue_all(
-            self.redis,
-            self.keys,
-            requests,
-            owner=self.owner,
-            replicas=self.settings.replica_wait(),
-        )
-        enqueued: dict[int, str] = {}
-        for line, result in zip(runnable, results, strict=True):
-            if isinstance(result, queue.QueueError):
-                refused[line.number] = line_not_run(line, result.code.value, result.error.message)
-            elif isinstance(result, BaseException):
-                raise result  # Redis trouble: arq retries the run; enqueued lines dedupe
-            else:
-                enqueued[line.number] = result.id
+        if self.group_lines > 1:
+            groups = list(groups_of(chunk, self.submitted, self.group_lines, set(on_base)))
+        else:
+            groups = [LineGroup.alone(line) for line in runnable if line.number in on_base]
+        enqueued = await self._enqueue(groups, on_base, refused, {ln.number for ln in chunk})
         async with pipeline(self.redis, atomic=True) as pipe:
             if enqueued:
                 pipe.hset(self.keys.batch_lines(self.batch_id), mapping=enqueued)
             if refused:
                 pipe.hset(self.keys.batch_errors(self.batch_id), mapping=refused)
-            pipe.hset(
-                self.keys.batch(self.batch_id), BatchField.SUBMITTED, self.submitted + len(chunk)
-            )
+            pipe.hset(self.keys.batch(self.batch_id), BatchField.SUBMITTED, end)
             await pipe.execute()
-        self.submitted += len(chunk)
-        self.input.parsed.update((ln.number, ln) for ln in runnable if ln.number in enqueued)
-        self.outstanding.update(enqueued)
-        self.line_of.update({job: n for n, job in enqueued.items()})
+        self.submitted = end
+        self.input.parsed.update((ln.number, ln) for ln in chunk if ln.number in enqueued)
+        self._track(enqueued)
         return True
+
+    def _chunk_end(self, room: int) -> int:
+        """Where a chunk of up to `room` lines from `submitted` ends: at a group's end, so a
+        group is never split between fan-out rounds. A group larger than the room waits for
+        the lines in flight to end (then goes alone, past the room: never a deadlock)."""
+        valid, size = len(self.input.valid), self.group_lines
+        end = min(self.submitted + room, valid)
+        if size == 1 or end == valid:
+            return end
+        aligned = end - end % size
+        if aligned > self.submitted:
+            return aligned
+        if self.outstanding:
+            return self.submitted
+        return min(self.submitted - self.submitted % size + size, valid)
+
+    def _track(self, enqueued: dict[int, str]) -> None:
+        """Note lines now out as the jobs `enqueued` names (line number -> job id)."""
+        self.outstanding.update(enqueued)
+        for number, job_id in sorted(enqueued.items()):
+            self.lines_of.setdefault(job_id, []).append(number)
+
+    async def _enqueue(
+        self,
+        groups: list[LineGroup],
+        requests: dict[int, JobRequest],
+        refused: dict[int, str],
+        ours: set[int],
+    ) -> dict[int, str]:
+        """Enqueue each group as one job (a group of one line: the line's own job); the job
+        of each line (line number -> job id). A group's job enqueued by an earlier run is what
+        it names: it carries the lines it names (whatever this run refused), and lines of the
+        group it does not carry run one job each. Lines refused at enqueue join `refused`."""
+        deadline = datetime.fromtimestamp(self.expires_at, UTC)
+        enqueued: dict[int, str] = {}
+        while groups:
+            calls = [self._group_request(g, requests, deadline) for g in groups]
+            results = await enqueue_all(
+                self.redis,
+                self.keys,
+                calls,
+                owner=self.owner,
+                replicas=self.settings.replica_wait(),
+            )
+            leftovers: list[LineGroup] = []
+            for group, result in zip(groups, results, strict=True):
+                if isinstance(result, queue.QueueError):
+                    code, message = result.code.value, result.error.message
+                    refused.update(
+                        (ln.number, line_not_run(ln, code, message)) for ln in group.lines
+                    )
+                elif isinstance(result, BaseException):
+                    raise result  # Redis trouble: arq retries the run; enqueued lines dedupe
+                else:
+                    carried = carried_lines(result)
+                    if carried is None:
+                        enqueued[group.lines[0].number] = result.id
+                        continue
+                    for number in carried:
+                        if number in ours:
+                            enqueued[number] = result.id
+                            refused.pop(number, None)
+                    leftovers += [
+                        LineGroup.alone(ln) for ln in group.lines if ln.number not in enqueued
+                    ]
+            groups = leftovers
+        return enqueued
+
+    def _group_request(
+        self, group: LineGroup, requests: dict[int, JobRequest], deadline: datetime
+    ) -> JobRequest:
+        """The job of a group: several lines' inputs in one embedding job, or one line's job
+        (the single-line path: a batch of generation lines, or a group's line run alone)."""
+        if group.single:
+            line = group.lines[0]
+            return batch_job_request(
+                requests[line.number], batch_id=self.batch_id, line=line, deadline=deadline
+            )
+        return group_request(
+            group,
+            [requests[line.number] for line in group.lines],
+            batch_id=self.batch_id,
+            deadline=deadline,
+        )
 
     async def _on_base_models(
         self, lines: list[ParsedLine], refused: dict[int, str]
@@ -349,59 +443,92 @@ class BatchRunner:
             announced = await self.redis.lpop(key, _COLLECT_CHUNK)
             if not announced:
                 return
-            ours = {job: self.line_of[job] for job in announced if job in self.line_of}
-            await self._collect([(n, job) for job, n in ours.items()])
+            await self._collect([job for job in dict.fromkeys(announced) if job in self.lines_of])
             if len(announced) < _COLLECT_CHUNK:
                 return
 
-    async def _sweep(self) -> None:
+    async def _sweep(self, *, retry_groups: bool = True) -> None:
         """Every outstanding job's status: the ends no worker announced (a cancel, an expiry, a
         dead letter, a worker that died between a result and its announcement)."""
-        await self._collect(list(self.outstanding.items()))
+        await self._collect(list(self.lines_of), retry_groups=retry_groups)
 
-    async def _collect(self, items: list[tuple[int, str]]) -> None:
-        """Write the lines of those of `items` (line number, job id) whose jobs ended."""
-        for start in range(0, len(items), _COLLECT_CHUNK):
-            part = items[start : start + _COLLECT_CHUNK]
+    async def _collect(self, jobs: list[str], *, retry_groups: bool = True) -> None:
+        """Write the lines of those of `jobs` that ended."""
+        for start in range(0, len(jobs), _COLLECT_CHUNK):
+            part = jobs[start : start + _COLLECT_CHUNK]
             async with self.redis.pipeline(transaction=False) as pipe:
-                for _, job_id in part:
+                for job_id in part:
                     pipe.hget(self.keys.job(job_id), JobField.STATUS)
                 statuses = await pipe.execute()
             ended = [
-                (n, job_id)
-                for (n, job_id), status in zip(part, statuses, strict=True)
+                job_id
+                for job_id, status in zip(part, statuses, strict=True)
                 if status is None or status in TERMINAL_STATUSES
             ]
             if ended:
-                await self._write_ended(ended)
+                await self._write_ended(ended, retry_groups)
 
-    async def _write_ended(self, ended: list[tuple[int, str]]) -> None:
+    async def _write_ended(self, ended: list[str], retry_groups: bool) -> None:
+        """Each ended job's lines into the output or error file. The lines of a group whose
+        job failed (or gave no vector per line) run again one job each, unless `retry_groups`
+        is False (the batch is stopping): then each gets the group's error."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for _, job_id in ended:
+            for job_id in ended:
                 pipe.hgetall(self.keys.job(job_id))
             stored = await pipe.execute()
         out: dict[int, str] = {}
         err: dict[int, str] = {}
-        for (number, job_id), data in zip(ended, stored, strict=True):
-            line = self.input.line(number)
+        again: list[LineGroup] = []
+        for job_id, data in zip(ended, stored, strict=True):
+            numbers = self.lines_of[job_id]
             if not data:
-                err[number] = line_not_run(
-                    line, ErrorCode.INTERNAL_ERROR.value, f"the record of job {job_id} is gone"
-                )
+                message = f"the record of job {job_id} is gone"
+                for number in numbers:
+                    line = self.input.line(number)
+                    err[number] = line_not_run(line, ErrorCode.INTERNAL_ERROR.value, message)
                 continue
-            succeeded, text = line_of_result(line, Job.from_redis_hash(data))
-            (out if succeeded else err)[number] = text
+            job = Job.from_redis_hash(data)
+            carried = carried_lines(job)
+            if carried is None:
+                succeeded, text = line_of_result(self.input.line(numbers[0]), job)
+                (out if succeeded else err)[numbers[0]] = text
+                continue
+            lines = [self.input.line(number) for number in carried]
+            texts = group_output_lines(lines, job)
+            if texts is not None:
+                out.update(zip(carried, texts, strict=True))
+            elif retry_groups and len(lines) > 1 and job.status in _RETRIED_GROUP_STATUSES:
+                log.info("batch %s: group job %s %s; its %d lines run one job each",
+                         self.batch_id, job_id, job.status.value, len(lines))  # fmt: skip
+                again += [LineGroup.alone(line) for line in lines]
+            else:
+                err.update((line.number, line_of_result(line, job)[1]) for line in lines)
+        rerun: dict[int, str] = {}
+        if again:
+            requests = {
+                line.number: line.request
+                for group in again
+                for line in group.lines
+                if line.request is not None
+            }
+            rerun = await self._enqueue(again, requests, err, set(requests))
+        finished = [n for job_id in ended for n in self.lines_of[job_id] if n not in rerun]
         async with pipeline(self.redis, atomic=True) as pipe:
             if out:
                 pipe.hset(self.keys.batch_outputs(self.batch_id), mapping=out)
             if err:
                 pipe.hset(self.keys.batch_errors(self.batch_id), mapping=err)
-            pipe.hdel(self.keys.batch_lines(self.batch_id), *(n for n, _ in ended))
+            if finished:
+                pipe.hdel(self.keys.batch_lines(self.batch_id), *finished)
+            if rerun:
+                pipe.hset(self.keys.batch_lines(self.batch_id), mapping=rerun)
             await pipe.execute()
-        for number, job_id in ended:
+        for job_id in ended:
+            self.lines_of.pop(job_id, None)
+        for number in finished:
             self.outstanding.pop(number, None)
-            self.line_of.pop(job_id, None)
             self.input.parsed.pop(number, None)
+        self._track(rerun)
 
     async def _publish_counts(self) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -416,10 +543,10 @@ class BatchRunner:
     async def _stop(self, code: str, message: str) -> None:
         """Cancel the jobs still out (results already in stay), collect, and mark the lines
         never enqueued as not run. Jobs that finish meanwhile keep their output."""
-        for job_id in list(self.outstanding.values()):
+        for job_id in list(self.lines_of):
             with contextlib.suppress(queue.JobNotFoundError):
                 await queue.cancel_job(self.redis, self.keys, job_id, reason=message)
-        await self._sweep()
+        await self._sweep(retry_groups=False)
         left = itertools.chain(
             self.input.valid_from(self.submitted), map(self.input.line, list(self.outstanding))
         )
@@ -427,7 +554,7 @@ class BatchRunner:
             never_run = {line.number: line_not_run(line, code, message) for line in part}
             await self.redis.hset(self.keys.batch_errors(self.batch_id), mapping=never_run)
         self.outstanding.clear()
-        self.line_of.clear()
+        self.lines_of.clear()
         self.input.parsed.clear()
 
     async def _fail(self, code: str, message: str, details: list | None = None) -> bool:
