@@ -112,6 +112,9 @@ class Batch:
     def queue(self, held: HeldJob) -> None:
         if not self.holds(held.job_id):
             self.ready.append(held)
+            # learnt as jobs are read, so the next read is sized by it
+            inputs = held.job.request.input_count
+            self._inputs_estimate += _ESTIMATE_WEIGHT * (inputs - self._inputs_estimate)
 
     def request_abort(self, job_id: str, reason: AbortReason) -> None:
         """Abort at the start of the next turn (safe to call while a step runs)."""
@@ -249,8 +252,8 @@ class Batch:
             held.started_at = utc_now()
             self.held[held.job_id] = held
             self._first_step.append(held.job_id)
-            inputs = request.input_count
-            self._learn_size(held.prompt_len / inputs, request.sampling.max_tokens, inputs)
+            per_input = held.prompt_len / request.input_count
+            self._learn_size(per_input, request.sampling.max_tokens)
             self._start(held)
 
     def _rejoin_parked(self) -> None:
@@ -329,12 +332,12 @@ class Batch:
             for item in request.inputs
         ]
 
-    def _learn_size(self, prompt_len: float, max_tokens: int, inputs: int = 1) -> None:
-        """Follow the size of the jobs seen: tokens per sequence, and sequences per job."""
+    def _learn_size(self, prompt_len: float, max_tokens: int) -> None:
+        """Follow the size of the jobs seen: tokens per sequence (an input of a job of several
+        inputs is a sequence), and tokens generated."""
         w = _ESTIMATE_WEIGHT
         self._prompt_estimate += w * (prompt_len - self._prompt_estimate)
         self._max_tokens_estimate += w * (max_tokens - self._max_tokens_estimate)
-        self._inputs_estimate += w * (inputs - self._inputs_estimate)
 
     def _start(self, held: HeldJob) -> None:
         fields: dict[str, object] = {

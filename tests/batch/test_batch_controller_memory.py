@@ -15,7 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from producer_api import queue
-from producer_api.batches import runner as runner_module
+from producer_api.batches import fan_out as fan_out_module
 from producer_api.batches.files import BATCH_PURPOSE, FileStore
 from producer_api.batches.runner import BatchRunner, Lease
 from producer_api.batches.settings import BatchControllerSettings
@@ -62,7 +62,7 @@ def _input(lines: int) -> str:
 
 def _ending_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every job enqueued ends at once with a vector, announced to its batch."""
-    enqueue_all = runner_module.enqueue_all
+    enqueue_all = fan_out_module.enqueue_all
 
     async def enqueue_and_end(
         redis: Redis, keys: RedisKeys, requests: list[JobRequest], **kwargs: object
@@ -81,7 +81,7 @@ def _ending_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     async def no_backlog(*args: object, **kwargs: object) -> int:
         return 0  # the stand-in worker takes each job off the stream at once
 
-    monkeypatch.setattr(runner_module, "enqueue_all", enqueue_and_end)
+    monkeypatch.setattr(fan_out_module, "enqueue_all", enqueue_and_end)
     monkeypatch.setattr(queue, "queue_length", no_backlog)
 
 

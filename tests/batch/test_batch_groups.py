@@ -18,7 +18,7 @@ import pytest
 from redis.asyncio import Redis
 
 from producer_api import queue
-from producer_api.batches import runner as runner_module
+from producer_api.batches import fan_out as fan_out_module
 from producer_api.batches.files import BATCH_PURPOSE, FileStore
 from producer_api.batches.runner import BatchRunner, Lease
 from producer_api.batches.settings import BatchControllerSettings
@@ -32,6 +32,7 @@ from schemas.results import ChoiceResult, JobResult, Timings, Usage
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 KEYS = RedisKeys()
 POISON = "POISON"
+_ENQUEUE_ALL = fan_out_module.enqueue_all
 
 
 class Killed(BaseException):
@@ -76,7 +77,6 @@ def _ends(request: JobRequest) -> dict[str, str]:
 def _stand_in_worker(monkeypatch: pytest.MonkeyPatch, kill_at_call: int | None = None) -> None:
     """Every job enqueued ends at once, announced to its batch. With `kill_at_call`, that call
     of enqueue_all enqueues its jobs and then the run dies before it records them."""
-    enqueue_all = runner_module.enqueue_all
     calls = 0
 
     async def enqueue_and_end(
@@ -84,7 +84,7 @@ def _stand_in_worker(monkeypatch: pytest.MonkeyPatch, kill_at_call: int | None =
     ) -> list[Job | BaseException]:
         nonlocal calls
         calls += 1
-        results = await enqueue_all(redis, keys, requests, **kwargs)
+        results = await _ENQUEUE_ALL(redis, keys, requests, **kwargs)
         if calls == kill_at_call:
             raise Killed
         async with redis.pipeline(transaction=False) as pipe:
@@ -98,7 +98,7 @@ def _stand_in_worker(monkeypatch: pytest.MonkeyPatch, kill_at_call: int | None =
     async def no_backlog(*args: object, **kwargs: object) -> int:
         return 0
 
-    monkeypatch.setattr(runner_module, "enqueue_all", enqueue_and_end)
+    monkeypatch.setattr(fan_out_module, "enqueue_all", enqueue_and_end)
     monkeypatch.setattr(queue, "queue_length", no_backlog)
 
 
