@@ -21,6 +21,8 @@ _RETRIED_GROUP_STATUSES = frozenset({JobStatus.FAILED, JobStatus.SUCCEEDED})
 
 
 class Collector(FanOut):
+    """Collection of a controller run (see the module's docstring); fan-out below it."""
+
     async def _collect_announced(self) -> None:
         """Write the lines of the jobs whose workers announced their end since the last look."""
         key = self.keys.batch_ended(self.batch_id)
@@ -80,14 +82,19 @@ class Collector(FanOut):
                 continue
             lines = [self.input.line(number) for number in carried]
             texts = group_output_lines(lines, job)
+            mine = set(numbers)  # the lines this batch's record gives the job (all it carries)
             if texts is not None:
-                out.update(zip(carried, texts, strict=True))
+                out.update((n, text) for n, text in zip(carried, texts, strict=True) if n in mine)
             elif retry_groups and len(lines) > 1 and job.status in _RETRIED_GROUP_STATUSES:
                 log.info("batch %s: group job %s %s; its %d lines run one job each",
                          self.batch_id, job_id, job.status.value, len(lines))  # fmt: skip
-                again += [LineGroup.alone(line) for line in lines]
+                again += [LineGroup.alone(line) for line in lines if line.number in mine]
             else:
-                err.update((line.number, line_of_result(line, job)[1]) for line in lines)
+                err.update(
+                    (line.number, line_of_result(line, job)[1])
+                    for line in lines
+                    if line.number in mine
+                )
         rerun: dict[int, str] = {}
         if again:
             requests = {

@@ -59,6 +59,8 @@ class BatchRun:
 
 
 class FanOut(BatchRun):
+    """Fan-out of a controller run (see the module's docstring)."""
+
     async def _fan_out(self) -> bool:
         """Enqueue the next chunk of lines, as far as the backlog and in-flight caps leave room;
         False when there was none (or no line left)."""
