@@ -67,7 +67,7 @@ def checked_inputs(
 
 
 def embedding_job(
-    model: str, item: str | list[int], pooling: PoolingParams, timeout_s: float, param: str
+    model: str, item: str | list[int], pooling: PoolingParams, timeout_s: float | None, param: str
 ) -> JobRequest:
     fields: dict[str, Any] = {"model": model, "pooling": pooling, "timeout_s": timeout_s}
     fields["prompt" if isinstance(item, str) else "prompt_token_ids"] = item
