@@ -284,3 +284,62 @@ def test_a_failed_group_runs_its_lines_alone_and_only_the_bad_line_fails(
             await redis.aclose()
 
     asyncio.run(main())
+
+
+def test_a_cancelled_batch_writes_each_grouped_line_once_finished_or_not_run(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first round's groups finish, the next are queued when the cancel comes: their jobs
+    are cancelled (not run again one by one) and every line is in exactly one file."""
+    settings = BatchControllerSettings(
+        redis_url=redis_url, batch_poll_interval_s=0.01, batch_chunk_lines=64
+    )
+    calls = 0
+
+    async def enqueue_then_cancel(
+        redis: Redis, keys: RedisKeys, requests: list[JobRequest], **kwargs: Any
+    ) -> list[Job | BaseException]:
+        nonlocal calls
+        calls += 1
+        results = await _ENQUEUE_ALL(redis, keys, requests, **kwargs)
+        batch_id = requests[0].metadata["batch_id"]
+        if calls == 1:  # the first round's groups run and end
+            async with redis.pipeline(transaction=False) as pipe:
+                for request, job in zip(requests, results, strict=True):
+                    assert isinstance(job, Job)
+                    pipe.hset(keys.job(job.id), mapping=_ends(request))
+                    pipe.rpush(keys.batch_ended(batch_id), job.id)
+                await pipe.execute()
+        else:  # the next stay queued: the client cancels the batch meanwhile
+            await redis.hset(keys.batch(batch_id), "status", "cancelling")
+        return results
+
+    async def no_backlog(*args: object, **kwargs: object) -> int:
+        return 0
+
+    monkeypatch.setattr(fan_out_module, "enqueue_all", enqueue_then_cancel)
+    monkeypatch.setattr(queue, "queue_length", no_backlog)
+
+    async def main() -> None:
+        redis = redis_client(settings)
+        try:
+            batch_id = await _batch(redis, settings, _input(150))
+            assert await _run(redis, settings, batch_id)
+            record, rows = await _outcome(redis, batch_id)
+            assert record["status"] == "cancelled"
+            by_id = Counter(row["custom_id"] for row in rows)
+            assert by_id == Counter([f"d-{i}" for i in range(150)] + ["bad"])
+            done = [row for row in rows if row["error"] is None]
+            # the first fan-out round (64 lines: three groups) ran
+            assert {row["custom_id"] for row in done} == {f"d-{i}" for i in range(64)}
+            for row in done:
+                (item,) = row["response"]["body"]["data"]
+                assert item["embedding"] == _vector(_text(int(row["custom_id"][2:])))
+            codes = Counter(row["error"]["code"] for row in rows if row["error"] is not None)
+            assert set(codes) <= {"cancelled", "batch_cancelled", "invalid_request"}
+            assert sum(codes.values()) == 87  # 86 cancelled or never run, and the bad line
+            assert set((await _lines_per_job(redis)).values()) == {1}  # none ran again alone
+        finally:
+            await redis.aclose()
+
+    asyncio.run(main())
