@@ -130,7 +130,7 @@ class FanOut(BatchRun):
         refused: dict[int, str],
         ours: set[int],
     ) -> dict[int, str]:
-        """Enqueue each group as one job (a group of one line: the line's own job); the job
+        """Enqueue each group as one job (a single line: the line's own job); the job
         of each line (line number -> job id). A group's job enqueued by an earlier run is what
         it names: it carries the lines it names (whatever this run refused), and lines of the
         group it does not carry run one job each. Lines refused at enqueue join `refused`."""
