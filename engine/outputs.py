@@ -27,6 +27,10 @@ class EngineRequest:
     prior_output_token_ids: list[list[int]] | None = None
     pooling: PoolingParams | None = None  # an embedding request (a pooling engine's only kind)
     token_type_ids: list[int] | None = None  # a cross-encoder's text pair: the second is 1
+    # a pooling request of several inputs (token ids each), each pooled into its own vector;
+    # `prompt` is then unused. A pooling engine that takes them finishes the request once every
+    # input is pooled, with `RequestOutput.embeddings`
+    inputs: list[list[int]] | None = None
     lora_request: LoRARequest | None = None  # run with this LoRA adapter (engine.lora)
 
 
@@ -79,6 +83,9 @@ class RequestOutput:
     # With params.prompt_logprobs: one entry per prompt token, None for the first (as vLLM).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None  # a pooling engine's output
+    # a request of several inputs: one vector per input, and each input's token count
+    embeddings: list[list[float]] | None = None
+    input_token_counts: list[int] | None = None
 
 
 @dataclass

@@ -67,7 +67,7 @@ def checked_inputs(
 
 
 def embedding_job(
-    model: str, item: str | list[int], pooling: PoolingParams, timeout_s: float, param: str
+    model: str, item: str | list[int], pooling: PoolingParams, timeout_s: float | None, param: str
 ) -> JobRequest:
     fields: dict[str, Any] = {"model": model, "pooling": pooling, "timeout_s": timeout_s}
     fields["prompt" if isinstance(item, str) else "prompt_token_ids"] = item
@@ -85,13 +85,23 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 
 def embeddings_body(body: EmbeddingRequest, jobs: list[Job]) -> dict[str, Any]:
     """OpenAI's answer for the finished jobs of the request's inputs, in input order."""
-    data = []
+    vectors = []
     prompt_tokens = 0
-    for index, job in enumerate(jobs):
+    for job in jobs:
         result = job.result
         assert result is not None and result.embedding is not None
         prompt_tokens += result.usage.prompt_tokens
-        vector = encode_vector(result.embedding, body.encoding_format)
-        data.append({"object": "embedding", "index": index, "embedding": vector})
+        vectors.append(result.embedding)
+    return vectors_body(body, vectors, prompt_tokens)
+
+
+def vectors_body(
+    body: EmbeddingRequest, vectors: list[list[float]], prompt_tokens: int
+) -> dict[str, Any]:
+    """OpenAI's answer of the request's inputs' `vectors`, in input order."""
+    data = [
+        {"object": "embedding", "index": index, "embedding": encode_vector(v, body.encoding_format)}
+        for index, v in enumerate(vectors)
+    ]
     usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
     return {"object": "list", "data": data, "model": body.model, "usage": usage}

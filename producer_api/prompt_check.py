@@ -51,6 +51,12 @@ async def check_prompt(
     sampling fields (logit_bias, allowed_token_ids) are named as `sampling_prefix` + field."""
     if limits.vocab_size is not None:
         _check_sampling_token_ids(request.sampling, limits.vocab_size, sampling_prefix)
+    if request.inputs is not None:  # an embedding job of several inputs: each on its own
+        for index, item in enumerate(request.inputs):
+            field = "prompt" if isinstance(item, str) else "prompt_token_ids"
+            one = request.model_copy(update={"inputs": None, field: item})
+            await check_prompt(one, limits, f"{param}.{index}")
+        return
     ids = request.prompt_token_ids
     if ids is not None:
         _check_vocabulary(ids, limits.vocab_size, param)

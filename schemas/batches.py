@@ -24,6 +24,10 @@ MAX_BATCH_METADATA_PAIRS = 16
 # A batch line's job carries its batch id under this metadata key; the worker that ends the job
 # announces the end on the batch's `ended` list, which the controller reads instead of polling.
 BATCH_ID_METADATA = "batch_id"
+# A job that runs several lines of a batch (an embedding job of several inputs, one per line)
+# names their line numbers under this key, in input order (`format_line_numbers`): whoever
+# collects the job writes each line from its own input's vector, whatever it grouped itself.
+BATCH_LINES_METADATA = "batch_lines"
 # The `ended` list outlives a stalled controller run for this long after the last announcement.
 BATCH_ENDED_TTL_S = 7 * 24 * 3600
 
@@ -33,6 +37,33 @@ _WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600}
 MAX_COMPLETION_WINDOW_S = 7 * 24 * 3600
 
 Endpoint = Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
+
+
+def format_line_numbers(numbers: list[int]) -> str:
+    """Increasing line numbers as runs: [3, 4, 5, 9] -> "3-5,9" (at most 7 characters per
+    number below 1,000,000, and one run for the consecutive lines of a group)."""
+    parts: list[str] = []
+    start = previous = numbers[0]
+    for number in [*numbers[1:], None]:
+        if number is not None and number == previous + 1:
+            previous = number
+            continue
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+        if number is not None:
+            start = previous = number
+    return ",".join(parts)
+
+
+def parse_line_numbers(text: str) -> list[int]:
+    """The numbers `format_line_numbers` wrote; ValueError for text it did not write."""
+    numbers: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        start, end = int(first), int(last or first)
+        if end < start or (numbers and start <= numbers[-1]):
+            raise ValueError(f"line numbers {text!r} are not increasing runs")
+        numbers.extend(range(start, end + 1))
+    return numbers
 
 
 def new_batch_id() -> str:
@@ -91,7 +122,8 @@ class BatchField(StrEnum):
     JSON; total / completed / failed count requests; `submitted` counts input lines the
     controller has enqueued (its resume point); `invalid_lines` (JSON: the numbers of the
     input lines refused at validation) lets a resumed run skip them without parsing the file
-    again; `owner` is absent for anonymous batches."""
+    again; `group_lines` is how many embedding lines run as one job, fixed when the batch first
+    fans out so every run forms the same groups; `owner` is absent for anonymous batches."""
 
     ID = "id"
     OWNER = "owner"
@@ -117,6 +149,7 @@ class BatchField(StrEnum):
     METADATA = "metadata"
     ERRORS = "errors"
     INVALID_LINES = "invalid_lines"
+    GROUP_LINES = "group_lines"
 
 
 # The `*_at` field set when a batch enters each status (every status has one but the first).
@@ -201,11 +234,15 @@ class BatchInputLine(BaseModel):
     body: dict[str, Any]
 
 
-def output_line(custom_id: str, job_id: str, body: dict[str, Any]) -> str:
-    """A line of the output file: the request succeeded and `body` is its response."""
+def output_line(
+    custom_id: str, job_id: str, body: dict[str, Any], input_index: int | None = None
+) -> str:
+    """A line of the output file: the request succeeded and `body` is its response.
+    `input_index`: the line's input in a job that ran several lines (its id stays unique)."""
+    suffix = "" if input_index is None else f"_{input_index}"
     return _line(
         {
-            "id": f"batch_req_{job_id}",
+            "id": f"batch_req_{job_id}{suffix}",
             "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": job_id, "body": body},
             "error": None,

@@ -26,11 +26,17 @@ from schemas.errors import ErrorBody, field_error
 from schemas.pooling import PoolingParams
 from schemas.results import JobResult, as_utc
 from schemas.sampling import SamplingParams
-from schemas.vectors import PACKED_EMBEDDING_FIELD, pack_float32, unpack_float32
+from schemas.vectors import (
+    PACKED_EMBEDDING_FIELD,
+    PACKED_EMBEDDINGS_FIELD,
+    pack_float32,
+    unpack_float32,
+)
 
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_MESSAGES = 1024
+MAX_EMBEDDING_INPUTS = 2048  # inputs of one embedding job (OpenAI's limit for one request)
 MAX_MODEL_NAME_CHARS = 256
 MAX_IDEMPOTENCY_KEY_CHARS = 255
 MAX_METADATA_PAIRS = 16
@@ -128,10 +134,22 @@ class ChatMessage(BaseModel):
     name: str | None = Field(None, min_length=1, max_length=64, pattern=_NAME_RE)
 
 
+# Every request without sampling fields shares one (frozen) SamplingParams: building one runs
+# its validators, a good share of a small request's parse.
+_DEFAULT_SAMPLING = SamplingParams()
+
+EmbeddingInput = (
+    Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+    | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+)
+"""One input of a multi-input embedding job: a text or its token ids."""
+
+
 class JobRequest(BaseModel):
     """A generation request, or an embedding request when `pooling` is given (one input: a
-    `prompt` or `prompt_token_ids`, pooled into one vector). Give exactly one of `prompt`,
-    `messages`, `prompt_token_ids`.
+    `prompt` or `prompt_token_ids`, pooled into one vector; or several `inputs`, each pooled
+    into its own vector). Give exactly one of `prompt`, `messages`, `prompt_token_ids`,
+    `inputs`.
 
     `timeout_s` is an input convenience: validation turns it into the absolute `deadline`
     (now + timeout_s, UTC) and clears it, so a stored request always carries `deadline` only and
@@ -143,7 +161,14 @@ class JobRequest(BaseModel):
     prompt: str | None = Field(None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     prompt_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_PROMPT_TOKENS)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    inputs: list[EmbeddingInput] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_EMBEDDING_INPUTS,
+        description="an embedding job's several inputs (texts or token-id lists), each pooled "
+        "into its own vector, in order: one job instead of one per input",
+    )
+    sampling: SamplingParams = Field(default_factory=lambda: _DEFAULT_SAMPLING)
     pooling: PoolingParams | None = Field(
         None, description="an embedding job: how its input is pooled into one vector"
     )
@@ -182,17 +207,22 @@ class JobRequest(BaseModel):
     def _one_input_and_deadline(self) -> JobRequest:
         given = [
             name
-            for name in ("prompt", "messages", "prompt_token_ids")
+            for name in ("prompt", "messages", "prompt_token_ids", "inputs")
             if getattr(self, name) is not None
         ]
         if len(given) != 1:
             got = ", ".join(given) or "none"
             raise field_error(
                 given[1] if len(given) > 1 else "prompt",
-                f"exactly one of prompt, messages, prompt_token_ids must be given (got {got})",
+                "exactly one of prompt, messages, prompt_token_ids, inputs must be given "
+                f"(got {got})",
             )
         if self.pooling is not None and self.messages is not None:
-            raise field_error("messages", "an embedding job takes prompt or prompt_token_ids")
+            raise field_error(
+                "messages", "an embedding job takes prompt, prompt_token_ids or inputs"
+            )
+        if self.inputs is not None and (self.pooling is None or self.prompt_pair is not None):
+            raise field_error("inputs", "several inputs make an embedding job: give pooling")
         if self.lora is not None and self.pooling is not None:
             raise field_error("lora", "an embedding job runs without a LoRA adapter")
         if self.prompt_pair is not None and (self.pooling is None or self.prompt is None):
@@ -211,10 +241,17 @@ class JobRequest(BaseModel):
         return JobKind.EMBEDDING if self.prompt_pair is None else JobKind.SCORE
 
     @property
-    def input_kind(self) -> Literal["prompt", "messages", "prompt_token_ids"]:
+    def input_kind(self) -> Literal["prompt", "messages", "prompt_token_ids", "inputs"]:
         if self.prompt is not None:
             return "prompt"
+        if self.inputs is not None:
+            return "inputs"
         return "messages" if self.messages is not None else "prompt_token_ids"
+
+    @property
+    def input_count(self) -> int:
+        """How many sequences the job runs: its inputs, or 1."""
+        return 1 if self.inputs is None else len(self.inputs)
 
     def is_past_deadline(self, now: datetime | None = None) -> bool:
         return self.deadline is not None and (now or utc_now()) >= self.deadline
@@ -266,6 +303,8 @@ def encode_hash_value(value: object) -> str:
     """How one job-hash value is written: the single place that decides the string forms."""
     if isinstance(value, JobResult) and value.embedding is not None:
         return _result_json(value)
+    if isinstance(value, JobResult) and value.embeddings is not None:
+        return _results_json(value)
     if isinstance(value, BaseModel):
         return value.model_dump_json(exclude_none=True)
     if isinstance(value, datetime):
@@ -363,6 +402,16 @@ def _result_json(result: JobResult) -> str:
     return f'{rest[:-1]},"{PACKED_EMBEDDING_FIELD}":"{packed}"}}'
 
 
+def _results_json(result: JobResult) -> str:
+    """A result with one vector per input, each packed (all or none: schemas.vectors)."""
+    assert result.embeddings is not None
+    packed = [pack_float32(vector) for vector in result.embeddings]
+    if any(p is None for p in packed):
+        return result.model_dump_json(exclude_none=True)
+    rest = result.model_dump_json(exclude_none=True, exclude={"embeddings"})
+    return f'{rest[:-1]},"{PACKED_EMBEDDINGS_FIELD}":{json.dumps(packed)}}}'
+
+
 def _decoded(name: str, raw: str) -> object:
     if name == JobField.RESULT:
         return _stored_result(raw)
@@ -378,6 +427,12 @@ def _stored_result(raw: str) -> object:
         if vector is not None:
             del result[PACKED_EMBEDDING_FIELD]
             result["embedding"] = vector
+    if isinstance(result, dict) and isinstance(result.get(PACKED_EMBEDDINGS_FIELD), list):
+        texts = result[PACKED_EMBEDDINGS_FIELD]
+        vectors = [unpack_float32(t) if isinstance(t, str) else None for t in texts]
+        if all(v is not None for v in vectors):
+            del result[PACKED_EMBEDDINGS_FIELD]
+            result["embeddings"] = vectors
     return result
 
 

@@ -122,7 +122,8 @@ class Timings(BaseModel):
 class JobResult(BaseModel):
     """What a succeeded job produced; stored JSON-encoded in the job hash's `result` field. An
     embedding job has its vector in `embedding` (a score job: its cross-encoder's label logits)
-    and one empty choice (no tokens generated)."""
+    and one empty choice (no tokens generated); a job of several `inputs` has one vector per
+    input in `embeddings` and each input's token count in `input_tokens`, in input order."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -132,6 +133,8 @@ class JobResult(BaseModel):
     # With sampling.prompt_logprobs: one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     embedding: list[float] | None = None
+    embeddings: list[list[float]] | None = None
+    input_tokens: list[int] | None = None
 
     @model_validator(mode="after")
     def _choices_numbered(self) -> JobResult:
@@ -140,4 +143,11 @@ class JobResult(BaseModel):
         completion = sum(len(c.token_ids) for c in self.choices)
         if completion != self.usage.completion_tokens:
             raise ValueError("usage.completion_tokens must equal the token count of all choices")
+        if (self.embeddings is None) != (self.input_tokens is None):
+            raise ValueError("embeddings and input_tokens come together")
+        if self.embeddings is not None and self.input_tokens is not None:
+            if len(self.embeddings) != len(self.input_tokens):
+                raise ValueError("input_tokens must have one entry per vector in embeddings")
+            if sum(self.input_tokens) != self.usage.prompt_tokens:
+                raise ValueError("usage.prompt_tokens must equal the sum of input_tokens")
         return self

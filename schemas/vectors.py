@@ -12,6 +12,8 @@ import sys
 from array import array
 
 PACKED_EMBEDDING_FIELD = "embedding_f32"  # a stored result's vector, packed (little-endian)
+# a multi-input job's vectors, each packed as above, in input order
+PACKED_EMBEDDINGS_FIELD = "embeddings_f32"
 
 
 def pack_float32(vector: list[float]) -> str | None:

@@ -99,6 +99,7 @@ class Batch:
         self.engine_cap: int | None = None
         self._prompt_estimate = float(prompt_estimate)
         self._max_tokens_estimate = 16.0
+        self._inputs_estimate = 1.0  # sequences per job: an embedding job may have several
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -111,6 +112,9 @@ class Batch:
     def queue(self, held: HeldJob) -> None:
         if not self.holds(held.job_id):
             self.ready.append(held)
+            # learnt as jobs are read, so the next read is sized by it
+            inputs = held.job.request.input_count
+            self._inputs_estimate += _ESTIMATE_WEIGHT * (inputs - self._inputs_estimate)
 
     def request_abort(self, job_id: str, reason: AbortReason) -> None:
         """Abort at the start of the next turn (safe to call while a step runs)."""
@@ -162,11 +166,14 @@ class Batch:
 
     def pull_budget(self, max_pull: int) -> int:
         """How many more jobs the engine admits now (free KV blocks and sequence slots, minus
-        what waiting requests will take), sized like the jobs seen so far."""
+        what waiting requests will take), sized like the jobs seen so far: the engine counts
+        sequences, and a job of several inputs runs one per input."""
         admissible = self.engine.num_admissible(
             max(1, round(self._prompt_estimate)), max(1, round(self._max_tokens_estimate))
         )
-        admissible -= len(self.ready)
+        admissible -= sum(h.job.request.input_count for h in self.ready)
+        if self._inputs_estimate > 1:
+            admissible = int(admissible // self._inputs_estimate)
         if self._quarantine_holds_admission() or self._bisect or self._parked():
             return 0  # whoever was read would wait; leave them to other workers
         room = self._room()
@@ -210,7 +217,8 @@ class Batch:
                     self._refuse(held, ErrorBody.of(ErrorCode.INVALID_LORA_ADAPTER, message))
                     continue
             try:
-                prompt_ids, token_types = self._prompt_ids(request)
+                input_ids = self._input_ids(request)
+                prompt_ids, token_types = ([], None) if input_ids else self._prompt_ids(request)
                 self.engine.add_request(
                     EngineRequest(
                         held.job_id,
@@ -220,6 +228,7 @@ class Batch:
                         prior_output_token_ids=held.prior_output_token_ids,
                         pooling=request.pooling,
                         token_type_ids=token_types,
+                        inputs=input_ids,
                         lora_request=lora_request,
                     )
                 )
@@ -235,14 +244,16 @@ class Batch:
                 error = f"{type(exc).__name__}: {exc}"
                 self._dead_letter(held, ErrorBody.of(ErrorCode.ENGINE_ERROR, error))
                 continue
-            held.prompt_len = len(prompt_ids)
+            held.prompt_len = sum(map(len, input_ids)) if input_ids else len(prompt_ids)
             held.prompt_ids = prompt_ids
+            held.input_ids = input_ids
             held.token_type_ids = token_types
             held.in_engine = True
             held.started_at = utc_now()
             self.held[held.job_id] = held
             self._first_step.append(held.job_id)
-            self._learn_size(held.prompt_len, request.sampling.max_tokens)
+            per_input = held.prompt_len / request.input_count
+            self._learn_size(per_input, request.sampling.max_tokens)
             self._start(held)
 
     def _rejoin_parked(self) -> None:
@@ -272,6 +283,7 @@ class Batch:
                         prior_output_token_ids=held.prior_output_token_ids,
                         pooling=request.pooling,
                         token_type_ids=held.token_type_ids,
+                        inputs=held.input_ids,
                     )
                 )
             except Exception as exc:
@@ -311,7 +323,18 @@ class Batch:
             return self.engine.tokenize_pair(request.prompt or "", request.prompt_pair)
         return self.engine.tokenize(request.prompt or ""), None
 
-    def _learn_size(self, prompt_len: int, max_tokens: int) -> None:
+    def _input_ids(self, request: JobRequest) -> list[list[int]] | None:
+        """Each input's token ids, for a job of several inputs (None for one input)."""
+        if request.inputs is None:
+            return None
+        return [
+            self.engine.tokenize(item) if isinstance(item, str) else list(item)
+            for item in request.inputs
+        ]
+
+    def _learn_size(self, prompt_len: float, max_tokens: int) -> None:
+        """Follow the size of the jobs seen: tokens per sequence (an input of a job of several
+        inputs is a sequence), and tokens generated."""
         w = _ESTIMATE_WEIGHT
         self._prompt_estimate += w * (prompt_len - self._prompt_estimate)
         self._max_tokens_estimate += w * (max_tokens - self._max_tokens_estimate)

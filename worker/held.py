@@ -53,6 +53,7 @@ class HeldJob:
     quarantined: bool = False  # suspected of a worker's death: runs as the only newcomer
     progressed: bool = False  # the engine produced output for it in this run
     prompt_ids: list[int] | None = None  # as the engine was given them
+    input_ids: list[list[int]] | None = None  # a job of several inputs: each, as given them
     token_type_ids: list[int] | None = None  # a text pair's segments, as the engine got them
     in_engine: bool = False  # False while it waits out of the engine after a failed step
 

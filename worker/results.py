@@ -21,7 +21,8 @@ def job_result(
     choices = [
         _choice_result(c, earlier[c.index] if earlier else ChoiceState(c.index)) for c in ordered
     ]
-    prompt_tokens = len(output.prompt_token_ids)
+    counts = output.input_token_counts
+    prompt_tokens = len(output.prompt_token_ids) if counts is None else sum(counts)
     cached = min(output.metrics.num_cached_prompt_tokens, prompt_tokens)
     usage = Usage.of(prompt_tokens, sum(len(c.token_ids) for c in choices), cached)
     prompt_logprobs = None
@@ -35,6 +36,8 @@ def job_result(
         timings=timings,
         prompt_logprobs=prompt_logprobs,
         embedding=output.embedding,
+        embeddings=output.embeddings,
+        input_tokens=counts,
     )
 
 

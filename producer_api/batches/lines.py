@@ -138,9 +138,9 @@ def line_request(
     if endpoint == EMBEDDINGS:
         ((item, param),) = embedding_inputs(embedding, limit=1)  # a line: one input, one job
         pooling = PoolingParams(dimensions=embedding.dimensions)
-        return embedding, embedding_job(
-            embedding.model, item, pooling, _PLACEHOLDER_TIMEOUT_S, param
-        )
+        # no deadline until the batch's own (computing a placeholder costs a good share of
+        # a line's parse, and a large batch parses each line twice)
+        return embedding, embedding_job(embedding.model, item, pooling, None, param)
     if endpoint == COMPLETIONS:
         _no_stream(completion.stream)
         check_completion(completion)

@@ -5,7 +5,10 @@ finalize. Every step is idempotent, so a run killed at any point is simply run a
 - a line whose prompt the model's workers would refuse (producer_api.prompt_check) goes to the
   error file instead of the queue;
 - a line's job is enqueued with the idempotency key `{batch_id}:{line}`: enqueueing it again
-  returns the same job, never a second one;
+  returns the same job, never a second one; embedding lines run in groups, one job of several
+  inputs each, formed the same way by every run and keyed by their first line
+  (producer_api.batches.groups); a group whose job fails runs its lines again one job each, so
+  one bad input fails its line alone;
 - a finished line is written to `:out` / `:err` keyed by its line number: writing it twice
   leaves one line;
 - output files get ids derived from the batch id: finalizing twice overwrites the same file.
@@ -26,43 +29,26 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 from redis.asyncio import Redis
 
 from producer_api import queue
-from producer_api.batches.enqueue_all import enqueue_all
-from producer_api.batches.files import FileStore
+from producer_api.batches.collect import COLLECT_CHUNK, Collector
 from producer_api.batches.input_lines import InputLines
 from producer_api.batches.lease_holder import holder_token
 from producer_api.batches.lines import (
-    ParsedLine,
-    batch_job_request,
+    EMBEDDINGS,
     line_not_run,
     line_of_error,
-    line_of_result,
-    prompt_param,
 )
 from producer_api.batches.output_files import WrittenFile, write_lines_file
-from producer_api.batches.settings import BatchControllerSettings
-from producer_api.batches.store import BatchStore, now_s
-from producer_api.errors import ApiError
-from producer_api.lora import on_base_model
-from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
-from producer_api.prompt_tokens import TokenizerCache
-from producer_api.workers import WorkerDirectory
+from producer_api.batches.store import now_s
 from redis_io.clients import pipeline
 from redis_io.scripts import run_script
 from schemas import (
-    TERMINAL_STATUSES,
     BatchField,
     BatchStatus,
-    ErrorCode,
-    Job,
-    JobField,
-    JobRequest,
-    RedisKeys,
 )
 from schemas.batches import BATCH_ID_PREFIX
 from schemas.redis_scripts import LEASE_RELEASE_SCRIPT, LEASE_RENEW_SCRIPT
@@ -72,7 +58,6 @@ log = logging.getLogger(__name__)
 CANCELLED_CODE = "batch_cancelled"
 EXPIRED_CODE = "batch_expired"
 NOT_RUN_CODES = (CANCELLED_CODE, EXPIRED_CODE)
-_COLLECT_CHUNK = 500
 _ERROR_WRITE_CHUNK = 1000  # error lines written per round trip while validating or stopping
 _FAILURE_DETAILS = 10  # invalid lines named in a failed batch's errors
 
@@ -105,28 +90,8 @@ def output_file_ids(batch_id: str) -> tuple[str, str]:
     return f"file-{suffix}-out", f"file-{suffix}-err"
 
 
-class BatchRunner:
-    def __init__(
-        self,
-        redis: Redis,
-        keys: RedisKeys,
-        settings: BatchControllerSettings,
-        batch_id: str,
-        tokenizers: TokenizerCache | None = None,
-    ) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.settings = settings
-        self.batch_id = batch_id
-        self.store = BatchStore(redis, keys)
-        self.workers = WorkerDirectory(redis, keys)
-        self.tokenizers = tokenizers or TokenizerCache()
-        self.files = FileStore(redis, keys)
-        self.outstanding: dict[int, str] = {}  # line number -> job id, not yet collected
-        self.line_of: dict[str, int] = {}  # job id -> line number, of the outstanding jobs
-        self._next_sweep = 0.0  # monotonic time every outstanding job's status is read next
-        self.input = InputLines([], "", settings.default_max_tokens)
-        self.submitted = 0  # valid lines fanned out (an index into `input.valid`)
+class BatchRunner(Collector):
+    """Advances one batch a controller run at a time (see the module's docstring)."""
 
     async def advance(self, until: float, lease: Lease) -> bool:
         """Work on the batch until it is over (True) or the monotonic time `until` (False)."""
@@ -149,6 +114,7 @@ class BatchRunner:
                 return True
         else:
             self.input.skip(json.loads(invalid))
+        await self._load_group_size()
         await self._load_progress()
         while True:
             status = await self.redis.hget(self.keys.batch(self.batch_id), BatchField.STATUS)
@@ -220,6 +186,16 @@ class BatchRunner:
         log.info("batch %s: %d lines, %d invalid", self.batch_id, total, len(invalid))
         return True
 
+    async def _load_group_size(self) -> None:
+        """How many embedding lines make one job: fixed by the batch's first run (a later run
+        with other settings forms the same groups)."""
+        if self.input.endpoint != EMBEDDINGS:
+            return
+        key = self.keys.batch(self.batch_id)
+        size = min(self.settings.batch_embedding_group_lines, self.settings.batch_max_in_flight)
+        await self.redis.hsetnx(key, BatchField.GROUP_LINES, str(size))
+        self.group_lines = int(await self.redis.hget(key, BatchField.GROUP_LINES) or 1)
+
     async def _load_progress(self) -> None:
         """Where an earlier run stopped: lines enqueued, and the jobs not yet collected (a line
         leaves `batch_lines` with its output, so this reads the lines in flight, not the file)."""
@@ -233,175 +209,21 @@ class BatchRunner:
         if written:  # collected by a run that kept them here
             await self.redis.hdel(self.keys.batch_lines(self.batch_id), *written)
         self.outstanding = {n: job for n, job in pending.items() if n not in written}
-        self.line_of = {job: n for n, job in self.outstanding.items()}
+        self.lines_of = {}
+        for number, job in sorted(self.outstanding.items()):
+            self.lines_of.setdefault(job, []).append(number)
 
     async def _written(self, numbers: list[int]) -> set[int]:
         """Those of the line `numbers` with an output or error line already."""
         written: set[int] = set()
-        for start in range(0, len(numbers), _COLLECT_CHUNK):
-            part = numbers[start : start + _COLLECT_CHUNK]
+        for start in range(0, len(numbers), COLLECT_CHUNK):
+            part = numbers[start : start + COLLECT_CHUNK]
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hmget(self.keys.batch_outputs(self.batch_id), part)
                 pipe.hmget(self.keys.batch_errors(self.batch_id), part)
                 out, err = await pipe.execute()
             written.update(n for n, o, e in zip(part, out, err, strict=True) if o or e)
         return written
-
-    async def _fan_out(self) -> bool:
-        """Enqueue the next chunk of lines, as far as the backlog and in-flight caps leave room;
-        False when there was none (or no line left)."""
-        valid = self.input.valid
-        if self.submitted >= len(valid):
-            return False
-        room = min(
-            self.settings.batch_chunk_lines,
-            self.settings.batch_max_in_flight - len(self.outstanding),
-        )
-        if room <= 0:
-            return False
-        model = self.input.line(valid[self.submitted]).request.model  # type: ignore[union-attr]
-        backlog = await queue.queue_length(self.redis, self.keys, model, bulk=True)
-        room = min(room, self.settings.batch_max_backlog - backlog)
-        if room <= 0:
-            return False
-        chunk = [self.input.line(n) for n in valid[self.submitted : self.submitted + room]]
-        refused = await self._refusals(chunk)
-        runnable = [line for line in chunk if line.number not in refused]
-        on_base = await self._on_base_models(runnable, refused)
-        runnable = [line for line in runnable if line.number in on_base]
-        deadline = datetime.fromtimestamp(self.expires_at, UTC)
-        requests = [
-            batch_job_request(
-                on_base[line.number], batch_id=self.batch_id, line=line, deadline=deadline
-            )
-            for line in runnable
-        ]
-        results = await enqueue_all(
-            self.redis,
-            self.keys,
-            requests,
-            owner=self.owner,
-            replicas=self.settings.replica_wait(),
-        )
-        enqueued: dict[int, str] = {}
-        for line, result in zip(runnable, results, strict=True):
-            if isinstance(result, queue.QueueError):
-                refused[line.number] = line_not_run(line, result.code.value, result.error.message)
-            elif isinstance(result, BaseException):
-                raise result  # Redis trouble: arq retries the run; enqueued lines dedupe
-            else:
-                enqueued[line.number] = result.id
-        async with pipeline(self.redis, atomic=True) as pipe:
-            if enqueued:
-                pipe.hset(self.keys.batch_lines(self.batch_id), mapping=enqueued)
-            if refused:
-                pipe.hset(self.keys.batch_errors(self.batch_id), mapping=refused)
-            pipe.hset(
-                self.keys.batch(self.batch_id), BatchField.SUBMITTED, self.submitted + len(chunk)
-            )
-            await pipe.execute()
-        self.submitted += len(chunk)
-        self.input.parsed.update((ln.number, ln) for ln in runnable if ln.number in enqueued)
-        self.outstanding.update(enqueued)
-        self.line_of.update({job: n for n, job in enqueued.items()})
-        return True
-
-    async def _on_base_models(
-        self, lines: list[ParsedLine], refused: dict[int, str]
-    ) -> dict[int, JobRequest]:
-        """Each line's job request as queued: a LoRA adapter's runs on its base model
-        (producer_api.lora); a line naming an adapter no live worker serves joins `refused`."""
-        served = await self.workers.models()
-        out: dict[int, JobRequest] = {}
-        for line in lines:
-            assert line.request is not None
-            try:
-                out[line.number] = on_base_model(line.request, served, "body.model")
-            except ApiError as exc:
-                refused[line.number] = line_not_run(line, exc.error.code.value, exc.error.message)
-        return out
-
-    async def _refusals(self, lines: list[ParsedLine]) -> dict[int, str]:
-        """Error lines of the lines whose prompt the model's workers would refuse (a token id
-        outside its vocabulary, too long for its context): they are never queued."""
-        served = await self.workers.models()
-        limits: dict[str, PromptLimits] = {}
-        refused: dict[int, str] = {}
-        for line in lines:
-            request = line.request
-            assert request is not None
-            model = served.get(request.model)
-            if request.model not in limits:
-                context = model.max_model_len if model is not None else None
-                limits[request.model] = await prompt_limits(model, context, self.tokenizers)
-            try:
-                await check_prompt(
-                    request, limits[request.model], prompt_param(line), sampling_prefix="body."
-                )
-            except ApiError as exc:
-                refused[line.number] = line_not_run(line, exc.error.code.value, exc.error.message)
-        return refused
-
-    async def _collect_announced(self) -> None:
-        """Write the lines of the jobs whose workers announced their end since the last look."""
-        key = self.keys.batch_ended(self.batch_id)
-        while True:
-            announced = await self.redis.lpop(key, _COLLECT_CHUNK)
-            if not announced:
-                return
-            ours = {job: self.line_of[job] for job in announced if job in self.line_of}
-            await self._collect([(n, job) for job, n in ours.items()])
-            if len(announced) < _COLLECT_CHUNK:
-                return
-
-    async def _sweep(self) -> None:
-        """Every outstanding job's status: the ends no worker announced (a cancel, an expiry, a
-        dead letter, a worker that died between a result and its announcement)."""
-        await self._collect(list(self.outstanding.items()))
-
-    async def _collect(self, items: list[tuple[int, str]]) -> None:
-        """Write the lines of those of `items` (line number, job id) whose jobs ended."""
-        for start in range(0, len(items), _COLLECT_CHUNK):
-            part = items[start : start + _COLLECT_CHUNK]
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for _, job_id in part:
-                    pipe.hget(self.keys.job(job_id), JobField.STATUS)
-                statuses = await pipe.execute()
-            ended = [
-                (n, job_id)
-                for (n, job_id), status in zip(part, statuses, strict=True)
-                if status is None or status in TERMINAL_STATUSES
-            ]
-            if ended:
-                await self._write_ended(ended)
-
-    async def _write_ended(self, ended: list[tuple[int, str]]) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for _, job_id in ended:
-                pipe.hgetall(self.keys.job(job_id))
-            stored = await pipe.execute()
-        out: dict[int, str] = {}
-        err: dict[int, str] = {}
-        for (number, job_id), data in zip(ended, stored, strict=True):
-            line = self.input.line(number)
-            if not data:
-                err[number] = line_not_run(
-                    line, ErrorCode.INTERNAL_ERROR.value, f"the record of job {job_id} is gone"
-                )
-                continue
-            succeeded, text = line_of_result(line, Job.from_redis_hash(data))
-            (out if succeeded else err)[number] = text
-        async with pipeline(self.redis, atomic=True) as pipe:
-            if out:
-                pipe.hset(self.keys.batch_outputs(self.batch_id), mapping=out)
-            if err:
-                pipe.hset(self.keys.batch_errors(self.batch_id), mapping=err)
-            pipe.hdel(self.keys.batch_lines(self.batch_id), *(n for n, _ in ended))
-            await pipe.execute()
-        for number, job_id in ended:
-            self.outstanding.pop(number, None)
-            self.line_of.pop(job_id, None)
-            self.input.parsed.pop(number, None)
 
     async def _publish_counts(self) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -416,10 +238,10 @@ class BatchRunner:
     async def _stop(self, code: str, message: str) -> None:
         """Cancel the jobs still out (results already in stay), collect, and mark the lines
         never enqueued as not run. Jobs that finish meanwhile keep their output."""
-        for job_id in list(self.outstanding.values()):
+        for job_id in list(self.lines_of):
             with contextlib.suppress(queue.JobNotFoundError):
                 await queue.cancel_job(self.redis, self.keys, job_id, reason=message)
-        await self._sweep()
+        await self._sweep(retry_groups=False)
         left = itertools.chain(
             self.input.valid_from(self.submitted), map(self.input.line, list(self.outstanding))
         )
@@ -427,7 +249,7 @@ class BatchRunner:
             never_run = {line.number: line_not_run(line, code, message) for line in part}
             await self.redis.hset(self.keys.batch_errors(self.batch_id), mapping=never_run)
         self.outstanding.clear()
-        self.line_of.clear()
+        self.lines_of.clear()
         self.input.parsed.clear()
 
     async def _fail(self, code: str, message: str, details: list | None = None) -> bool:

@@ -21,10 +21,19 @@ class BatchControllerSettings(RedisConnectionSettings, BaseSettings):
         1024, ge=1, description="chat max_tokens when a batch line gives none"
     )
     batch_chunk_lines: int = Field(200, ge=1, description="lines enqueued per fan-out round")
+    batch_embedding_group_lines: int = Field(
+        64,
+        ge=1,
+        le=64,
+        description="consecutive `/v1/embeddings` lines of one model run as one job of this "
+        "many inputs (1: a job per line); a batch keeps the size it started with. At most 64, "
+        "so the line numbers a job names always fit its metadata",
+    )
     batch_max_backlog: int = Field(
         2000,
         ge=1,
-        description="fan-out pauses while the model's bulk stream holds this many entries",
+        description="fan-out pauses while the model's bulk stream holds this many entries "
+        "(jobs: a group of embedding lines is one)",
     )
     batch_max_in_flight: int = Field(
         5000, ge=1, description="most unfinished jobs of one batch at any time"

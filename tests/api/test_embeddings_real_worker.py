@@ -139,6 +139,24 @@ def test_jobs_api_embedding_job(http: httpx.Client, reference) -> None:
     assert cosine_distance(vector, reference[0]) < 1e-5
 
 
+def test_jobs_api_embedding_job_of_several_inputs(http: httpx.Client, reference) -> None:
+    """One job, a vector per input in input order, each the one its text alone would get."""
+    created = http.post("/v1/jobs", json={"model": MODEL, "inputs": TEXTS, "pooling": {}})
+    assert created.status_code == 202, created.text
+    done = http.get(f"/v1/jobs/{created.json()['id']}/wait", params={"timeout": 60}).json()
+    assert done["status"] == "succeeded", done
+    result = done["result"]
+    vectors = torch.tensor(result["embeddings"])
+    assert cosine_distance(vectors, reference).max() < 1e-5
+    assert len(result["input_tokens"]) == len(TEXTS)
+    assert sum(result["input_tokens"]) == result["usage"]["prompt_tokens"]
+    outside = http.post(
+        "/v1/jobs", json={"model": MODEL, "inputs": [TEXTS[0], [101, 10**7]], "pooling": {}}
+    )
+    assert outside.status_code == 400
+    assert outside.json()["error"]["param"] == "inputs.1.1"
+
+
 @pytest.mark.parametrize("transport", ["http", "redis"])
 def test_python_client_embed(system: Stack, reference, transport: str) -> None:
     from producer_api.client import Client, QueueError

@@ -15,7 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from producer_api import queue
-from producer_api.batches import runner as runner_module
+from producer_api.batches import fan_out as fan_out_module
 from producer_api.batches.files import BATCH_PURPOSE, FileStore
 from producer_api.batches.runner import BatchRunner, Lease
 from producer_api.batches.settings import BatchControllerSettings
@@ -28,14 +28,23 @@ from schemas.results import ChoiceResult, JobResult, Timings, Usage
 IN_FLIGHT = 100
 DIMENSIONS = 384
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
-_RESULT = encode_hash_value(
-    JobResult(
-        choices=[ChoiceResult(index=0, text="", token_ids=[], finish_reason="stop")],
-        usage=Usage.of(3, 0, 0),
-        timings=Timings.from_times(T0, T0, None, T0),
-        embedding=[i / DIMENSIONS for i in range(DIMENSIONS)],
+_VECTOR = [i / DIMENSIONS for i in range(DIMENSIONS)]
+
+
+def _result(request: JobRequest) -> str:
+    """A worker's result for `request`: a vector per input (3 tokens each)."""
+    inputs = request.input_count
+    several = request.inputs is not None
+    return encode_hash_value(
+        JobResult(
+            choices=[ChoiceResult(index=0, text="", token_ids=[], finish_reason="stop")],
+            usage=Usage.of(3 * inputs, 0, 0),
+            timings=Timings.from_times(T0, T0, None, T0),
+            embedding=None if several else _VECTOR,
+            embeddings=[_VECTOR] * inputs if several else None,
+            input_tokens=[3] * inputs if several else None,
+        )
     )
-)
 
 
 def _input(lines: int) -> str:
@@ -53,7 +62,7 @@ def _input(lines: int) -> str:
 
 def _ending_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every job enqueued ends at once with a vector, announced to its batch."""
-    enqueue_all = runner_module.enqueue_all
+    enqueue_all = fan_out_module.enqueue_all
 
     async def enqueue_and_end(
         redis: Redis, keys: RedisKeys, requests: list[JobRequest], **kwargs: object
@@ -62,7 +71,8 @@ def _ending_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
         async with redis.pipeline(transaction=False) as pipe:
             for request, job in zip(requests, results, strict=True):
                 assert isinstance(job, Job)
-                fields = {JobField.STATUS: JobStatus.SUCCEEDED.value, JobField.RESULT: _RESULT}
+                result = _result(request)
+                fields = {JobField.STATUS: JobStatus.SUCCEEDED.value, JobField.RESULT: result}
                 pipe.hset(keys.job(job.id), mapping=fields)
                 pipe.rpush(keys.batch_ended(request.metadata["batch_id"]), job.id)
             await pipe.execute()
@@ -71,7 +81,7 @@ def _ending_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     async def no_backlog(*args: object, **kwargs: object) -> int:
         return 0  # the stand-in worker takes each job off the stream at once
 
-    monkeypatch.setattr(runner_module, "enqueue_all", enqueue_and_end)
+    monkeypatch.setattr(fan_out_module, "enqueue_all", enqueue_and_end)
     monkeypatch.setattr(queue, "queue_length", no_backlog)
 
 
