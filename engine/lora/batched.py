@@ -13,6 +13,7 @@ and each slot's contiguous segment takes its two matmuls apart instead.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,8 +52,15 @@ class RowMapping:
     segments: list[Segment]
     segment_slots: torch.Tensor  # [segments] int64, for the C++ kernel (kernels.cpu_ops.lora_add)
     segment_starts: torch.Tensor  # [segments + 1] int64
-    padded: PaddedRows | None
     every_row_in_order: bool  # order is 0..rows-1: no gather or scatter needed
+    host_order: np.ndarray  # order, in host memory
+    dtype: torch.dtype  # of the padded block's mask
+
+    @functools.cached_property
+    def padded(self) -> PaddedRows | None:
+        """Built on first use: only the torch form on a CPU without the C++ kernels reads it
+        (the C++ and Triton kernels read the segments), and every step pays for what it builds."""
+        return _padded(self.host_order, self.segments, self.order.device, self.dtype)
 
 
 @dataclass
@@ -100,20 +108,24 @@ def _mapping(slots: np.ndarray, device: torch.device, dtype: torch.dtype) -> Row
     adapted = np.flatnonzero(slots >= 0)
     order = adapted[np.argsort(slots[adapted], kind="stable")]
     sorted_slots = slots[order]
-    starts = np.flatnonzero(np.diff(sorted_slots, prepend=-2))
-    ends = [*starts[1:].tolist(), len(order)]
+    first_of_slot = np.ones(len(order), dtype=bool)
+    np.not_equal(sorted_slots[1:], sorted_slots[:-1], out=first_of_slot[1:])
+    starts = np.append(np.flatnonzero(first_of_slot), len(order))
+    segment_slots = sorted_slots[starts[:-1]]
+    bounds = starts.tolist()
     segments = [
-        Segment(int(sorted_slots[start]), int(start), end)
-        for start, end in zip(starts.tolist(), ends, strict=True)
+        Segment(slot, start, end)
+        for slot, start, end in zip(segment_slots.tolist(), bounds[:-1], bounds[1:], strict=True)
     ]
     in_order = len(order) == len(slots) and bool(np.all(order == np.arange(len(slots))))
     return RowMapping(
         torch.from_numpy(order).to(device),
         segments,
-        torch.tensor([segment.slot for segment in segments], dtype=torch.int64, device=device),
-        torch.tensor([*starts.tolist(), len(order)], dtype=torch.int64, device=device),
-        _padded(order, segments, device, dtype),
+        torch.from_numpy(segment_slots).to(device),
+        torch.from_numpy(starts).to(device),
         in_order,
+        order,
+        dtype,
     )
 
 
@@ -133,6 +145,8 @@ def _padded(
     order: np.ndarray, segments: list[Segment], device: torch.device, dtype: torch.dtype
 ) -> PaddedRows | None:
     count = len(segments)
+    if not count:
+        return None
     longest = max(segment.end - segment.start for segment in segments)
     wasted = count * longest - len(order)
     if wasted > _PADDING_PER_ROW * len(order) + _PADDING_PER_SLOT * count:
@@ -181,6 +195,13 @@ class LoRASlots:
         self.spans = torch.zeros(num_slots * columns, 2, dtype=torch.int64, device=device)
         self.targeted = [False] * num_slots  # whether the slot's adapter adapts this layer
         self._step_of = step_of
+        # Views of the stacks (written in place, so they stay valid), made once: a decode step
+        # hands every layer's to the C++ stack.
+        self._native = (
+            self.a.view(num_slots, columns, -1),
+            self.b_t.view(num_slots, columns, -1),
+            self.spans.view(num_slots, columns, 2),
+        )
 
     @property
     def nbytes(self) -> int:
@@ -229,7 +250,7 @@ class LoRASlots:
 
     def native_stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stacks and spans [slots, columns, 2] as the C++ kernel takes them."""
-        return (*self.stacks(), self.spans.view(self.num_slots, self.columns, 2))
+        return self._native
 
     def padded_terms(self, x: torch.Tensor, padded: PaddedRows) -> torch.Tensor:
         """The LoRA terms [slots * longest, out] of the padded block's rows (zero on padding);

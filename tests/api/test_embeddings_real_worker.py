@@ -153,7 +153,9 @@ def test_jobs_api_embedding_job_of_several_inputs(http: httpx.Client, reference)
     outside = http.post(
         "/v1/jobs", json={"model": MODEL, "inputs": [TEXTS[0], [101, 10**7]], "pooling": {}}
     )
-    assert outside.status_code == 400
+    # the jobs API's status for a refused prompt, as for a job of one input
+    assert outside.status_code == 422
+    assert outside.json()["error"]["code"] == "invalid_token_id"
     assert outside.json()["error"]["param"] == "inputs.1.1"
 
 
