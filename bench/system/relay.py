@@ -293,6 +293,25 @@ def print_cluster_table(results: list[Figures]) -> None:
         )
         for url, held in r.placement.items():
             print(f"# {r.setting}: {url} holds {held}")
+    for r in results:
+        for url, counters in r.by_node.items():
+            print(f"# {r.setting} on {r.target}, {url}: {node_breakdown(counters, r.tokens)}")
+
+
+def node_breakdown(counters: Counters, tokens: int) -> str:
+    """Where one Redis's CPU went, per 1k tokens: read events (round trips), replies, CPU
+    outside command execution, and the commands that took the most."""
+    executing = sum(usec for _, usec in counters.calls.values())
+    top = sorted(counters.calls.items(), key=lambda item: -item[1][1])[:7]
+    commands = ", ".join(
+        f"{name} {calls * 1000 / tokens:.1f} ({usec * 1000 / tokens:.0f} µs)"
+        for name, (calls, usec) in top
+    )
+    return (
+        f"per 1k tokens: {counters.reads * 1000 / tokens:.1f} reads, "
+        f"{counters.writes * 1000 / tokens:.1f} writes, CPU {counters.cpu_s * 1e9 / tokens:.0f} µs "
+        f"of which executing {executing * 1000 / tokens:.0f} µs; {commands}"
+    )
 
 
 async def run(args: argparse.Namespace) -> list[Figures]:
