@@ -30,7 +30,6 @@ def test_interval_coalescing_waits_for_time_or_finish():
     assert take_chunks(held, policy, now=20.0) == []
 
 
-
 def test_the_chunks_of_jobs_started_apart_close_on_the_same_tick():
     policy = ChunkPolicy(tokens=100, interval_s=0.01, unwatched_interval_s=0.5)
     early, late, unwatched = _held(), _held(), _held()
@@ -43,6 +42,7 @@ def test_the_chunks_of_jobs_started_apart_close_on_the_same_tick():
     assert len(take_chunks(late, policy, now=10.0101)) == 1  # waited 2 ms, not 10
     assert take_chunks(unwatched, policy, now=10.49, watched=False) == []
     assert len(take_chunks(unwatched, policy, now=10.5, watched=False)) == 1
+
 
 def test_choices_share_one_numbering_and_only_the_last_finish_is_final():
     held, policy = _held(n=2), ChunkPolicy()
