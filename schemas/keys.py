@@ -31,6 +31,8 @@ With `partitions` > 1 on a single node, partition k >= 1 is `{p}:jobs:{model}:<k
                                                         held for another)   the adapter
     {p}:arrivals:{model}              pub/sub channel   enqueue, hand-back  workers
     {p}:idem:{owner}:{key}            string, TTL       enqueue             enqueue
+    {p}:workers-of:{model}            sorted set, TTL   workers (heartbeat, workers of the model
+                                                        on a cluster)       (shard homes)
     {p}:ttft:{model}                  sorted set, TTL   workers (heartbeat) status, dashboard
     {p}:tokens:{model}                sorted set, TTL   workers (heartbeat) status, dashboard
     {p}:bulk:{model}                  stream, group     enqueue (priority   workers, after the
@@ -304,6 +306,11 @@ class RedisKeys:
     def first_step(self, name: str) -> str:
         """Set of the job ids whose first engine step in this start that worker runs now."""
         return f"{self.prefix}:first-step:{encode_segment(name)}"
+
+    def model_workers(self, model: str) -> str:
+        """Sorted set: the names of the model's live workers, scored by their last heartbeat
+        (unix s); on a cluster, where they split the shards between them (worker.shard_homes)."""
+        return f"{self.prefix}:workers-of:{encode_segment(model)}"
 
     def workers_pattern(self) -> str:
         """SCAN pattern matching every live worker's heartbeat hash."""
