@@ -27,7 +27,6 @@ from typing import Any
 
 from schemas import OUT_STREAM_MAXLEN, OUT_STREAM_TTL_S
 from schemas.chunks import REPLAY_FIELD, ChunkWrite
-from worker.chunking import ticked
 from worker.logs import log_event
 
 logger = logging.getLogger(__name__)
@@ -80,11 +79,9 @@ def check_chunk_replies(replies: Sequence[Any]) -> None:
 @dataclass
 class Listeners:
     """Which jobs had a subscriber on their channel at the last look. `look_interval_s`: how
-    often the jobs nobody listened to are looked at again for a new subscriber, on the ticks
-    of the chunks' clock (see worker.chunking.ChunkPolicy), with the chunks due then when
-    there are any, alone otherwise: a look names every such job the worker holds, and an
-    engine stepping every millisecond would otherwise make one a step. The jobs a flush
-    writes chunks of are looked at with them, always."""
+    long a worker with nothing to write waits between looks for a new subscriber (a flush that
+    writes chunks looks anyway): every look is a round trip to each Redis holding unheard
+    jobs, and an engine stepping every millisecond would otherwise make one a step."""
 
     look_interval_s: float = 0.0
     _last_look: float = float("-inf")
@@ -101,15 +98,10 @@ class Listeners:
             del self._heard[job_id]
             self._channels.pop(job_id, None)
 
-    def looking_now(self) -> bool:
-        """Whether the unheard jobs are due a look (a tick passed since the last look)."""
-        if self.look_interval_s <= 0:
-            return True
-        return ticked(self._last_look, time.monotonic(), self.look_interval_s)
-
     def look_due(self) -> bool:
         """Whether a flush should go out only to look at unheard jobs now."""
-        return self.looking_now() and any(not heard for heard in self._heard.values())
+        due = time.monotonic() - self._last_look >= self.look_interval_s
+        return due and any(not heard for heard in self._heard.values())
 
     def unheard(self) -> dict[str, str]:
         """Jobs (and their channels) nobody listened to at the last look: each flush looks

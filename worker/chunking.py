@@ -13,19 +13,13 @@ from worker.held import ChoiceState, HeldJob
 
 @dataclass(frozen=True)
 class ChunkPolicy:
-    """When a streaming choice's buffered output goes out: once it holds `tokens` tokens or
-    the worker's clock ticked since its oldest token (a tick every `interval_s`; a token counts
-    from when the step that made it began, so steps longer than the interval publish every
-    step). A job whose channel had no subscriber at the worker's last look (`watched` false)
-    waits for a tick of `unwatched_interval_s` instead, whatever its token count: nobody waits
-    for it live, and once a listener subscribes the next look makes the job watched again (see
-    worker.chunk_relay). A finish always goes out at once; jobs with stream=false publish only
-    at the end (or when handed back).
-
-    Ticks, not each chunk's own timer: a token still waits at most the interval, and the
-    chunks of every job close in the same step, so a worker whose steps are shorter than the
-    interval writes them in one round trip a tick instead of one a step (what a Redis pays
-    most for is the round trip, whatever the chunks in it)."""
+    """When a streaming choice's buffered output goes out: once it holds `tokens` tokens or its
+    oldest token waited `interval_s` (a token counts from when the step that made it began, so
+    steps longer than the interval publish every step). A job whose channel had no subscriber
+    at the worker's last look (`watched` false) waits `unwatched_interval_s` instead, whatever
+    its token count: nobody waits for it live, and once a listener subscribes the next look
+    makes the job watched again (see worker.chunk_relay). A finish always goes out at once;
+    jobs with stream=false publish only at the end (or when handed back)."""
 
     tokens: int = 1
     interval_s: float = 0.0
@@ -38,18 +32,10 @@ class ChunkPolicy:
     def due(self, choice: ChoiceState, now: float, *, watched: bool = True) -> bool:
         since = choice.pending_since
         if not watched and self.unwatched_interval_s > 0:
-            return since is not None and ticked(since, now, self.unwatched_interval_s)
+            return since is not None and now - since >= self.unwatched_interval_s
         if len(choice.pending_token_ids) >= self.tokens:
             return True
-        return self.interval_s > 0 and since is not None and ticked(since, now, self.interval_s)
-
-
-def ticked(since: float, now: float, interval_s: float) -> bool:
-    """Whether a tick of a clock that ticks every `interval_s` (at its multiples) came after
-    `since` and by `now` (always, when `since` is -inf: never)."""
-    if since == float("-inf"):
-        return True
-    return now // interval_s > since // interval_s
+        return self.interval_s > 0 and since is not None and now - since >= self.interval_s
 
 
 @overload

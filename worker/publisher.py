@@ -337,7 +337,7 @@ class Outbox:
                 plan.units.append((op.commands, _retry_on_noscript(op, plan.retry)))
             else:
                 plan.units.append((op.commands, op.on_reply))
-        if look and self.listeners.looking_now():
+        if look:
             plan.channels = {**self.listeners.unheard(), **plan.channels}
         if plan.channels and self.keys.cluster:
             by_shard = channels_by_shard(redis, plan.channels.values())

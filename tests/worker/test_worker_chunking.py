@@ -30,20 +30,6 @@ def test_interval_coalescing_waits_for_time_or_finish():
     assert take_chunks(held, policy, now=20.0) == []
 
 
-def test_the_chunks_of_jobs_started_apart_close_on_the_same_tick():
-    policy = ChunkPolicy(tokens=100, interval_s=0.01, unwatched_interval_s=0.5)
-    early, late, unwatched = _held(), _held(), _held()
-    absorb(early, _delta(early, 0, 1), now=10.001)
-    absorb(late, _delta(late, 0, 2), now=10.008)
-    absorb(unwatched, _delta(unwatched, 0, 3), now=10.2)
-    assert take_chunks(early, policy, now=10.009) == []  # no tick yet
-    # one tick later both go out, in the same step: one round trip for the two
-    assert len(take_chunks(early, policy, now=10.0101)) == 1
-    assert len(take_chunks(late, policy, now=10.0101)) == 1  # waited 2 ms, not 10
-    assert take_chunks(unwatched, policy, now=10.49, watched=False) == []
-    assert len(take_chunks(unwatched, policy, now=10.5, watched=False)) == 1
-
-
 def test_choices_share_one_numbering_and_only_the_last_finish_is_final():
     held, policy = _held(n=2), ChunkPolicy()
     absorb(held, _delta(held, 0, 5, finish="stop"), now=0)
