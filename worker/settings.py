@@ -94,24 +94,23 @@ class WorkerSettings(RedisConnectionSettings, EngineSettings):
     )
     status_check_interval_s: float = Field(2.0, gt=0)
 
-    # publishing: a choice's chunk goes out once it holds chunk_tokens tokens or at the first
-    # tick of a chunk_interval_ms clock after its oldest token (1 and 0: every step); see
-    # worker.chunking.ChunkPolicy
+    # publishing: a choice's chunk goes out once it holds chunk_tokens tokens or its oldest
+    # token waited chunk_interval_ms (1 and 0: every step); see worker.chunking.ChunkPolicy
     chunk_tokens: int = Field(
         16, ge=1, description="a streaming chunk closes at this many tokens (1: every step)"
     )
     chunk_interval_ms: float = Field(
         10.0,
         ge=0,
-        description="... or at the first tick of a clock ticking this often after its oldest "
-        "token (counted from the start of the step that made it: steps longer than this publish "
-        "every step); every job's chunks close on the same tick, one round trip for all",
+        description="... or once its oldest token waited this long (counted from the start of "
+        "the step that made it: steps longer than this publish every step)",
     )
     chunk_unwatched_ms: float = Field(
         500.0,
         ge=0,
         description="a streaming job nobody subscribes to writes its replay stream this often "
-        "instead (0: as if watched); a subscriber is noticed within a chunk_interval_ms tick",
+        "instead (0: as if watched); a subscriber is noticed within a round, or "
+        "within chunk_interval_ms when the worker has nothing else to write",
     )
 
     # lifecycle
