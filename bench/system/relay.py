@@ -54,6 +54,7 @@ from bench.common.workload import bench_redis, unpinned
 from bench.system.relay_cluster import Counters, Target, placement, read_counters, start_cluster
 from producer_api.client.redis_client import AsyncRedisClient
 from schemas import JobField, JobStatus, RedisKeys
+from schemas.keys import HEARTBEAT_INTERVAL_S
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "relay-bench"
@@ -184,6 +185,9 @@ async def run_setting(setting: Setting, args: argparse.Namespace, target: Target
     keys = client.keys
     try:
         await wait_workers(redis, keys, setting, args.workers, children)
+        # one more heartbeat: on a cluster the workers learn of each other (and split the
+        # shards) with their heartbeats, and the run measures them settled, as a fleet runs
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S + 0.5)
         before = await read_counters(target)
         started = time.perf_counter()
         job_ids, consumers = [], []
