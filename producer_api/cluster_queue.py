@@ -13,6 +13,11 @@ on one slot, in the order that keeps every guarantee a worker relies on:
 
 A worker that reads the entry between 4 and 5 finds the hash (3 came first) and runs the job;
 an enqueue cut off between 3 and 4 was never answered, and its hash expires.
+
+Steps 3-5 are one atomic script (CLUSTER_ENQUEUE_LOCAL_SCRIPT, one round trip) where the job's
+partition stream is on the node that holds its hash, as it is on an evenly split cluster (see
+schemas.cluster_slots); the node refuses it before writing anything where it is not, and the
+steps run instead.
 """
 
 from __future__ import annotations
@@ -21,17 +26,21 @@ import asyncio
 import time
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from redis_io.scripts import run_script
 from schemas import IDEMPOTENCY_TTL_S, Job, RedisKeys
 from schemas.jobs import as_text
 from schemas.keys import JOB_ENTRY_FIELD, RESULT_TTL_S
 from schemas.redis_scripts import (
+    CLUSTER_ENQUEUE_LOCAL_SCRIPT,
     CLUSTER_JOB_CREATE_SCRIPT,
     CLUSTER_JOB_ENTRY_SCRIPT,
     EnqueueOutcome,
 )
 
+# What a cluster node answers a script that touches a key another node serves.
+NOT_LOCAL = "non local key"
 # How long an enqueue that lost the SET NX on an idempotency key waits for the winner's job
 # hash (written one round trip after its SET): past it, the key names a job that is gone.
 RACING_JOB_WAIT_S = 1.0
@@ -74,10 +83,19 @@ async def cluster_enqueue(
             return EnqueueOutcome.FULL, str(backlog)
     fields = [item for pair in job.to_redis_hash().items() for item in pair]
     job_key = keys.job(job.id)
+    arrivals = keys.arrivals_channel(request.model)
+    try:
+        local = [stream, job.id, arrivals, *fields]
+        entry = await run_script(redis, CLUSTER_ENQUEUE_LOCAL_SCRIPT, [job_key], local)
+        if entry:
+            return EnqueueOutcome.CREATED, as_text(entry)
+    except ResponseError as exc:
+        if NOT_LOCAL not in str(exc):
+            raise
     await run_script(redis, CLUSTER_JOB_CREATE_SCRIPT, [job_key], [RESULT_TTL_S, *fields])
     entry = as_text(await redis.xadd(stream, {JOB_ENTRY_FIELD: job.id}))
     await run_script(redis, CLUSTER_JOB_ENTRY_SCRIPT, [job_key], [entry])
-    await redis.execute_command("PUBLISH", keys.arrivals_channel(request.model), entry)
+    await redis.execute_command("PUBLISH", arrivals, entry)
     return EnqueueOutcome.CREATED, entry
 
 

@@ -6,7 +6,9 @@ Layout (prefix `p`, default "inferq"; one Redis instance or Sentinel master)
 Redis Cluster (`RedisKeys(cluster=True)`) changes only how some names are spelled: a job's
 keys and channel carry its id as a hash tag (`{p}:job:{<id>}`, `{p}:out:{<id>}`,
 `{p}:chan:{<id>}`, a sharded pub/sub channel), a batch's keys its id (`{p}:batch:{<id>}...`),
-and partition k of a model's queue `{p}:jobs:{<model>:<k>}` / `{p}:bulk:{<model>:<k>}`.
+and partition k of a model's queue `{p}:jobs:{<model>:<k>:<n>}` / `{p}:bulk:{<model>:<k>:<n>}`
+(n: the first number that puts the name's slot in partition k's slot range, see
+schemas.cluster_slots; there a job is queued on the partition whose range holds its slot).
 With `partitions` > 1 on a single node, partition k >= 1 is `{p}:jobs:{model}:<k>`; partition
 0 is always the name below. A job's partition is `RedisKeys.job_partition(job id)`.
 
@@ -29,6 +31,8 @@ With `partitions` > 1 on a single node, partition k >= 1 is `{p}:jobs:{model}:<k
                                                         held for another)   the adapter
     {p}:arrivals:{model}              pub/sub channel   enqueue, hand-back  workers
     {p}:idem:{owner}:{key}            string, TTL       enqueue             enqueue
+    {p}:workers-of:{model}            sorted set, TTL   workers (heartbeat, workers of the model
+                                                        on a cluster)       (shard homes)
     {p}:ttft:{model}                  sorted set, TTL   workers (heartbeat) status, dashboard
     {p}:tokens:{model}                sorted set, TTL   workers (heartbeat) status, dashboard
     {p}:bulk:{model}                  stream, group     enqueue (priority   workers, after the
@@ -134,6 +138,7 @@ import re
 import zlib
 from urllib.parse import quote, unquote
 
+from schemas.cluster_slots import hash_slot, partition_of_slot, tag_in_partition
 from schemas.jobs import PRIORITY_BULK, as_text
 
 DEFAULT_PREFIX = "inferq"
@@ -182,9 +187,11 @@ class RedisKeys:
     `cluster`: names for Redis Cluster, where a multi-key command or script must stay in one
     hash slot: a job's own keys carry its id as a hash tag (`{p}:job:{<id>}`, `{p}:out:{<id>}`,
     `{p}:chan:{<id>}`, so its status script and chunk writes touch one slot), a batch's keys its
-    id, and partition k of a model's jobs and bulk streams share the tag `{<model>:<k>}` (the
-    worker reads both in one script). `partitions`: how many streams a model's queue (and its
-    bulk queue) is split into; a job's partition follows from its id (`job_partition`).
+    id, and partition k of a model's jobs and bulk streams share the tag `{<model>:<k>:<n>}`
+    (the worker reads both in one script), whose slot lies in partition k's slot range.
+    `partitions`: how many streams a model's queue (and its bulk queue) is split into; a job's
+    partition follows from its id (`job_partition`); on a cluster, best a multiple of the
+    number of primaries (schemas.cluster_slots: then a job and its partition share a shard).
     Without `cluster` and with one partition every name is exactly the single-node one."""
 
     group = WORKER_GROUP
@@ -223,15 +230,20 @@ class RedisKeys:
     # queue
     def job_partition(self, job_id: str) -> int:
         """Which of the model's partition streams a job is queued on (0 with one partition):
-        a hash of its random id, so jobs spread evenly and anyone holding the id finds it."""
+        a hash of its random id, so jobs spread evenly and anyone holding the id finds it. On a
+        cluster, the partition whose slot range holds the job's own slot (see
+        schemas.cluster_slots: the job's keys and its partition then share a shard)."""
         if self.partitions == 1:
             return 0
+        if self.cluster:
+            return partition_of_slot(hash_slot(self.job(job_id)), self.partitions)
         return zlib.crc32(job_id.encode()) % self.partitions
 
     def _queue_name(self, kind: str, model: str, partition: int) -> str:
         model_part = encode_segment(model)
         if self.cluster:
-            return f"{self.prefix}:{kind}:{{{model_part}:{partition}}}"
+            tag = tag_in_partition(model_part, partition, self.partitions)
+            return f"{self.prefix}:{kind}:{{{tag}}}"
         suffix = f":{partition}" if partition else ""
         return f"{self.prefix}:{kind}:{model_part}{suffix}"
 
@@ -294,6 +306,11 @@ class RedisKeys:
     def first_step(self, name: str) -> str:
         """Set of the job ids whose first engine step in this start that worker runs now."""
         return f"{self.prefix}:first-step:{encode_segment(name)}"
+
+    def model_workers(self, model: str) -> str:
+        """Sorted set: the names of the model's live workers, scored by their last heartbeat
+        (unix s); on a cluster, where they split the shards between them (worker.shard_homes)."""
+        return f"{self.prefix}:workers-of:{encode_segment(model)}"
 
     def workers_pattern(self) -> str:
         """SCAN pattern matching every live worker's heartbeat hash."""

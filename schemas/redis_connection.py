@@ -82,8 +82,10 @@ class RedisConnectionSettings(BaseModel):
         None,
         ge=1,
         description="streams each model's queue is split into (enqueue picks one by job id; "
-        "workers read all); must be the same for the API and the workers. Unset: 1 on a single "
-        f"node or Sentinel, {DEFAULT_CLUSTER_PARTITIONS} with redis_cluster",
+        "workers read all); must be the same for the API and the workers; with redis_cluster "
+        "best a multiple of the number of primaries (each partition then lies on one shard with "
+        f"its jobs' keys). Unset: 1 on a single node or Sentinel, {DEFAULT_CLUSTER_PARTITIONS} "
+        "with redis_cluster",
     )
     redis_batch_queue_url: str | None = Field(
         None,

@@ -250,6 +250,27 @@ return 1
     SET_FIELDS=_hset_argv_pairs("2"),
 )
 
+# CLUSTER_ENQUEUE_LOCAL: CLUSTER_JOB_CREATE, the XADD and CLUSTER_JOB_ENTRY in one atomic step,
+# for a job whose queue stream is on the same node as its hash (what schemas.cluster_slots
+# arranges): the stream travels in ARGV, so the client routes the call by the job's slot, and
+# the flag lets the script touch the stream's slot too. Where the stream is on another node
+# Redis refuses the XADD ("non local key"), before anything was written, and the caller takes
+# the steps instead.
+# KEYS[1] job hash; ARGV[1] queue stream, ARGV[2] job id, ARGV[3] the model's arrivals channel,
+# ARGV[4..] field, value pairs
+# returns the new entry id, or 0 when a job of that id exists already (nothing written)
+CLUSTER_ENQUEUE_LOCAL_SCRIPT = _render(
+    """#!lua flags=allow-cross-slot-keys
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local entry = redis.call('XADD', ARGV[1], '*', '$ENTRY_FIELD', ARGV[2])
+$SET_FIELDS
+redis.call('HSET', KEYS[1], '$JOB_ENTRY_ID', entry)
+redis.call('PUBLISH', ARGV[3], entry)
+return entry
+""",
+    SET_FIELDS=_hset_argv_pairs("4"),
+)
+
 # CLUSTER_JOB_ENTRY: record the job's (new) stream entry while it is queued or running, and make
 # the hash permanent again; a job that ended meanwhile keeps its result's TTL.
 # KEYS[1] job hash; ARGV[1] entry id; returns 1 when recorded, 0 when the job is over or gone

@@ -19,6 +19,7 @@ from worker.crashes import CrashPolicy
 from worker.held import HeldJob
 from worker.intake import Entry, StreamReader, Verdict, script_entries
 from worker.janitor import dead_consumers
+from worker.shard_homes import ShardHomes
 
 # After steps at least this long, new entries are read between steps rather than beside them (a
 # round trip is well under a millisecond; shorter steps cost a new job less).
@@ -55,6 +56,7 @@ class PriorityReader:
         # set by the arrivals channel: an idle worker with several partitions waits on it
         # instead of a blocked read (which could watch one partition only)
         self.arrived = asyncio.Event()
+        self.homes: ShardHomes | None = None  # on a cluster: the partitions read first
 
     @property
     def readers(self) -> tuple[StreamReader, ...]:
@@ -112,15 +114,25 @@ class PriorityReader:
             await asyncio.wait_for(self.arrived.wait(), block_ms / 1000)
         return await self._read_pairs(count, bulk_room)
 
-    async def _read_pairs(self, count: int, bulk_room: int | None) -> list[Entry]:
-        entries: list[Entry] = []
+    def _pair_order(self) -> list[int]:
+        """The pairs in the order one read takes them: from the next pair on, each read
+        starting one further; on a cluster the pairs on this worker's home shards first
+        (worker.shard_homes)."""
         start = self._next_pair
         self._next_pair = (start + 1) % len(self.pairs)
-        for k in range(len(self.pairs)):
+        order = [(start + k) % len(self.pairs) for k in range(len(self.pairs))]
+        if self.homes is None:
+            return order
+        home = self.homes.home([interactive.stream for interactive, _ in self.pairs])
+        return [k for k in order if k in home] + [k for k in order if k not in home]
+
+    async def _read_pairs(self, count: int, bulk_room: int | None) -> list[Entry]:
+        entries: list[Entry] = []
+        for k in self._pair_order():
             left = count - len(entries)
             if left <= 0:
                 break
-            interactive, bulk = self.pairs[(start + k) % len(self.pairs)]
+            interactive, bulk = self.pairs[k]
             bulk_taken = sum(1 for e in entries if e.stream in self.bulk_streams)
             most_bulk = left if bulk_room is None else max(0, min(left, bulk_room - bulk_taken))
             reply = await run_script(

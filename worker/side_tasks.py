@@ -22,6 +22,7 @@ from worker.held import HeldJob
 from worker.janitor import renew_leases
 from worker.logs import log_event
 from worker.settings import WorkerSettings
+from worker.shard_homes import ShardHomes
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class SideTasks:
         on_arrival: Callable[[], None],
         started_at: datetime,
         held_jobs: Callable[[], list[HeldJob]] | None = None,
+        homes: ShardHomes | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
@@ -53,6 +55,7 @@ class SideTasks:
         self.started_at = started_at
         # every job whose entry it holds: the batch's, and those offered to other workers
         self.held_jobs = held_jobs or batch.all_jobs
+        self.homes = homes  # on a cluster: refreshed with each heartbeat
         self._control = Backoff(settings.reconnect_min_s, settings.reconnect_max_s)
         self._lora_changed = asyncio.Event()
 
@@ -129,6 +132,8 @@ class SideTasks:
         except BaseException:
             self.batch.ttfts.put_back(ttfts)  # written with the next beat
             raise
+        if self.homes is not None:
+            await self.homes.beat(self.settings.heartbeat_ttl_s)
 
     async def _renew_leases(self) -> None:
         by_stream: dict[str, dict[str, str]] = {}

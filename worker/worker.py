@@ -45,6 +45,7 @@ from worker.publisher import Outbox
 from worker.pulling import EntryPuller
 from worker.redis_rounds import RedisRounds
 from worker.settings import WorkerSettings
+from worker.shard_homes import ShardHomes
 from worker.side_tasks import SideTasks
 from worker.tracing import ChunkTracer
 
@@ -69,6 +70,10 @@ class Worker:
         # connections, which leave decoding to it (see StreamReader)
         self.intake_redis = self._connect(decode=False)
         self.reader = PriorityReader(self.intake_redis, self.keys, self.model, self.name)
+        self.homes: ShardHomes | None = None
+        if self.keys.cluster:
+            self.homes = ShardHomes(self.redis, self.keys, self.model, self.name)
+            self.reader.homes = self.homes
         self.outbox = Outbox(
             self.keys,
             self.jobs_stream,
@@ -125,6 +130,7 @@ class Worker:
             on_arrival=self.puller.note_arrival,
             started_at=self.started_at,
             held_jobs=self.puller.held_jobs,
+            homes=self.homes,
         )
         self._stop_requested = False
         self._drain_deadline = float("inf")
@@ -213,6 +219,8 @@ class Worker:
     async def _goodbye(self) -> None:
         with contextlib.suppress(TimeoutError, *REDIS_DOWN):
             await asyncio.wait_for(self.redis.delete(self.keys.worker(self.name)), 2.0)
+            if self.homes is not None:
+                await asyncio.wait_for(self.homes.leave(), 2.0)
         self.metrics.close()
         self.tracer.close()
         self._engine_thread.shutdown()

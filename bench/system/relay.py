@@ -54,6 +54,7 @@ from bench.common.workload import bench_redis, unpinned
 from bench.system.relay_cluster import Counters, Target, placement, read_counters, start_cluster
 from producer_api.client.redis_client import AsyncRedisClient
 from schemas import JobField, JobStatus, RedisKeys
+from schemas.keys import HEARTBEAT_INTERVAL_S
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "relay-bench"
@@ -184,6 +185,9 @@ async def run_setting(setting: Setting, args: argparse.Namespace, target: Target
     keys = client.keys
     try:
         await wait_workers(redis, keys, setting, args.workers, children)
+        # one more heartbeat: on a cluster the workers learn of each other (and split the
+        # shards) with their heartbeats, and the run measures them settled, as a fleet runs
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S + 0.5)
         before = await read_counters(target)
         started = time.perf_counter()
         job_ids, consumers = [], []
@@ -293,6 +297,25 @@ def print_cluster_table(results: list[Figures]) -> None:
         )
         for url, held in r.placement.items():
             print(f"# {r.setting}: {url} holds {held}")
+    for r in results:
+        for url, counters in r.by_node.items():
+            print(f"# {r.setting} on {r.target}, {url}: {node_breakdown(counters, r.tokens)}")
+
+
+def node_breakdown(counters: Counters, tokens: int) -> str:
+    """Where one Redis's CPU went, per 1k tokens: read events (round trips), replies, CPU
+    outside command execution, and the commands that took the most."""
+    executing = sum(usec for _, usec in counters.calls.values())
+    top = sorted(counters.calls.items(), key=lambda item: -item[1][1])[:7]
+    commands = ", ".join(
+        f"{name} {calls * 1000 / tokens:.1f} ({usec * 1000 / tokens:.0f} µs)"
+        for name, (calls, usec) in top
+    )
+    return (
+        f"per 1k tokens: {counters.reads * 1000 / tokens:.1f} reads, "
+        f"{counters.writes * 1000 / tokens:.1f} writes, CPU {counters.cpu_s * 1e9 / tokens:.0f} µs "
+        f"of which executing {executing * 1000 / tokens:.0f} µs; {commands}"
+    )
 
 
 async def run(args: argparse.Namespace) -> list[Figures]:

@@ -44,6 +44,20 @@ def test_a_job_is_queued_on_the_partition_its_id_names():
     assert keys.queue_stream(MODEL, 0, JOB) == keys.jobs_stream(MODEL, keys.job_partition(JOB))
 
 
+def test_a_job_and_its_partition_share_a_shard_of_an_evenly_split_cluster():
+    # what `redis-cli --cluster create` gives 3 primaries: 0-5460, 5461-10922, 10923-16383
+    def shard(name: str) -> int:
+        slot = _slot(name)
+        return 0 if slot <= 5460 else 1 if slot <= 10922 else 2
+
+    keys = RedisKeys(cluster=True, partitions=6)
+    ids = [f"job_{i:022d}" for i in range(600)]
+    apart = [j for j in ids if shard(keys.job(j)) != shard(keys.queue_stream(MODEL, 0, j))]
+    assert len(apart) <= 1  # the ranges of 6 partitions split 16,384 slots a slot off
+    assert {shard(s) for s in keys.jobs_streams(MODEL)} == {0, 1, 2}
+    assert sorted(keys.job_partition(j) for j in ids[:60]) != [0] * 60
+
+
 def test_single_node_names_are_unchanged():
     keys = RedisConnectionSettings().redis_keys("inferq")
     assert keys == RedisKeys("inferq")
