@@ -81,6 +81,7 @@ def _moe_gemm_kernel(
     SCALE: tl.constexpr,
     BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32: the GPU's default tf32 drops mantissa bits
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -110,9 +111,9 @@ def _moe_gemm_kernel(
             other=0.0,
         )
         if UPCAST:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision=DOT_PRECISION)
         else:
-            acc += tl.dot(a, w)
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
     if BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0)[None, :]
     if SCALE:
@@ -165,6 +166,7 @@ def _moe_gemm(
         SCALE=scale is not None,
         BIAS=bias is not None,
         UPCAST=dot_upcast(_moe_gemm_kernel, a.dtype),
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

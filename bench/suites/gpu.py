@@ -148,6 +148,20 @@ def config_from_flags(config: type[C], args: argparse.Namespace, **given: Any) -
     return config(**{**from_flags, **given})
 
 
+class _PrintedBlocks(list[tuple[str, str]]):
+    """A part's tables, each printed as soon as it is measured: a run stopped at the lease's
+    limit still leaves the tables it finished in the log."""
+
+    def append(self, block: tuple[str, str]) -> None:
+        print(f"### {block[0]}\n\n{block[1]}\n", flush=True)
+        super().append(block)
+
+    def __iadd__(self, more):  # type: ignore[override]
+        for block in more:
+            self.append(block)
+        return self
+
+
 def _guarded(title: str, part: Callable[[], str]) -> str:
     """A part's table, or the error that stopped it: one failing part must not cost a GPU
     loan the other parts' figures."""
@@ -168,7 +182,7 @@ def _run_attention(args: argparse.Namespace) -> list[tuple[str, str]]:
     )
 
     cfg = config_from_flags(AttentionBenchConfig, args)
-    blocks = []
+    blocks = _PrintedBlocks()
     if cfg.decode_batches and cfg.decode_contexts:
         blocks.append(("(a) attention kernel: decode", bench_decode(cfg)))
     if cfg.prefill_shapes:
@@ -201,18 +215,21 @@ def _run_engine(args: argparse.Namespace, parts: list[str]) -> list[tuple[str, s
             hf_rates = gpu_engine.bench_transformers(cfg)
         logger.info("building the engine (dummy Llama-3-8B weights)")
         llm = gpu_engine.make_llm(cfg)
-        blocks = []
-        for mode in args.modes:  # asynchronous scheduling against synchronous steps
+        blocks = _PrintedBlocks()
+        for index, mode in enumerate(args.modes):  # asynchronous against synchronous steps
             llm.engine.set_async_scheduling(mode == "async")
             label = f", {mode} scheduling"
+            # Each mode draws its own prompts: the same prompts again would hit the prefix
+            # cache the previous mode filled and skip their prefills.
+            mode_cfg = replace(cfg, seed=cfg.seed + 100 * index)
             if "b" in parts:
-                decode = gpu_engine.bench_decode(cfg, llm)
+                decode = gpu_engine.bench_decode(mode_cfg, llm)
                 blocks.append((f"(b) batch-1 decode vs bandwidth floor{label}", decode))
             if "c" in parts:
-                throughput = gpu_engine.bench_throughput(cfg, llm, hf_rates)
+                throughput = gpu_engine.bench_throughput(mode_cfg, llm, hf_rates)
                 blocks.append((f"(c) offline throughput{label}", throughput))
             if "d" in parts:
-                overhead = gpu_engine.bench_step_overhead(cfg, llm, args.step_batches)
+                overhead = gpu_engine.bench_step_overhead(mode_cfg, llm, args.step_batches)
                 blocks.append((f"(d) time outside the GPU per step{label}", overhead))
         if "e" in parts:
             from bench.engine.gpu_piecewise import bench_piecewise

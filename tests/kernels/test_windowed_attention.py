@@ -48,8 +48,8 @@ def _windowed_oracle(
         q = batch.q[starts[i] : starts[i + 1]].float()
         k, v = batch.dense_k[i].float(), batch.dense_v[i].float()
         group = q.shape[1] // k.shape[1]
-        q_pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
+        q_pos = torch.arange(seq_len - q.shape[0], seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
         scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(group, 1))
         scores = scores * SCALE
@@ -61,7 +61,7 @@ def _windowed_oracle(
             scores = torch.cat((scores, sink), dim=-1)
         probs = scores.softmax(-1)[..., : k.shape[0]]
         out = torch.einsum("hqk,khd->qhd", probs, v.double().repeat_interleave(group, 1))
-        outs.append(out.float())
+        outs.append(out.float().cpu())
     return torch.cat(outs)
 
 
