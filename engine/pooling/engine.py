@@ -131,23 +131,54 @@ class PoolingEngine:
         return len(self._waiting)
 
     def _next_batch(self) -> list[_Waiting]:
-        """The oldest requests that fit the token budget and max_num_seqs together; an encoder
-        pads the batch to its longest input, so it costs rows x the longest."""
+        """A decoder's batch: the oldest requests that fit the token budget and max_num_seqs
+        together. An encoder pads its batch to the longest input, so it costs rows x the
+        longest: there the batch is the oldest request and the waiting ones nearest its length
+        (`_like_lengths`), which wastes the least on padding and never starves the oldest."""
+        if self.runner.is_encoder:
+            return self._like_lengths()
         batch: list[_Waiting] = []
-        longest = 0
         used = 0
         while self._waiting and len(batch) < self.config.max_num_seqs:
             length = len(self._waiting[0].token_ids)
-            if self.runner.is_encoder:
-                cost = (len(batch) + 1) * max(longest, length)
-            else:
-                cost = used + length
-            if batch and cost > self.token_budget:
+            if batch and used + length > self.token_budget:
                 break
-            item = self._waiting.popleft()
-            batch.append(item)
-            longest, used = max(longest, length), used + length
+            batch.append(self._waiting.popleft())
+            used += length
         return batch
+
+    def _like_lengths(self) -> list[_Waiting]:
+        """The oldest waiting request, grown into a run of neighbours in length order: at each
+        step the neighbour that adds the fewer padded tokens, while rows x the longest fits the
+        token budget and the rows fit max_num_seqs."""
+        if not self._waiting:
+            return []
+        waiting = list(self._waiting)
+        lengths = [len(w.token_ids) for w in waiting]
+        order = sorted(range(len(waiting)), key=lambda i: (lengths[i], i))
+        low = high = order.index(0)  # the oldest; ties keep arrival order, so it is the first
+        rows, longest = 1, lengths[0]
+        while rows < self.config.max_num_seqs:
+            # (padded tokens it adds, the batch's longest after it, which end grows)
+            choices = []
+            if low > 0:  # a shorter one pads itself to the longest
+                shorter = lengths[order[low - 1]]
+                choices.append((longest - shorter, longest, -1))
+            if high + 1 < len(order):  # a longer one pads every row taken to its own length
+                longer = lengths[order[high + 1]]
+                choices.append((rows * (longer - longest), longer, 1))
+            fitting = [c for c in sorted(choices) if (rows + 1) * c[1] <= self.token_budget]
+            if not fitting:
+                break
+            _, longest, end = fitting[0]
+            if end < 0:
+                low -= 1
+            else:
+                high += 1
+            rows += 1
+        chosen = set(order[low : high + 1])
+        self._waiting = deque(w for i, w in enumerate(waiting) if i not in chosen)
+        return [waiting[i] for i in sorted(chosen)]
 
     def step(self) -> list[PooledResult]:
         """Run one batch; every request in it finishes."""
