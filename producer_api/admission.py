@@ -19,7 +19,7 @@ from producer_api.auth import Principal
 from producer_api.deps import ApiState
 from producer_api.errors import ApiError
 from producer_api.lora import on_base_model
-from producer_api.openai_embeddings import embedding_job
+from producer_api.openai_embeddings import embedding_job, inputs_job
 from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
 from producer_api.queue import enqueue
 from producer_api.workers import ServedModel
@@ -126,8 +126,8 @@ async def admit_embeddings(
     timeout_s: float,
 ) -> list[Job]:
     """Check the model serves embeddings (and `dimensions`), each input (with the request
-    field it came from, named on refusal) against it, and queue one embedding job per input,
-    all or none."""
+    field it came from, named on refusal) against it, and queue one embedding job carrying
+    them all (`inputs`; a job of its own for a single input)."""
     served, context = await model_and_context(state, model, allow_configured=False)
     check_task(served, JobKind.EMBEDDING)
     size = served.embedding_size if served is not None else None
@@ -144,7 +144,7 @@ async def admit_embeddings(
         job_request = embedding_job(model, item, pooling, timeout_s, param)
         await check_prompt(job_request, limits, param)
         requests.append(job_request)
-    return await submit_all(state, caller, requests)
+    return [await submit(state, inputs_job(requests), caller)]
 
 
 async def submit_all(

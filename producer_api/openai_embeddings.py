@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import struct
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -77,22 +78,46 @@ def embedding_job(
         raise ApiError(ErrorCode.INVALID_REQUEST, f"{param}: {exc}", param) from exc
 
 
+def inputs_job(requests: Sequence[JobRequest]) -> JobRequest:
+    """One job of the checked single-input `requests` (same model, pooling and deadline): a
+    queue job costs the API, Redis and the worker about the same for one input as for many,
+    and the worker still runs each input as its own sequence."""
+    first = requests[0]
+    if len(requests) == 1:
+        return first
+    inputs: list[str | list[int]] = []
+    for request in requests:
+        item = request.prompt if request.prompt is not None else request.prompt_token_ids
+        assert item is not None
+        inputs.append(item)
+    return first.model_copy(update={"prompt": None, "prompt_token_ids": None, "inputs": inputs})
+
+
 def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
         return vector
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-def embeddings_body(body: EmbeddingRequest, jobs: list[Job]) -> dict[str, Any]:
-    """OpenAI's answer for the finished jobs of the request's inputs, in input order."""
-    vectors = []
-    prompt_tokens = 0
+def job_vectors(jobs: Sequence[Job]) -> list[tuple[list[float], int]]:
+    """Each input's vector and prompt token count, in input order, from the succeeded jobs
+    of a request's inputs: a job of one input or of several (`inputs`)."""
+    pooled: list[tuple[list[float], int]] = []
     for job in jobs:
         result = job.result
-        assert result is not None and result.embedding is not None
-        prompt_tokens += result.usage.prompt_tokens
-        vectors.append(result.embedding)
-    return vectors_body(body, vectors, prompt_tokens)
+        assert result is not None
+        if result.embeddings is not None and result.input_tokens is not None:
+            pooled.extend(zip(result.embeddings, result.input_tokens, strict=True))
+        else:
+            assert result.embedding is not None
+            pooled.append((result.embedding, result.usage.prompt_tokens))
+    return pooled
+
+
+def embeddings_body(body: EmbeddingRequest, jobs: list[Job]) -> dict[str, Any]:
+    """OpenAI's answer for the finished jobs of the request's inputs, in input order."""
+    pooled = job_vectors(jobs)
+    return vectors_body(body, [vector for vector, _ in pooled], sum(n for _, n in pooled))
 
 
 def vectors_body(

@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from producer_api.auth import KeyTable, hash_api_key, is_key_hash
 from schemas import DEFAULT_PREFIX
 from schemas.defaults import PREFIX_HELP
+from schemas.jobs import MAX_EMBEDDING_INPUTS
 from schemas.redis_connection import RedisConnectionSettings
 from schemas.sampling import MAX_N
 
@@ -66,7 +67,7 @@ class ApiSettings(RedisConnectionSettings, BaseSettings):
     max_n: int = Field(8, ge=1, le=MAX_N)
     max_prompts: int = Field(32, ge=1, description="prompts in one /v1/completions call")
     max_embedding_inputs: int = Field(
-        2048, ge=1, description="inputs in one /v1/embeddings call (one job each)"
+        2048, ge=1, le=MAX_EMBEDDING_INPUTS, description="inputs in one /v1/embeddings call"
     )
     default_max_tokens: int = Field(
         1024, ge=1, description="chat max_tokens when neither the request nor a context caps it"

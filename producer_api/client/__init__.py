@@ -18,7 +18,7 @@
 
 The transport follows the URL's scheme (http/https or redis/rediss/unix) unless `transport`
 says otherwise. Methods: enqueue, get, wait, stream, cancel, run, and embed (texts -> vectors
-of an embedding model, one job each); errors are
+of an embedding model, up to 2,048 inputs a job); errors are
 `producer_api.queue.QueueError` (`JobNotFoundError` for an unknown job) on both transports.
 `Client` runs an `AsyncClient` on a private event-loop thread, so it works inside a running
 event loop too.

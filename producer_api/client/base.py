@@ -10,6 +10,7 @@ from typing import Any, Self
 
 from producer_api.queue import QueueError
 from schemas import ErrorBody, ErrorCode, Job, JobRequest, JobStatus, TokenChunk
+from schemas.jobs import MAX_EMBEDDING_INPUTS
 from schemas.pooling import PoolingParams
 
 
@@ -82,21 +83,35 @@ class AsyncJobClient(ABC):
         timeout: float | None = None,
         **fields: Any,
     ) -> list[list[float]]:
-        """Embed each input (a text or token ids) as one embedding job of `model`; the vectors
-        in input order. A job that does not succeed raises its error as a QueueError."""
+        """Embed the inputs (texts or token ids) as embedding jobs of `model`, up to
+        MAX_EMBEDDING_INPUTS inputs a job (the worker runs each input as its own sequence);
+        the vectors in input order. A job that does not succeed raises its error as a
+        QueueError."""
         items = [inputs] if isinstance(inputs, str) else list(inputs)
         pooling = PoolingParams(dimensions=dimensions)
         jobs = []
-        for item in items:
-            given = {"prompt": item} if isinstance(item, str) else {"prompt_token_ids": list(item)}
+        for start in range(0, len(items), MAX_EMBEDDING_INPUTS):
+            part = [
+                i if isinstance(i, str) else list(i)
+                for i in items[start : start + MAX_EMBEDDING_INPUTS]
+            ]
+            if len(part) > 1:
+                given: dict[str, Any] = {"inputs": part}
+            elif isinstance(part[0], str):
+                given = {"prompt": part[0]}
+            else:
+                given = {"prompt_token_ids": part[0]}
             jobs.append(await self.enqueue(model=model, pooling=pooling, **given, **fields))
         finished = await asyncio.gather(*(self.wait(job.id, timeout=timeout) for job in jobs))
-        vectors = []
+        vectors: list[list[float]] = []
         for job in finished:
             if job.status is not JobStatus.SUCCEEDED or job.result is None:
                 raise QueueError(job.error or _unfinished(job))
-            assert job.result.embedding is not None
-            vectors.append(job.result.embedding)
+            if job.result.embeddings is not None:
+                vectors.extend(job.result.embeddings)
+            else:
+                assert job.result.embedding is not None
+                vectors.append(job.result.embedding)
         return vectors
 
     async def __aenter__(self) -> Self:

@@ -8,6 +8,7 @@ from datetime import datetime
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from producer_api.grpc.stubs import inference_pb2 as pb
+from producer_api.openai_embeddings import job_vectors
 from producer_api.workers import ServedModel
 from schemas import ChoiceResult, Job, JobResult, TokenChunk, TokenLogprob, Usage
 from schemas.chunks import StopReason
@@ -79,11 +80,10 @@ def embedding_response(model: str, jobs: Sequence[Job]) -> pb.EmbeddingResponse:
     """The succeeded embedding jobs of a request's inputs, in input order."""
     data = []
     prompt_tokens = 0
-    for index, job in enumerate(jobs):
-        result = job.result
-        assert result is not None and result.embedding is not None
-        prompt_tokens += result.usage.prompt_tokens
-        data.append(pb.Embedding(index=index, embedding=result.embedding, job_id=job.id))
+    for job in jobs:
+        for vector, count in job_vectors([job]):
+            prompt_tokens += count
+            data.append(pb.Embedding(index=len(data), embedding=vector, job_id=job.id))
     usage = pb.Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
     return pb.EmbeddingResponse(model_id=model, data=data, usage=usage)
 
@@ -128,6 +128,8 @@ def job_message(job: Job) -> pb.Job:
         message.choices.extend(choice_message(choice) for choice in job.result.choices)
         message.usage.CopyFrom(usage_message(job.result.usage))
         message.embedding.extend(job.result.embedding or ())
+        for index, vector in enumerate(job.result.embeddings or ()):
+            message.embeddings.append(pb.Embedding(index=index, embedding=vector, job_id=job.id))
         message.prompt_logprobs.extend(prompt_logprobs_messages(job.result))
     if job.error is not None:
         message.error.CopyFrom(

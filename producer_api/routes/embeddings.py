@@ -1,7 +1,7 @@
-"""OpenAI's `POST /v1/embeddings`: each input becomes one embedding job on the model's queue
-(the same admission, keys, deadlines, cancellation and recovery as generation); the call waits
-for them all and answers OpenAI's list, the vectors as floats or base64 (little-endian float32,
-as the official client decodes them)."""
+"""OpenAI's `POST /v1/embeddings`: the inputs become one embedding job on the model's queue
+(the same admission, keys, deadlines, cancellation and recovery as generation; the worker runs
+each input as its own sequence); the call waits for it and answers OpenAI's list, the vectors as
+floats or base64 (little-endian float32, as the official client decodes them)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ async def embed_inputs(
     inputs: list[tuple[str | list[int], str]],
     dimensions: int | None = None,
 ) -> list[Job]:
-    """Queue one embedding job per input (admit_embeddings) and wait for them all."""
+    """Queue the inputs' embedding job (admit_embeddings) and wait for it."""
     timeout_s = state.settings.request_timeout_s
     jobs = await admit_embeddings(state, caller, model, inputs, dimensions, timeout_s)
     return await wait_all(state, request, jobs)

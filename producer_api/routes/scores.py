@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from producer_api.admission import check_task, limits_of, model_and_context, submit_all
 from producer_api.deps import Caller, State
 from producer_api.errors import ApiError, error_responses
+from producer_api.openai_embeddings import job_vectors
 from producer_api.prompt_check import check_prompt
 from producer_api.routes.embeddings import embed_inputs
 from producer_api.routes.openai import GENERATION_ERRORS, wait_all
@@ -117,7 +118,7 @@ async def _pair_scores(
 async def _vectors(
     state: State, caller: Caller, request: Request, model: str, texts: list[tuple[str, str]]
 ) -> tuple[dict[str, list[float]], int]:
-    """The embedding of every distinct text (one job each), and the prompt tokens they took."""
+    """The embedding of every distinct text, and the prompt tokens they took."""
     distinct: dict[str, str] = {}
     for text, param in texts:
         distinct.setdefault(text, param)
@@ -127,10 +128,9 @@ async def _vectors(
     inputs: list[tuple[str | list[int], str]] = list(distinct.items())
     jobs: list[Job] = await embed_inputs(state, caller, request, model, inputs)
     vectors, tokens = {}, 0
-    for text, job in zip(distinct, jobs, strict=True):
-        assert job.result is not None and job.result.embedding is not None
-        vectors[text] = job.result.embedding
-        tokens += job.result.usage.prompt_tokens
+    for text, (vector, count) in zip(distinct, job_vectors(jobs), strict=True):
+        vectors[text] = vector
+        tokens += count
     return vectors, tokens
 
 

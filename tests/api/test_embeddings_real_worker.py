@@ -119,6 +119,17 @@ def test_bad_inputs_are_refused_before_queueing(
     redis.close()
 
 
+def test_a_list_of_inputs_is_one_job(system: Stack, http: httpx.Client, reference) -> None:
+    redis = Redis.from_url(system.redis_url)
+    queued = redis.xlen(RedisKeys().jobs_stream(MODEL))
+    response = http.post("/v1/embeddings", json={"model": MODEL, "input": TEXTS})
+    assert response.status_code == 200, response.text
+    assert redis.xlen(RedisKeys().jobs_stream(MODEL)) == queued + 1
+    redis.close()
+    ours = torch.tensor([item["embedding"] for item in response.json()["data"]])
+    assert cosine_distance(ours, reference).max() < 1e-5
+
+
 def test_wrong_task_is_refused_naming_it(http: httpx.Client) -> None:
     generate = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert generate.status_code == 400
@@ -234,7 +245,10 @@ def test_grpc_embeddings_equal_sentence_transformers(grpc_client: GrpcClient, re
     job = grpc_client.stub.GetJob(
         pb.GetJobRequest(job_id=reply.data[0].job_id), metadata=metadata()
     )
-    assert job.status == "succeeded" and list(job.embedding) == list(reply.data[0].embedding)
+    # The request's three inputs ran as one job, which holds each input's vector.
+    assert {item.job_id for item in reply.data} == {reply.data[0].job_id}
+    assert job.status == "succeeded" and not job.embedding
+    assert [list(e.embedding) for e in job.embeddings] == [list(i.embedding) for i in reply.data]
 
 
 @pytest.mark.parametrize(

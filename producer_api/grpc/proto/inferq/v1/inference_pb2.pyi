@@ -364,7 +364,7 @@ class JobError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "status", "model_id", "priority", "attempts", "worker", "created_at", "started_at", "finished_at", "choices", "usage", "error", "embedding", "prompt_logprobs")
+    __slots__ = ("id", "status", "model_id", "priority", "attempts", "worker", "created_at", "started_at", "finished_at", "choices", "usage", "error", "embedding", "prompt_logprobs", "embeddings")
     ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +379,7 @@ class Job(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     id: str
     status: str
     model_id: str
@@ -393,7 +394,8 @@ class Job(_message.Message):
     error: JobError
     embedding: _containers.RepeatedScalarFieldContainer[float]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
-    def __init__(self, id: _Optional[str] = ..., status: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., attempts: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., embedding: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ...) -> None: ...
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, id: _Optional[str] = ..., status: _Optional[str] = ..., model_id: _Optional[str] = ..., priority: _Optional[int] = ..., attempts: _Optional[int] = ..., worker: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[JobError, _Mapping]] = ..., embedding: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -110,8 +110,8 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateEmbedding(self, request, context):
-        """One embedding job per input on an embedding model's queue (the HTTP API's /v1/embeddings);
-        answers when they have all ended. A model that generates is INVALID_ARGUMENT naming model_id.
+        """One embedding job of the inputs on an embedding model's queue (the HTTP API's
+        /v1/embeddings); answers when it has ended. A model that generates is INVALID_ARGUMENT naming model_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
