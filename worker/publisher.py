@@ -27,7 +27,7 @@ from typing import Any, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, SlotNotCoveredError
 
 from redis_io.clients import channels_by_shard, raise_for_cluster_outage
 from redis_io.replica_wait import fell_short, wait_command
@@ -442,7 +442,10 @@ class Outbox:
         """The name of the primary serving the slot of `op`'s script keys, as the cluster client
         sees the slot map now (it follows MOVED)."""
         command = op.commands[0]  # EVALSHA sha numkeys key ...
-        node = cast(RedisCluster, redis).get_node_from_key(str(command[3]))
+        try:
+            node = cast(RedisCluster, redis).get_node_from_key(str(command[3]))
+        except SlotNotCoveredError:  # no slot map yet, or a shard without a primary: go whole
+            return None
         return None if node is None else str(node.name)
 
     def _learn(self, plan: _Plan, replies: list[Any], *, sharded: bool = False) -> None:

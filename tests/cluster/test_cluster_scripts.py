@@ -171,3 +171,19 @@ async def test_scripts_flushed_on_every_primary_mid_run_every_job_finishes_once(
     assert all(c["evalsha"] > 0 for c in calls.values())
     # the text went at most once a primary before the flush, once more a NOSCRIPT op after it
     assert sum(c["eval"] for c in calls.values()) <= 3 + sum(c["noscript"] for c in calls.values())
+
+
+async def test_a_client_without_a_slot_map_yet_sends_the_script_whole(cluster_url, redis_cluster):
+    keys = cluster_settings(cluster_url).redis_keys("inferq")
+    job = new_job_id()
+    setup = cluster_redis(cluster_url)
+    await setup.hset(keys.job(job), "status", JobStatus.QUEUED.value)
+    await setup.aclose()
+    redis = cluster_redis(cluster_url)  # its first command is the flush's pipeline
+    outbox = Outbox(keys, keys.jobs_stream(GROUP_STREAM_MODEL), "w")
+    done: list[tuple[bool, JobStatus | None]] = []
+    outbox.transition(job, JobStatus.RUNNING, {}, lambda *reply: done.append(reply))
+    assert await outbox.flush(redis) == 1
+    assert done == [(True, JobStatus.QUEUED)]
+    assert await redis.hget(keys.job(job), "status") == JobStatus.RUNNING.value
+    await redis.aclose()
