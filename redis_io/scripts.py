@@ -6,7 +6,9 @@ Scripts queued in a pipeline go as EVALSHA with the script's SCRIPT LOAD earlier
 pipeline (the worker's outbox loads only when it cannot know Redis has them; its hand-back
 always), or as redis-py's registered script, which loads them before the pipeline runs (an
 enqueue with a replica WAIT): a NOSCRIPT reply inside a pipeline could not be retried without
-re-sending the writes around it."""
+re-sending the writes around it. On a cluster a SCRIPT LOAD has no key to route it by: the
+worker's outbox sends a script whole to each primary the first time, by EVALSHA after that, and
+re-sends only the script ops that met NOSCRIPT."""
 
 from __future__ import annotations
 

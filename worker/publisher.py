@@ -4,8 +4,17 @@ Every write here is safe to send twice (a pipeline cut off by a lost connection 
 whole): chunk XADDs use explicit ids, which Redis refuses to repeat; status changes are
 compare-and-set; XACK / XDEL of a gone entry are no-ops. Live listeners skip repeated PUBLISHes
 by chunk index. Chunks go as plain commands, published live only where someone listens
-(worker.chunk_relay); scripts go by EVALSHA, loaded at the head of the pipeline whenever this
-outbox cannot know Redis has them (first flush, after a failed one, on a new master)."""
+(worker.chunk_relay); scripts go by EVALSHA. On one Redis they are loaded at the head of the
+pipeline whenever this outbox cannot know Redis has them (first flush, after a failed one, on a
+new master). On a cluster a SCRIPT LOAD has no key to be routed by, so a script goes whole (EVAL,
+which caches it there) to each primary that this outbox has not yet seen run it (its first use
+there, a failover, a primary new to the slot map), and by EVALSHA after that.
+
+A Redis that forgot a script it had (SCRIPT FLUSH, a restart at the same address) answers that
+EVALSHA with NOSCRIPT and runs nothing; the commands around it in the pipeline did run, and are
+not sent again. Only the script ops go again, at once, in a second round trip that cannot meet
+NOSCRIPT: the status changes are compare-and-set, and the window in which an ack that followed
+one is stored before it is that round trip, as when a cluster pipeline's nodes answer apart."""
 
 from __future__ import annotations
 
@@ -14,11 +23,11 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import ClusterNode
-from redis.exceptions import NoScriptError
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import NoScriptError, SlotNotCoveredError
 
 from redis_io.clients import channels_by_shard, raise_for_cluster_outage
 from redis_io.replica_wait import fell_short, wait_command
@@ -79,6 +88,8 @@ class _Plan:
     channels: dict[str, str] = field(default_factory=dict)  # job with chunks -> its channel
     scripts: set[str] = field(default_factory=set)  # the scripts its EVALSHAs run
     retry: list[_Op] = field(default_factory=list)  # script ops Redis did not know the script of
+    # on a cluster: (unit index, primary, script) of the scripts sent whole, cached there once run
+    sent_whole: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +104,8 @@ class Outbox:
     listeners: Listeners = field(default_factory=Listeners)
     ops: list[_Op] = field(default_factory=list)
     scripts_loaded: set[str] = field(default_factory=set)  # scripts Redis has, as we know
+    # on a cluster: the scripts each primary (by node name) has, as we know
+    node_scripts: dict[str, set[str]] = field(default_factory=dict)
     _catch_up: list[ChunkWrite] = field(default_factory=list)  # to PUBLISH at the next flush
     _in_flight: list[_Op] = field(default_factory=list)
     _ahead: bool = False  # ops queued now are marked `ahead`
@@ -115,6 +128,12 @@ class Outbox:
         """Forget what is kept per job for the jobs not in `job_ids` (no longer this worker's)."""
         self.replay.keep_only(job_ids)
         self.listeners.keep_only(job_ids)
+
+    def forget_scripts(self) -> None:
+        """Redis may not have the scripts any more (a failed flush, a new master, NOSCRIPT):
+        load them again before their next EVALSHA (on a cluster: send them whole once more)."""
+        self.scripts_loaded.clear()
+        self.node_scripts.clear()
 
     def jobs_queued(self) -> set[str]:
         """Jobs with a chunk or status change queued or on its way."""
@@ -170,14 +189,8 @@ class Outbox:
                 on_done(*transition_applied(reply))
 
         script = job_channel_script(TRANSITION_SCRIPT, self.keys)
-        if self.keys.cluster:
-            # a cluster pipeline sends each command to its key's node, and SCRIPT LOAD has no
-            # key to route by: the script goes whole
-            command: Command = ("EVAL", script, len(script_keys), *script_keys, *args)
-            self._queue(_Op([command], handle, job_id=job_id))
-        else:
-            command = evalsha_command(script, script_keys, args)
-            self._queue(_Op([command], handle, job_id=job_id, script=script))
+        command = evalsha_command(script, script_keys, args)
+        self._queue(_Op([command], handle, job_id=job_id, script=script))
 
     def mark_first_step(self, job_ids: list[str]) -> None:
         """Add jobs to this worker's first-step marker (see worker.crashes)."""
@@ -289,11 +302,16 @@ class Outbox:
         except BaseException:
             self.ops = batch + self.ops
             self._catch_up = catch_up + self._catch_up
-            self.scripts_loaded.clear()
+            self.forget_scripts()
             raise
         finally:
             self._in_flight = []
-        self.scripts_loaded |= plan.scripts
+        if self.keys.cluster:
+            for unit, node, script in plan.sent_whole:
+                if not isinstance(replies[self._position(plan, unit)], Exception):
+                    self.node_scripts.setdefault(node, set()).add(script)
+        else:
+            self.scripts_loaded |= plan.scripts
         for op in batch:
             if op.chunk is not None:
                 self.replay.record(op.chunk)
@@ -305,11 +323,62 @@ class Outbox:
                 except Exception:  # one bad callback must not lose the rest
                     logger.exception("outbox callback failed")
             position += len(commands)
-        if plan.retry:  # scripts flushed since we loaded them: compare-and-set, safe to re-send
-            log_event(logger, logging.WARNING, "scripts_reloaded", ops=len(plan.retry))
-            self.scripts_loaded.clear()
-            self.ops[:0] = plan.retry
+        if plan.retry:
+            await self._send_again(redis, plan.retry)
         return len(batch)
+
+    @staticmethod
+    def _position(plan: _Plan, unit: int) -> int:
+        """Where the replies of `plan`'s `unit` start."""
+        return sum(len(commands) for commands, _ in plan.units[:unit])
+
+    async def _send_again(self, redis: Redis, ops: list[_Op]) -> None:
+        """Re-send script ops that met NOSCRIPT (Redis ran nothing of them), with their scripts
+        (on one Redis, loaded first in the same pipeline; on a cluster, whole), in their order:
+        compare-and-set, safe to send whatever came between. On a connection error they go
+        first in the queue, as a failed flush's ops do, and the error propagates."""
+        log_event(logger, logging.WARNING, "scripts_reloaded", ops=len(ops))
+        cluster = self.keys.cluster
+        nodes = [self._node_of(op, redis) if cluster else None for op in ops]
+        if cluster:  # only the primaries that answered NOSCRIPT forgot
+            for node in nodes:
+                self.node_scripts.pop(node or "", None)
+        else:
+            self.scripts_loaded.clear()
+        scripts = sorted({op.script for op in ops if op.script is not None})
+        try:
+            async with redis.pipeline(transaction=False) as pipe:
+                if not cluster:
+                    for script in scripts:
+                        pipe.execute_command(*load_command(script))
+                for op in ops:
+                    for command in op.commands:
+                        pipe.execute_command(*(_whole(op, command) if cluster else command))
+                replies = await pipe.execute(raise_on_error=False)
+            await raise_for_cluster_outage(redis, replies)
+        except BaseException:
+            self.ops[:0] = ops
+            self.forget_scripts()
+            raise
+        if not cluster:
+            self.scripts_loaded |= set(scripts)
+        position = 0 if cluster else len(scripts)
+        again: list[_Op] = []
+        for op, node in zip(ops, nodes, strict=True):
+            count = len(op.commands)
+            reply = replies[position : position + count]
+            position += count
+            if any(isinstance(r, NoScriptError) for r in reply):  # flushed again in between
+                again.append(op)
+                continue
+            if node is not None and op.script is not None and not isinstance(reply[0], Exception):
+                self.node_scripts.setdefault(node, set()).add(op.script)
+            if op.on_reply is not None:
+                try:
+                    op.on_reply(reply)
+                except Exception:
+                    logger.exception("outbox callback failed")
+        self.ops[:0] = again
 
     def _plan(
         self, catch_up: list[ChunkWrite], batch: list[_Op], redis: Redis, *, look: bool = True
@@ -321,7 +390,7 @@ class Outbox:
             publishes = [publish_command(write, sharded=self.keys.cluster) for write in catch_up]
             plan.units.append((publishes, None))
         plan.scripts = {op.script for op in batch if op.script is not None}
-        if plan.scripts - self.scripts_loaded:
+        if plan.scripts - self.scripts_loaded and not self.keys.cluster:
             loads = [load_command(s) for s in sorted(plan.scripts - self.scripts_loaded)]
             plan.units.append((loads, None))
         for op in batch:
@@ -334,7 +403,10 @@ class Outbox:
                 commands = chunk_commands(write, publish=publish, sharded=self.keys.cluster)
                 plan.units.append((commands, check_chunk_replies))
             elif op.script is not None:
-                plan.units.append((op.commands, _retry_on_noscript(op, plan.retry)))
+                commands = op.commands
+                if self.keys.cluster:
+                    commands = self._cluster_script_commands(op, plan, redis)
+                plan.units.append((commands, _retry_on_noscript(op, plan.retry)))
             else:
                 plan.units.append((op.commands, op.on_reply))
         if look:
@@ -348,6 +420,33 @@ class Outbox:
             looks = Listeners.look_commands(list(plan.channels.values()))
             plan.units.append((looks, lambda replies: self._learn(plan, replies)))
         return plan
+
+    def _cluster_script_commands(self, op: _Op, plan: _Plan, redis: Redis) -> list[Command]:
+        """`op`'s EVALSHA if the primary of its keys' slot has its script (it ran it for us
+        since we last had reason to doubt it, or runs it earlier in this pipeline, which keeps
+        each node's commands in order); else the script whole, noted in `plan`, to be known
+        there once it ran. Where a MOVED sends an EVALSHA instead, NOSCRIPT is answered and
+        the op goes again whole."""
+        assert op.script is not None
+        node = self._node_of(op, redis)
+        known = self.node_scripts.get(node or "", set())
+        planned = any(n == node and s == op.script for _, n, s in plan.sent_whole)
+        if node is not None and (op.script in known or planned):
+            return op.commands
+        if node is not None:
+            plan.sent_whole.append((len(plan.units), node, op.script))
+        return [_whole(op, c) for c in op.commands]
+
+    @staticmethod
+    def _node_of(op: _Op, redis: Redis) -> str | None:
+        """The name of the primary serving the slot of `op`'s script keys, as the cluster client
+        sees the slot map now (it follows MOVED)."""
+        command = op.commands[0]  # EVALSHA sha numkeys key ...
+        try:
+            node = cast(RedisCluster, redis).get_node_from_key(str(command[3]))
+        except SlotNotCoveredError:  # no slot map yet, or a shard without a primary: go whole
+            return None
+        return None if node is None else str(node.name)
 
     def _learn(self, plan: _Plan, replies: list[Any], *, sharded: bool = False) -> None:
         learn = self.listeners.learn_sharded if sharded else self.listeners.learn
@@ -377,6 +476,13 @@ class Outbox:
 
         op = _Op([wait_command(wait)], check)
         return [*batch[:first_ack], op, *batch[first_ack:]]
+
+
+def _whole(op: _Op, command: Command) -> Command:
+    """`command`, an EVALSHA of `op`'s script, as the EVAL of its text."""
+    if command[0] != "EVALSHA" or op.script is None:
+        return command
+    return ("EVAL", op.script, *command[2:])
 
 
 def _retry_on_noscript(op: _Op, retry: list[_Op]) -> Reply:

@@ -103,7 +103,7 @@ class RedisRounds:
         master = master_address(self.redis)
         moved = master is not None and self._master is not None and master != self._master
         if self.backoff.failures or moved:
-            self.outbox.scripts_loaded.clear()  # a new master may not have them
+            self.outbox.forget_scripts()  # a new master may not have them
             sent = await refill(self.redis, self.outbox.replay, sharded=self.outbox.keys.cluster)
             if sent:
                 self.metrics.chunks_republished.labels(self.model).inc(sent)

@@ -311,10 +311,15 @@ def node_breakdown(counters: Counters, tokens: int) -> str:
         f"{name} {calls * 1000 / tokens:.1f} ({usec * 1000 / tokens:.0f} µs)"
         for name, (calls, usec) in top
     )
+    errors = ", ".join(
+        f"{kind} {count * 1000 / tokens:.2f}" for kind, count in sorted(counters.errors.items())
+    )
     return (
         f"per 1k tokens: {counters.reads * 1000 / tokens:.1f} reads, "
         f"{counters.writes * 1000 / tokens:.1f} writes, CPU {counters.cpu_s * 1e9 / tokens:.0f} µs "
-        f"of which executing {executing * 1000 / tokens:.0f} µs; {commands}"
+        f"of which executing {executing * 1000 / tokens:.0f} µs; {commands}; "
+        f"error replies: {errors or 'none'}; bus messages in: "
+        f"{counters.bus_messages * 1000 / tokens:.1f}"
     )
 
 

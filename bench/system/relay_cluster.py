@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from redis.asyncio import Redis
@@ -54,6 +54,8 @@ class Counters:
     calls: dict[str, tuple[int, int]]
     reads: int = 0
     writes: int = 0
+    errors: dict[str, int] = field(default_factory=dict)  # error replies by kind (MOVED, ...)
+    bus_messages: int = 0  # cluster bus messages received (0 off a cluster)
 
     def since(self, before: Counters) -> Counters:
         calls = {
@@ -61,11 +63,18 @@ class Counters:
             for name, (n, us) in self.calls.items()
             if n != before.calls.get(name, (0, 0))[0]
         }
+        errors = {
+            kind: count - before.errors.get(kind, 0)
+            for kind, count in self.errors.items()
+            if count != before.errors.get(kind, 0)
+        }
         return Counters(
             self.cpu_s - before.cpu_s,
             calls,
             self.reads - before.reads,
             self.writes - before.writes,
+            errors,
+            self.bus_messages - before.bus_messages,
         )
 
     @property
@@ -97,6 +106,8 @@ async def read_counters(target: Target) -> dict[str, Counters]:
             cpu = await node.info("cpu")
             stats = await node.info("commandstats")
             io = await node.info("stats")
+            errors = await node.info("errorstats")
+            bus = await _bus_messages(node) if target.cluster else 0
         finally:
             await node.aclose()
         calls = {
@@ -109,8 +120,24 @@ async def read_counters(target: Target) -> dict[str, Counters]:
             calls,
             int(io["total_reads_processed"]),
             int(io["total_writes_processed"]),
+            {
+                name.removeprefix("errorstat_"): int(value["count"])
+                for name, value in errors.items()
+            },
+            bus,
         )
     return out
+
+
+async def _bus_messages(node: Redis) -> int:
+    """Cluster bus messages the node received so far (pings, pub/sub relays, ...)."""
+    info = await node.execute_command("CLUSTER", "INFO")
+    text = info if isinstance(info, str) else info.decode()
+    for line in text.splitlines():
+        name, _, value = line.strip().partition(":")
+        if name == "cluster_stats_messages_received":
+            return int(value)
+    return 0
 
 
 def placement(redis: Redis, keys: RedisKeys, model: str, job_ids: list[str]) -> dict[str, str]:
