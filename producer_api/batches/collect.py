@@ -30,7 +30,9 @@ class Collector(FanOut):
             announced = await self.redis.lpop(key, COLLECT_CHUNK)
             if not announced:
                 return
-            await self._collect([job for job in dict.fromkeys(announced) if job in self.lines_of])
+            jobs = [job for job in dict.fromkeys(announced) if job in self.lines_of]
+            if jobs:  # their workers said they ended: the records at once, no status read first
+                await self._write_ended(_ended(jobs, await self._records(jobs)), retry_groups=True)
             if len(announced) < COLLECT_CHUNK:
                 return
 
@@ -53,20 +55,27 @@ class Collector(FanOut):
                 if status is None or status in TERMINAL_STATUSES
             ]
             if ended:
-                await self._write_ended(ended, retry_groups)
+                await self._write_ended(_ended(ended, await self._records(ended)), retry_groups)
 
-    async def _write_ended(self, ended: list[str], retry_groups: bool) -> None:
-        """Each ended job's lines into the output or error file. The lines of a group whose
-        job failed (or gave no vector per line) run again one job each, unless `retry_groups`
-        is False (the batch is stopping): then each gets the group's error."""
+    async def _records(self, jobs: list[str]) -> list[dict[str, str]]:
+        """The stored records of `jobs`, in one round trip ({} for a record gone)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in ended:
+            for job_id in jobs:
                 pipe.hgetall(self.keys.job(job_id))
-            stored = await pipe.execute()
+            return await pipe.execute()
+
+    async def _write_ended(self, records: dict[str, dict[str, str]], retry_groups: bool) -> None:
+        """Each ended job's lines (job id -> its record) into the output or error file. The
+        lines of a group whose job failed (or gave no vector per line) run again one job each,
+        unless `retry_groups` is False (the batch is stopping): then each gets the group's
+        error."""
+        if not records:
+            return
+        ended = list(records)
         out: dict[int, str] = {}
         err: dict[int, str] = {}
         again: list[LineGroup] = []
-        for job_id, data in zip(ended, stored, strict=True):
+        for job_id, data in records.items():
             numbers = self.lines_of[job_id]
             if not data:
                 message = f"the record of job {job_id} is gone"
@@ -121,3 +130,12 @@ class Collector(FanOut):
             self.outstanding.pop(number, None)
             self.input.parsed.pop(number, None)
         self._track(rerun)
+
+
+def _ended(jobs: list[str], records: list[dict[str, str]]) -> dict[str, dict[str, str]]:
+    """Those of `jobs` whose record is gone or ended, with their records."""
+    return {
+        job_id: data
+        for job_id, data in zip(jobs, records, strict=True)
+        if not data or data.get(JobField.STATUS) in TERMINAL_STATUSES
+    }

@@ -22,7 +22,7 @@ from producer_api.errors import ApiError
 from producer_api.lora import on_base_model
 from producer_api.prompt_check import PromptLimits, check_prompt, prompt_limits
 from producer_api.prompt_tokens import TokenizerCache
-from producer_api.workers import WorkerDirectory
+from producer_api.workers import ServedModel, WorkerDirectory
 from redis_io.clients import pipeline
 from schemas import BatchField, JobRequest, RedisKeys
 
@@ -73,18 +73,20 @@ class FanOut(BatchRun):
         )
         if room <= 0:
             return False
-        model = self.input.line(valid[self.submitted]).request.model  # type: ignore[union-attr]
-        backlog = await queue.queue_length(self.redis, self.keys, model, bulk=True)
+        first = self.input.line(valid[self.submitted])
+        assert first.request is not None
+        backlog = await queue.queue_length(self.redis, self.keys, first.request.model, bulk=True)
         room = min(room, (self.settings.batch_max_backlog - backlog) * self.group_lines)
         if room <= 0:
             return False
         end = self._chunk_end(room)
         if end == self.submitted:
             return False
-        chunk = [self.input.line(n) for n in valid[self.submitted : end]]
-        refused = await self._refusals(chunk)
+        chunk = [first, *map(self.input.line, valid[self.submitted + 1 : end])]
+        served = await self.workers.models()
+        refused = await self._refusals(chunk, served)
         runnable = [line for line in chunk if line.number not in refused]
-        on_base = await self._on_base_models(runnable, refused)
+        on_base = self._on_base_models(runnable, refused, served)
         if self.group_lines > 1:
             groups = list(groups_of(chunk, self.submitted, self.group_lines, set(on_base)))
         else:
@@ -98,7 +100,11 @@ class FanOut(BatchRun):
             pipe.hset(self.keys.batch(self.batch_id), BatchField.SUBMITTED, end)
             await pipe.execute()
         self.submitted = end
-        self.input.parsed.update((ln.number, ln) for ln in chunk if ln.number in enqueued)
+        for line in chunk:  # kept while in flight; a line refused is done with
+            if line.number in enqueued:
+                self.input.parsed[line.number] = line
+            else:
+                self.input.parsed.pop(line.number, None)
         self._track(enqueued)
         return True
 
@@ -186,12 +192,11 @@ class FanOut(BatchRun):
             deadline=deadline,
         )
 
-    async def _on_base_models(
-        self, lines: list[ParsedLine], refused: dict[int, str]
+    def _on_base_models(
+        self, lines: list[ParsedLine], refused: dict[int, str], served: dict[str, ServedModel]
     ) -> dict[int, JobRequest]:
         """Each line's job request as queued: a LoRA adapter's runs on its base model
         (producer_api.lora); a line naming an adapter no live worker serves joins `refused`."""
-        served = await self.workers.models()
         out: dict[int, JobRequest] = {}
         for line in lines:
             assert line.request is not None
@@ -201,10 +206,11 @@ class FanOut(BatchRun):
                 refused[line.number] = line_not_run(line, exc.error.code.value, exc.error.message)
         return out
 
-    async def _refusals(self, lines: list[ParsedLine]) -> dict[int, str]:
-        """Error lines of the lines whose prompt the model's workers would refuse (a token id
-        outside its vocabulary, too long for its context): they are never queued."""
-        served = await self.workers.models()
+    async def _refusals(
+        self, lines: list[ParsedLine], served: dict[str, ServedModel]
+    ) -> dict[int, str]:
+        """Error lines of the lines whose prompt the model's workers (`served`) would refuse (a
+        token id outside its vocabulary, too long for its context): they are never queued."""
         limits: dict[str, PromptLimits] = {}
         refused: dict[int, str] = {}
         for line in lines:

@@ -1,7 +1,9 @@
 """A batch's input file as a controller run holds it: the file's lines (text), the numbers of
 the valid ones, and the parsed lines in flight. Parsing a line builds its OpenAI request and its
 job request (kilobytes), so a run parses a line when it fans out and keeps it only until its job
-is collected; memory follows the lines in flight, not the file."""
+is collected; memory follows the lines in flight, not the file. Validation keeps the first
+valid lines it parsed, as many as may be in flight at once, so fan-out takes those without
+parsing them again (a batch no larger than the in-flight cap parses each line once)."""
 
 from __future__ import annotations
 
@@ -17,14 +19,18 @@ class InputLines:
         self.endpoint = endpoint
         self.default_max_tokens = default_max_tokens
         self.valid = array("q")  # numbers of the valid lines, in order
-        self.parsed: dict[int, ParsedLine] = {}  # the lines in flight, by number
+        # the lines in flight and those validation kept for fan-out, by number
+        self.parsed: dict[int, ParsedLine] = {}
 
-    def scan(self) -> Iterator[ParsedLine]:
-        """Parse every line once (validation): note the valid lines' numbers, yield every
-        line (the caller keeps what it needs of the invalid ones)."""
+    def scan(self, keep: int) -> Iterator[ParsedLine]:
+        """Parse every line once (validation): note the valid lines' numbers, keep the first
+        `keep` valid lines parsed for fan-out, yield every line (the caller keeps what it needs
+        of the invalid ones)."""
         for line in iter_lines(self.raw_lines, self.endpoint, self.default_max_tokens):
             if line.ok:
                 self.valid.append(line.number)
+                if len(self.parsed) < keep:
+                    self.parsed[line.number] = line
             yield line
 
     def skip(self, invalid: Iterable[int]) -> None:
@@ -40,7 +46,7 @@ class InputLines:
         )
 
     def line(self, number: int) -> ParsedLine:
-        """A line that was valid at validation, parsed (again, unless in flight)."""
+        """A line that was valid at validation, parsed (again, unless in flight or kept)."""
         line = self.parsed.get(number)
         if line is None:
             raw = self.raw_lines[number - 1]

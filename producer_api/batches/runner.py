@@ -18,7 +18,8 @@ and the controller's resumer starts a new run.
 
 Memory follows the lines in flight, not the file (producer_api.batches.input_lines).
 Validation parses each line once and stores the invalid lines' numbers (`invalid_lines`), so
-later runs find the valid ones without parsing the file again."""
+later runs find the valid ones without parsing the file again; it keeps the first lines it parsed
+(as many as may be in flight) for fan-out, which parses only the lines after those."""
 
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ class BatchRunner(Collector):
         invalid: list[int] = []
         details: list[dict[str, Any]] = []
         total = 0
-        for line in self.input.scan():
+        for line in self.input.scan(keep=self.settings.batch_max_in_flight):
             total += 1
             if line.ok:
                 continue
@@ -193,8 +194,11 @@ class BatchRunner(Collector):
             return
         key = self.keys.batch(self.batch_id)
         size = min(self.settings.batch_embedding_group_lines, self.settings.batch_max_in_flight)
-        await self.redis.hsetnx(key, BatchField.GROUP_LINES, str(size))
-        self.group_lines = int(await self.redis.hget(key, BatchField.GROUP_LINES) or 1)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hsetnx(key, BatchField.GROUP_LINES, str(size))
+            pipe.hget(key, BatchField.GROUP_LINES)
+            _, stored = await pipe.execute()
+        self.group_lines = int(stored or 1)
 
     async def _load_progress(self) -> None:
         """Where an earlier run stopped: lines enqueued, and the jobs not yet collected (a line

@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 
 import pytest
 from redis import Redis
 
-from producer_api.batches import input_lines, output_files
+from producer_api.batches import input_lines, lines, output_files
 from producer_api.batches.runner import BatchRunner, Lease
 from producer_api.batches.settings import BatchControllerSettings
 from redis_io.clients import redis_client
@@ -33,12 +34,14 @@ def _input() -> tuple[str, dict[str, str]]:
     return "\n".join(lines) + "\n", prompts
 
 
-async def _advance(stack: BatchStack, batch_id: str, seconds: float) -> tuple[bool, int]:
+async def _advance(
+    stack: BatchStack, batch_id: str, seconds: float, in_flight: int = IN_FLIGHT
+) -> tuple[bool, int]:
     """One controller run for `seconds`; (batch done, most lines it held parsed at once)."""
     settings = BatchControllerSettings(
         redis_url=stack.redis_url,
         batch_chunk_lines=3,
-        batch_max_in_flight=IN_FLIGHT,
+        batch_max_in_flight=in_flight,
         batch_poll_interval_s=0.02,
     )
     redis = redis_client(settings)
@@ -111,3 +114,32 @@ def test_a_run_holds_only_lines_in_flight_and_a_resumed_run_parses_no_file(
     listed = batch_stack.http.get(f"/v1/files/{file_id}").json()
     assert listed["bytes"] == len(downloaded.content)
     assert downloaded.text.count("\n") == LINES
+
+
+def test_a_batch_within_the_in_flight_cap_parses_each_line_once(
+    batch_stack: BatchStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation keeps the lines it parsed (as many as may be in flight): fan-out and
+    collection take those instead of parsing the lines again."""
+    text, prompts = _input()
+    uploaded = batch_stack.upload(text)  # the API's own parse of the upload is not counted
+    parses: Counter[int] = Counter()
+    parse_line = lines.parse_line
+
+    def counted(number: int, *args: object) -> lines.ParsedLine:
+        parses[number] += 1
+        return parse_line(number, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lines, "parse_line", counted)
+    monkeypatch.setattr(input_lines, "parse_line", counted)
+    batch_stack.start_worker(step_seconds=0.01)
+    batch_id = batch_stack.create(uploaded["id"])["id"]
+    done, most = batch_stack.bg.run(
+        _advance(batch_stack, batch_id, 60, in_flight=LINES), timeout=90
+    )
+    assert done and most <= LINES
+    final = batch_stack.http.get(f"/v1/batches/{batch_id}").json()
+    assert final["request_counts"] == {"total": LINES + 2, "completed": LINES, "failed": 2}
+    output = batch_stack.content(final["output_file_id"])
+    assert sorted(r["custom_id"] for r in output) == sorted(prompts)
+    assert parses == Counter(range(1, LINES + len(BAD_AT) + 1))
