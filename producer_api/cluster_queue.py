@@ -12,7 +12,9 @@ on one slot, in the order that keeps every guarantee a worker relies on:
    the model's arrivals channel hears of the entry.
 
 A worker that reads the entry between 4 and 5 finds the hash (3 came first) and runs the job;
-an enqueue cut off between 3 and 4 was never answered, and its hash expires.
+an enqueue cut off between 3 and 4 was never answered, and its hash expires. A node that
+refuses a write before step 4 (out of memory, read-only) gets the job's hash and idempotency key
+deleted before the error goes back, so a retry with the key enqueues again at once.
 
 Steps 3-5 are one atomic script (CLUSTER_ENQUEUE_LOCAL_SCRIPT, one round trip) where the job's
 partition stream is on the node that holds its hash, as it is on an evenly split cluster (see
@@ -28,6 +30,7 @@ import time
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from producer_api.backlog import queue_length
 from redis_io.scripts import run_script
 from schemas import IDEMPOTENCY_TTL_S, Job, RedisKeys
 from schemas.jobs import as_text
@@ -36,6 +39,7 @@ from schemas.redis_scripts import (
     CLUSTER_ENQUEUE_LOCAL_SCRIPT,
     CLUSTER_JOB_CREATE_SCRIPT,
     CLUSTER_JOB_ENTRY_SCRIPT,
+    LEASE_RELEASE_SCRIPT,
     EnqueueOutcome,
 )
 
@@ -59,6 +63,7 @@ async def cluster_enqueue(
     """ENQUEUE_SCRIPT's outcome for `job` on a cluster: (created, entry id), (existing, job
     id) or (full, backlog)."""
     request = job.request
+    idem = None
     if idempotency_key is not None:
         idem = keys.idempotency(idempotency_key, owner)
         if not await redis.set(idem, job.id, nx=True, ex=IDEMPOTENCY_TTL_S):
@@ -68,35 +73,48 @@ async def cluster_enqueue(
             await redis.set(idem, job.id, ex=IDEMPOTENCY_TTL_S)  # it named a job that is gone
     stream = keys.queue_stream(request.model, request.priority, job.id)
     if max_queue_len:
-        streams = (
-            keys.bulk_streams(request.model)
-            if stream in keys.bulk_streams(request.model)
-            else keys.jobs_streams(request.model)
-        )
-        async with redis.pipeline(transaction=False) as pipe:
-            for name in streams:
-                pipe.xlen(name)
-            backlog = sum(await pipe.execute())
+        bulk = stream in keys.bulk_streams(request.model)
+        backlog = await queue_length(redis, keys, request.model, bulk=bulk)
         if backlog >= max_queue_len:
-            if idempotency_key is not None and as_text(await redis.get(idem) or "") == job.id:
-                await redis.delete(idem)  # a retry with the key must not wait for this job
+            await _release_key(redis, idem, job)  # a retry with the key must not wait for it
             return EnqueueOutcome.FULL, str(backlog)
+    return EnqueueOutcome.CREATED, await _queue_job(redis, keys, job, stream, idem)
+
+
+async def _queue_job(redis: Redis, keys: RedisKeys, job: Job, stream: str, idem: str | None) -> str:
+    """Store `job` and add its entry to `stream` (steps 3-5); its entry id. A node that refuses
+    a write before the entry exists (out of memory, read-only) leaves nothing of the job: its
+    provisional hash and the idempotency key naming it go, so a retry with the key enqueues
+    anew instead of finding a job that was never queued."""
     fields = [item for pair in job.to_redis_hash().items() for item in pair]
     job_key = keys.job(job.id)
-    arrivals = keys.arrivals_channel(request.model)
+    arrivals = keys.arrivals_channel(job.request.model)
     try:
-        local = [stream, job.id, arrivals, *fields]
-        entry = await run_script(redis, CLUSTER_ENQUEUE_LOCAL_SCRIPT, [job_key], local)
-        if entry:
-            return EnqueueOutcome.CREATED, as_text(entry)
-    except ResponseError as exc:
-        if NOT_LOCAL not in str(exc):
-            raise
-    await run_script(redis, CLUSTER_JOB_CREATE_SCRIPT, [job_key], [RESULT_TTL_S, *fields])
-    entry = as_text(await redis.xadd(stream, {JOB_ENTRY_FIELD: job.id}))
+        try:
+            local = [stream, job.id, arrivals, *fields]
+            entry = await run_script(redis, CLUSTER_ENQUEUE_LOCAL_SCRIPT, [job_key], local)
+            if entry:
+                return as_text(entry)
+        except ResponseError as exc:
+            if NOT_LOCAL not in str(exc):
+                raise
+        await run_script(redis, CLUSTER_JOB_CREATE_SCRIPT, [job_key], [RESULT_TTL_S, *fields])
+        entry = as_text(await redis.xadd(stream, {JOB_ENTRY_FIELD: job.id}))
+    except ResponseError:
+        await redis.delete(job_key)  # no entry names it: no worker can hold it
+        await _release_key(redis, idem, job)
+        raise
+    # The entry exists: the job runs whatever happens next, and the key names it.
     await run_script(redis, CLUSTER_JOB_ENTRY_SCRIPT, [job_key], [entry])
     await redis.execute_command("PUBLISH", arrivals, entry)
-    return EnqueueOutcome.CREATED, entry
+    return entry
+
+
+async def _release_key(redis: Redis, idem: str | None, job: Job) -> None:
+    """Delete the idempotency key `idem` while it names `job` (the compare-and-delete of a
+    lease's release), so a retry with the key does not wait for a job that never was."""
+    if idem is not None:
+        await run_script(redis, LEASE_RELEASE_SCRIPT, [idem], [job.id])
 
 
 async def _stored_job_named(redis: Redis, keys: RedisKeys, idem: str) -> str | None:

@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producer_api.backlog import queue_length as queue_length  # callers read it here too
 from producer_api.cluster_queue import cluster_enqueue
 from redis_io.clients import CLUSTER_AWAY, pipeline
 from redis_io.pubsub import job_pubsub
@@ -219,18 +220,6 @@ async def get_job(redis: Redis, keys: RedisKeys, job_id: str) -> Job:
         raise QueueError(
             ErrorBody.of(ErrorCode.UNPARSEABLE_JOB, f"job {job_id!r} is corrupt: {exc}")
         ) from exc
-
-
-async def queue_length(redis: Redis, keys: RedisKeys, model: str, *, bulk: bool = False) -> int:
-    """Jobs of `model` queued or running on its interactive stream (what max_queue_len is
-    compared with), or on its bulk stream."""
-    streams = keys.bulk_streams(model) if bulk else keys.jobs_streams(model)
-    if len(streams) == 1:
-        return await redis.xlen(streams[0])
-    async with redis.pipeline(transaction=False) as pipe:
-        for stream in streams:
-            pipe.xlen(stream)
-        return sum(await pipe.execute())
 
 
 async def cancel_job(

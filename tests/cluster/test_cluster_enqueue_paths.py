@@ -5,14 +5,19 @@ with the entry its stream holds, and the model's workers hear of it."""
 from __future__ import annotations
 
 import asyncio
+import time
+from unittest.mock import AsyncMock
 
 import pytest
 from cluster_helpers import MODEL, cluster_redis
+from redis.exceptions import ResponseError
 
+from producer_api import cluster_queue
 from producer_api.queue import enqueue
 from redis_io.pubsub import broadcast_pubsub
 from schemas import JobField, JobRequest, JobStatus, RedisKeys
 from schemas.jobs import as_text
+from schemas.redis_scripts import CLUSTER_ENQUEUE_LOCAL_SCRIPT
 
 pytestmark = pytest.mark.anyio
 
@@ -54,4 +59,44 @@ async def test_every_job_is_queued_whichever_node_its_partition_is_on(
             assert 0 < together < len(jobs)  # both paths taken
     finally:
         await arrivals.aclose()
+        await redis.aclose()
+
+
+@pytest.mark.parametrize("refused", ["script", "xadd"])  # the one-script path, the steps
+async def test_a_node_refusing_the_write_leaves_no_job_and_a_retry_enqueues_at_once(
+    cluster_url, monkeypatch, refused
+):
+    """Before the fix, the idempotency key outlived the refusal: a retry waited for a job
+    that never came (the script) or got back a job stored but never queued (the steps)."""
+    redis = cluster_redis(cluster_url)
+    keys = RedisKeys(cluster=True, partitions=6)
+    oom = ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+    real_run_script = cluster_queue.run_script
+    job_keys: list[str] = []
+
+    async def run_script(client, script, script_keys, args):
+        job_keys.append(script_keys[0])
+        if script == CLUSTER_ENQUEUE_LOCAL_SCRIPT:
+            raise oom if refused == "script" else ResponseError(f"{cluster_queue.NOT_LOCAL}")
+        return await real_run_script(client, script, script_keys, args)
+
+    monkeypatch.setattr(cluster_queue, "run_script", run_script)
+    if refused == "xadd":
+        monkeypatch.setattr(redis, "xadd", AsyncMock(side_effect=oom))
+    request = JobRequest(model=MODEL, prompt="pay", idempotency_key="order-1")
+    try:
+        with pytest.raises(ResponseError, match="OOM"):
+            await enqueue(redis, keys, request, owner="alice")
+        assert job_keys and not await redis.exists(job_keys[0])
+        assert await redis.get(keys.idempotency("order-1", "alice")) is None
+        monkeypatch.undo()
+        started = time.monotonic()
+        job = await enqueue(redis, keys, request, owner="alice")
+        assert time.monotonic() - started < cluster_queue.RACING_JOB_WAIT_S
+        stored = await redis.hgetall(keys.job(job.id))
+        assert as_text(stored[JobField.STATUS]) == JobStatus.QUEUED.value
+        assert as_text(stored[JobField.ENTRY_ID]) == job.entry_id
+        again = await enqueue(redis, keys, request, owner="alice")
+        assert again.id == job.id
+    finally:
         await redis.aclose()
