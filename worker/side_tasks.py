@@ -14,7 +14,8 @@ from redis.asyncio import Redis
 
 from engine.outputs import EngineStats
 from worker.backoff import Backoff
-from worker.batch import AbortReason, Batch
+from worker.batch import Batch
+from worker.batch_jobs import AbortReason
 from worker.control import REDIS_DOWN, ended_jobs, listen
 from worker.engine_api import EngineLike
 from worker.heartbeat import beat
