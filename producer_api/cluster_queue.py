@@ -25,10 +25,11 @@ steps run instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from producer_api.backlog import queue_length
 from redis_io.scripts import run_script
@@ -101,8 +102,11 @@ async def _queue_job(redis: Redis, keys: RedisKeys, job: Job, stream: str, idem:
         await run_script(redis, CLUSTER_JOB_CREATE_SCRIPT, [job_key], [RESULT_TTL_S, *fields])
         entry = as_text(await redis.xadd(stream, {JOB_ENTRY_FIELD: job.id}))
     except ResponseError:
-        await redis.delete(job_key)  # no entry names it: no worker can hold it
-        await _release_key(redis, idem, job)
+        # The node's refusal is what the caller must see, even if the clean-up is refused too.
+        with contextlib.suppress(RedisError):
+            await redis.delete(job_key)  # no entry names it: no worker can hold it
+        with contextlib.suppress(RedisError):
+            await _release_key(redis, idem, job)
         raise
     # The entry exists: the job runs whatever happens next, and the key names it.
     await run_script(redis, CLUSTER_JOB_ENTRY_SCRIPT, [job_key], [entry])
