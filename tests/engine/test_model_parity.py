@@ -42,6 +42,7 @@ def _make_runner(
     backend: str = "torch",
     dtype: str = "float32",
     device: str = "cpu",
+    enforce_eager: bool = False,
 ) -> ModelRunner:
     config = EngineConfig(
         model=str(model_path),
@@ -50,6 +51,7 @@ def _make_runner(
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_blocks,
         attention_backend=backend,
+        enforce_eager=enforce_eager,
     )
     return ModelRunner(config, model_path)
 
