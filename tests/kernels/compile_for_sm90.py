@@ -165,16 +165,18 @@ def main() -> None:
             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=5, SPLITS_PAD=8, SINKS=sinks),
             num_warps=4,
         )  # fmt: skip
-    for bias in (False, True):  # the fused-MoE GEMM: Qwen/Mixtral experts, gpt-oss's
+    # the fused-MoE GEMM: Qwen/Mixtral experts (bf16; fp32 in IEEE precision), gpt-oss's
+    for dtype, bias in (("bf16", False), ("bf16", True), ("fp32", False)):
         _compile(
             _moe_gemm_kernel,
-            {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "pair_of_row_ptr": "*i32",
-             "expert_of_block_ptr": "*i32", "used_blocks_ptr": "*i32", "scale_ptr": "*fp32",
-             "bias_ptr": "*bf16",
+            {"a_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+             "pair_of_row_ptr": "*i32", "expert_of_block_ptr": "*i32", "used_blocks_ptr": "*i32",
+             "scale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
              **dict.fromkeys(["num_pairs", "N", "K", "stride_am", "stride_we", "stride_wn",
                               "stride_wk", "stride_be", "stride_om"], "i32")},
-            dict(A_ROWS_PER_TOKEN=4, SCALE=bias, BIAS=bias, UPCAST=False, BLOCK_M=16,
-                 BLOCK_N=64, BLOCK_K=64),
+            dict(A_ROWS_PER_TOKEN=4, SCALE=bias, BIAS=bias, UPCAST=False,
+                 DOT_PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=16, BLOCK_N=64,
+                 BLOCK_K=64),
             num_warps=4,
         )  # fmt: skip
     _compile(
