@@ -36,7 +36,8 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta
 from engine.runner_io import ModelRunnerOutput, RowMode, SamplingBatch, SamplingRow
 from engine.sampling.penalties import uses_penalties
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import ScheduledSeq, Sequence
 from engine.step_inputs import StepInputs
 from engine.stop import StopRules

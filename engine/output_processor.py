@@ -24,7 +24,8 @@ from engine.runner_io import (
     TokenPick,
     sampling_mode,
 )
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import ScheduledSeq, Sequence
 from engine.speculative.speculator import Speculator
 from engine.structured import StructuredDecoding

@@ -28,7 +28,7 @@ from engine.platforms.cpu.greedy_screen import ScreenedLMHead
 from engine.prompt_logprobs import PromptSpan, prompt_spans, score_prompts
 from engine.runner_io import ModelRunnerOutput, SamplingBatch, TokenPick
 from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import ScheduledSeq, Sequence
 from engine.step_inputs import StepInputs, prepare_inputs, sample_rows_of
 

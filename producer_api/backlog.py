@@ -1,6 +1,7 @@
 """The backlog of a model's queue: the entries its partition streams hold (queued or running),
-summed; what the queue-length limit is compared with. Both enqueue paths (producer_api.queue on
-one node, producer_api.cluster_queue on a cluster) and the batch fan-out read it here."""
+summed; what the queue-length limit is compared with. Both enqueue paths
+(producer_api.job_enqueue on one node, producer_api.cluster_queue on a cluster) and the batch
+fan-out read it here."""
 
 from __future__ import annotations
 

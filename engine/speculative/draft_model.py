@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.model_files import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.runner_io import RowMode, SamplingBatch
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import ScheduledSeq, Sequence
 from engine.speculative.config import SpeculativeConfig
 

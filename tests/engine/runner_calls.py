@@ -8,7 +8,7 @@ import torch
 
 from engine.model_runner import ModelRunner
 from engine.runner_io import RowMode, SamplingBatch
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import ScheduledSeq
 
 

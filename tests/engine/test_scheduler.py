@@ -6,7 +6,8 @@ import itertools
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from schemas.sampling import SamplingParams
 
