@@ -90,7 +90,8 @@ def inputs_job(requests: Sequence[JobRequest]) -> JobRequest:
         item = request.prompt if request.prompt is not None else request.prompt_token_ids
         assert item is not None
         inputs.append(item)
-    return first.model_copy(update={"prompt": None, "prompt_token_ids": None, "inputs": inputs})
+    fields = first.model_dump(exclude_none=True, exclude={"prompt", "prompt_token_ids"})
+    return JobRequest.model_validate({**fields, "inputs": inputs})
 
 
 def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
