@@ -92,7 +92,7 @@ def test_the_oldest_input_runs_in_the_next_step(engine: PoolingEngine) -> None:
         taken.update(batch)
 
 
-def test_each_vector_is_its_own_input_s(engine: PoolingEngine) -> None:
+def test_each_vector_is_its_inputs_own(engine: PoolingEngine) -> None:
     inputs = _inputs(24, seed=7)
     _, together = _run(engine, inputs)
     for index in (0, 5, 11, 23):
